@@ -1,0 +1,1 @@
+//! Loom models of cuarena's lock-free protocols live in `tests/`.

@@ -1,0 +1,206 @@
+//! The CUDA backend: the driver API through cudarc, loaded at run time.
+//!
+//! `cudarc` panics if libcuda is missing, so [`CudaDevice::new`] calls
+//! `sys::is_culib_present()` before any other driver call and returns [`Error::NoDriver`]
+//! instead. The device uses the primary context of its ordinal, made current around each call
+//! (and the caller's context restored after), so it works from any thread and leaves the
+//! thread's current context as it found it.
+
+use cudarc::driver::sys;
+
+use super::{Device, DeviceKind, Event};
+use crate::error::{Error, Result};
+use crate::stream::{Stream, StreamKey};
+
+/// A CUDA GPU, through its primary context.
+pub struct CudaDevice {
+    ordinal: i32,
+    dev: sys::CUdevice,
+    ctx: usize,
+    total: usize,
+}
+
+// SAFETY: the primary context handle may be used from any thread; the driver API is
+// thread-safe.
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; the struct has no interior mutability.
+unsafe impl Sync for CudaDevice {}
+
+/// Turns a `CUresult` into a `Result`.
+pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS { Ok(()) } else { Err(Error::Driver { call, code: r as u32 }) }
+}
+
+/// True if the CUDA driver library can be loaded here.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to load the library; makes no driver call.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Number of CUDA devices, or an error if there is no driver.
+pub fn device_count() -> Result<i32> {
+    if !driver_present() {
+        return Err(Error::NoDriver);
+    }
+    // SAFETY: the library is present; cuInit may be called any number of times.
+    check("cuInit", unsafe { sys::cuInit(0) })?;
+    let mut n = 0;
+    // SAFETY: `n` is a valid out-pointer.
+    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    Ok(n)
+}
+
+/// Makes a context current for its lifetime and restores the previous one on drop.
+pub(crate) struct CtxGuard {
+    pushed: bool,
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut old = std::ptr::null_mut();
+            // SAFETY: we pushed a context in `enter`; popping restores the caller's.
+            unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` through its primary context.
+    pub fn new(ordinal: i32) -> Result<CudaDevice> {
+        let count = device_count()?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(Error::NoDevice { ordinal, count });
+        }
+        let mut dev = 0;
+        // SAFETY: out-pointers are valid; the ordinal was checked.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: `dev` is a valid device.
+        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+        let mut total = 0;
+        // SAFETY: `dev` is a valid device.
+        check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) })?;
+        Ok(CudaDevice { ordinal, dev, ctx: ctx as usize, total })
+    }
+
+    /// The primary context handle.
+    pub fn context(&self) -> sys::CUcontext {
+        self.ctx as sys::CUcontext
+    }
+
+    /// Makes this device's context current until the guard drops.
+    pub(crate) fn enter(&self) -> Result<CtxGuard> {
+        let mut cur = std::ptr::null_mut();
+        // SAFETY: `cur` is a valid out-pointer.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
+        if cur as usize == self.ctx {
+            return Ok(CtxGuard { pushed: false });
+        }
+        // SAFETY: the primary context is retained for our lifetime.
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(self.context()) })?;
+        Ok(CtxGuard { pushed: true })
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if !crate::shutdown::process_exiting() {
+            // SAFETY: balances the retain in `new`.
+            unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+        }
+    }
+}
+
+fn raw_stream(s: Stream) -> sys::CUstream {
+    s.0 as sys::CUstream
+}
+
+impl Device for CudaDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    fn total_memory(&self) -> Result<usize> {
+        Ok(self.total)
+    }
+
+    fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
+        let _g = self.enter()?;
+        let mut p = 0;
+        // SAFETY: `p` is a valid out-pointer and the context is current.
+        let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes) };
+        if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Ok(None);
+        }
+        check("cuMemAlloc", r)?;
+        Ok(Some(p))
+    }
+
+    unsafe fn release(&self, ptr: u64, _bytes: usize) -> Result<()> {
+        let _g = self.enter()?;
+        // SAFETY: the caller guarantees `ptr` came from `reserve` and is no longer used.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+    }
+
+    fn create_event(&self) -> Result<Event> {
+        let _g = self.enter()?;
+        let mut e = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: `e` is a valid out-pointer and the context is current.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+        Ok(Event(e as u64))
+    }
+
+    fn destroy_event(&self, event: Event) {
+        if crate::shutdown::process_exiting() {
+            return;
+        }
+        if let Ok(_g) = self.enter() {
+            // SAFETY: the event came from `create_event` and is destroyed once.
+            unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
+        }
+    }
+
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
+        let _g = self.enter()?;
+        // SAFETY: the event is live; the stream handle is the caller's, valid per the contract.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(event.0 as sys::CUevent, raw_stream(stream)) })
+    }
+
+    fn query_event(&self, event: Event) -> Result<bool> {
+        let _g = self.enter()?;
+        // SAFETY: the event is live.
+        let r = unsafe { sys::cuEventQuery(event.0 as sys::CUevent) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check("cuEventQuery", r).map(|_| true)
+    }
+
+    fn sync_event(&self, event: Event) -> Result<()> {
+        let _g = self.enter()?;
+        // SAFETY: the event is live.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
+    }
+
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        let _g = self.enter()?;
+        // SAFETY: the event is live; the stream is the caller's.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(raw_stream(stream), event.0 as sys::CUevent, 0)
+        })
+    }
+
+    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
+        let _g = self.enter()?;
+        let mut id = 0;
+        // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
+        check("cuStreamGetId", unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) })?;
+        Ok(StreamKey(id))
+    }
+}

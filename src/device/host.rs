@@ -1,0 +1,737 @@
+//! A simulated device in host memory, with asynchronous streams, events and a race checker.
+//!
+//! ## Model
+//! - **Memory** is real host memory (`std::alloc`), so tests can write and check it.
+//! - **Streams** are ordered queues of work. A worker thread per stream runs the queue; every
+//!   memory operation takes a random delay in `[min_delay, max_delay]`, so work completes
+//!   asynchronously and out of step with the host.
+//! - **Events** complete when the work queued before their record has. `stream_wait_event`
+//!   makes later work on a stream wait for them, without blocking the host.
+//! - Stream handles: NULL and `0x1` are one legacy stream; `0x2` is a different stream in every
+//!   host thread; handles of destroyed streams are reused, like CUDA does.
+//!
+//! ## The race checker
+//! Each stream keeps a vector clock: its own count of submitted operations, joined with the
+//! clock of every event it was made to wait on. When a memory operation is submitted on stream
+//! `S`, every operation still **in flight** (submitted, not completed) on another stream `T`
+//! that touches overlapping bytes must be ordered before it, i.e. `clock_S[T] >= seq`. If not,
+//! the two may run at once on a real GPU: the checker records a violation. An allocator that
+//! hands a block to another stream before its fence has completed, and without making the new
+//! stream wait, is caught here whenever the old work is still running, which long random
+//! delays make the common case. Accesses outside reserved memory and releases of memory that
+//! work still uses are violations too.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::ThreadId;
+use std::time::Duration;
+
+use super::{Device, DeviceKind, Event};
+use crate::error::{Error, Result};
+use crate::stream::{Stream, StreamKey};
+
+/// Settings of a simulated device.
+#[derive(Clone, Debug)]
+pub struct HostConfig {
+    /// Bytes the device can reserve in all.
+    pub capacity: usize,
+    /// Alignment of every reservation.
+    pub alignment: usize,
+    /// Shortest simulated duration of a memory operation.
+    pub min_delay: Duration,
+    /// Longest simulated duration of a memory operation.
+    pub max_delay: Duration,
+    /// Seed of the delay generator.
+    pub seed: u64,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        HostConfig {
+            capacity: 8 << 30,
+            alignment: 2 << 20,
+            min_delay: Duration::ZERO,
+            max_delay: Duration::from_micros(50),
+            seed: 0x9e37_79b9_7f4a_7c15,
+        }
+    }
+}
+
+/// A handle to a simulated device; clones share it.
+#[derive(Clone)]
+pub struct HostDevice {
+    handle: Arc<Handle>,
+}
+
+/// Drops the simulation when the last [`HostDevice`] clone goes.
+struct Handle {
+    sh: Arc<Shared>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let mut st = self.sh.lock();
+        st.shutdown = true;
+        drop(st);
+        self.sh.cv.notify_all();
+    }
+}
+
+struct Shared {
+    id: u64,
+    cfg: HostConfig,
+    state: Mutex<State>,
+    cv: Condvar,
+    tag_errors: AtomicU64,
+}
+
+#[derive(Clone, Copy)]
+enum MemAction {
+    Fill(u8),
+    Tag(u32),
+    Check(u32),
+    HoldCheck(u32, Duration),
+}
+
+enum OpKind {
+    Mem { start: u64, end: u64, action: MemAction },
+    Record { event: usize, generation: u64 },
+    Wait { event: usize, generation: u64 },
+}
+
+struct Op {
+    seq: u64,
+    delay: Duration,
+    kind: OpKind,
+}
+
+struct SimStream {
+    own: usize,
+    key: u64,
+    /// Vector clock: `clock[j]` is the last op of stream `j` known to be ordered before the
+    /// next op submitted here. `clock[self]` is this stream's submitted count.
+    clock: Vec<u64>,
+    completed: u64,
+    queue: VecDeque<Op>,
+    worker: bool,
+    rng: u64,
+}
+
+struct SimEvent {
+    recorded: u64,
+    done: u64,
+    clock: Vec<u64>,
+}
+
+struct Inflight {
+    stream: usize,
+    seq: u64,
+    start: u64,
+    end: u64,
+}
+
+struct Region {
+    len: usize,
+    layout: std::alloc::Layout,
+}
+
+struct State {
+    shutdown: bool,
+    regions: BTreeMap<u64, Region>,
+    reserved: usize,
+    streams: Vec<SimStream>,
+    handles: HashMap<usize, usize>,
+    free_handles: Vec<usize>,
+    next_handle: usize,
+    ptds: HashMap<ThreadId, usize>,
+    events: Vec<SimEvent>,
+    free_events: Vec<usize>,
+    inflight: Vec<Inflight>,
+    violations: Vec<String>,
+    next_key: u64,
+}
+
+const LEGACY: usize = 0;
+static NEXT_DEVICE_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Default for HostDevice {
+    fn default() -> Self {
+        HostDevice::new(HostConfig::default())
+    }
+}
+
+impl HostDevice {
+    /// A new simulated device.
+    pub fn new(cfg: HostConfig) -> HostDevice {
+        let mut st = State {
+            shutdown: false,
+            regions: BTreeMap::new(),
+            reserved: 0,
+            streams: Vec::new(),
+            handles: HashMap::new(),
+            free_handles: Vec::new(),
+            next_handle: 0x1000,
+            ptds: HashMap::new(),
+            events: Vec::new(),
+            free_events: Vec::new(),
+            inflight: Vec::new(),
+            violations: Vec::new(),
+            next_key: 1,
+        };
+        st.new_stream(cfg.seed);
+        let sh = Arc::new(Shared {
+            id: NEXT_DEVICE_ID.fetch_add(1, Ordering::Relaxed),
+            cfg,
+            state: Mutex::new(st),
+            cv: Condvar::new(),
+            tag_errors: AtomicU64::new(0),
+        });
+        HostDevice { handle: Arc::new(Handle { sh }) }
+    }
+
+    fn sh(&self) -> &Arc<Shared> {
+        &self.handle.sh
+    }
+
+    /// Creates a user stream. Its handle may be one a destroyed stream had.
+    pub fn create_stream(&self) -> Stream {
+        let mut st = self.sh().lock();
+        let seed = self.sh().cfg.seed ^ st.next_key.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let idx = st.new_stream(seed);
+        let h = match st.free_handles.pop() {
+            Some(h) => h,
+            None => {
+                st.next_handle += 0x10;
+                st.next_handle
+            }
+        };
+        st.handles.insert(h, idx);
+        Stream(h)
+    }
+
+    /// Destroys a user stream. Work already queued on it still completes; the handle may be
+    /// given to the next stream created.
+    pub fn destroy_stream(&self, stream: Stream) -> Result<()> {
+        let mut st = self.sh().lock();
+        st.handles.remove(&stream.0).ok_or(Error::Driver { call: "destroy_stream", code: 400 })?;
+        st.free_handles.push(stream.0);
+        Ok(())
+    }
+
+    /// Sets every byte of `[ptr, ptr+len)` to `value`, in order on `stream` (like `cuMemsetD8Async`).
+    pub fn fill(&self, ptr: u64, len: usize, value: u8, stream: Stream) -> Result<()> {
+        self.submit_mem(ptr, len, MemAction::Fill(value), stream)
+    }
+
+    /// Writes `tag` over every 32-bit word of `[ptr, ptr+len)` on `stream`.
+    pub fn write_tag(&self, ptr: u64, len: usize, tag: u32, stream: Stream) -> Result<()> {
+        self.submit_mem(ptr, len, MemAction::Tag(tag), stream)
+    }
+
+    /// Counts the words of `[ptr, ptr+len)` that do not hold `tag` into [`Self::tag_errors`].
+    pub fn check_tag(&self, ptr: u64, len: usize, tag: u32, stream: Stream) -> Result<()> {
+        self.submit_mem(ptr, len, MemAction::Check(tag), stream)
+    }
+
+    /// Writes `tag`, holds the block for `hold`, then counts words that changed.
+    pub fn hold_and_check(&self, ptr: u64, len: usize, tag: u32, hold: Duration, stream: Stream) -> Result<()> {
+        self.submit_mem(ptr, len, MemAction::HoldCheck(tag, hold), stream)
+    }
+
+    /// Blocks until every stream is idle.
+    pub fn synchronize(&self) {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        while st.streams.iter().any(|s| s.completed < s.submitted()) {
+            st = sh.wait(st);
+        }
+    }
+
+    /// Race-checker findings so far (empty when every access was ordered).
+    pub fn violations(&self) -> Vec<String> {
+        self.sh().lock().violations.clone()
+    }
+
+    /// Words found changed by [`Self::check_tag`] and [`Self::hold_and_check`].
+    pub fn tag_errors(&self) -> u64 {
+        self.sh().tag_errors.load(Ordering::Relaxed)
+    }
+
+    /// Bytes currently reserved.
+    pub fn reserved_bytes(&self) -> usize {
+        self.sh().lock().reserved
+    }
+
+    fn submit_mem(&self, ptr: u64, len: usize, action: MemAction, stream: Stream) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let sh = self.sh();
+        let mut st = sh.lock();
+        let idx = st.resolve(stream)?;
+        let end = ptr + len as u64;
+        if !st.covered(ptr, end) {
+            st.violations.push(format!("stream {idx}: access to [{ptr:#x}, {end:#x}) outside reserved memory"));
+            return Ok(());
+        }
+        let seq = st.streams[idx].bump();
+        let clock = &st.streams[idx].clock;
+        let races: Vec<String> = st
+            .inflight
+            .iter()
+            .filter(|x| x.stream != idx && x.start < end && ptr < x.end && clock[x.stream] < x.seq)
+            .map(|x| {
+                format!(
+                    "race: stream {idx} op {seq} on [{ptr:#x}, {end:#x}) overlaps unfinished op {} of stream {} on [{:#x}, {:#x})",
+                    x.seq, x.stream, x.start, x.end
+                )
+            })
+            .collect();
+        st.violations.extend(races);
+        st.inflight.push(Inflight { stream: idx, seq, start: ptr, end });
+        let delay = st.streams[idx].delay(&sh.cfg);
+        st.enqueue(sh, idx, Op { seq, delay, kind: OpKind::Mem { start: ptr, end, action } });
+        Ok(())
+    }
+}
+
+impl SimStream {
+    fn submitted(&self) -> u64 {
+        self.clock[self.own]
+    }
+
+    fn bump(&mut self) -> u64 {
+        let own = self.own;
+        self.clock[own] += 1;
+        self.clock[own]
+    }
+
+    fn delay(&mut self, cfg: &HostConfig) -> Duration {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let span = cfg.max_delay.saturating_sub(cfg.min_delay).as_nanos() as u64;
+        let extra = if span == 0 { 0 } else { self.rng % (span + 1) };
+        cfg.min_delay + Duration::from_nanos(extra)
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait<'a>(&self, g: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.cv.wait(g).unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl State {
+    fn new_stream(&mut self, seed: u64) -> usize {
+        let idx = self.streams.len();
+        for s in &mut self.streams {
+            s.clock.push(0);
+        }
+        for e in &mut self.events {
+            e.clock.push(0);
+        }
+        let key = self.next_key;
+        self.next_key += 1;
+        self.streams.push(SimStream {
+            own: idx,
+            key,
+            clock: vec![0; idx + 1],
+            completed: 0,
+            queue: VecDeque::new(),
+            worker: false,
+            rng: seed | 1,
+        });
+        idx
+    }
+
+    /// The stream a handle names for the calling thread.
+    fn resolve(&mut self, stream: Stream) -> Result<usize> {
+        if stream.is_legacy() {
+            return Ok(LEGACY);
+        }
+        if stream.is_per_thread() {
+            let tid = std::thread::current().id();
+            if let Some(&i) = self.ptds.get(&tid) {
+                return Ok(i);
+            }
+            let seed = 0x5851_f42d_4c95_7f2d ^ self.next_key.wrapping_mul(0x9e37_79b9);
+            let i = self.new_stream(seed);
+            self.ptds.insert(tid, i);
+            return Ok(i);
+        }
+        self.handles.get(&stream.0).copied().ok_or(Error::Driver { call: "stream handle", code: 400 })
+    }
+
+    fn covered(&self, start: u64, end: u64) -> bool {
+        match self.regions.range(..=start).next_back() {
+            Some((&base, r)) => end <= base + r.len as u64,
+            None => false,
+        }
+    }
+
+    fn enqueue(&mut self, sh: &Arc<Shared>, idx: usize, op: Op) {
+        let s = &mut self.streams[idx];
+        s.queue.push_back(op);
+        if !s.worker {
+            s.worker = true;
+            let sh = Arc::clone(sh);
+            std::thread::Builder::new()
+                .name(format!("cuarena-sim-stream-{idx}"))
+                .spawn(move || worker(sh, idx))
+                .expect("spawning a simulated stream worker");
+        }
+        sh.cv.notify_all();
+    }
+
+    fn event_done(&self, e: usize) -> bool {
+        let ev = &self.events[e];
+        ev.done >= ev.recorded
+    }
+}
+
+/// Runs one stream's queue in order. Exits after a short idle spell; `enqueue` starts a new one.
+fn worker(sh: Arc<Shared>, idx: usize) {
+    let mut st = sh.lock();
+    loop {
+        let op = match st.streams[idx].queue.pop_front() {
+            Some(op) => op,
+            None => {
+                if st.shutdown {
+                    st.streams[idx].worker = false;
+                    return;
+                }
+                let (g, timeout) =
+                    sh.cv.wait_timeout(st, Duration::from_millis(20)).unwrap_or_else(|p| p.into_inner());
+                st = g;
+                if timeout.timed_out() && st.streams[idx].queue.is_empty() {
+                    st.streams[idx].worker = false;
+                    return;
+                }
+                continue;
+            }
+        };
+        match op.kind {
+            OpKind::Wait { event, generation } => {
+                while st.events[event].done < generation {
+                    st = sh.wait(st);
+                }
+            }
+            OpKind::Record { event, generation } => {
+                let e = &mut st.events[event];
+                e.done = e.done.max(generation);
+            }
+            OpKind::Mem { start, end, action } => {
+                drop(st);
+                if !op.delay.is_zero() {
+                    std::thread::sleep(op.delay);
+                }
+                // SAFETY: `submit_mem` checked that [start, end) lies in a reserved region, and
+                // `release` waits until no in-flight operation overlaps the region it frees, so
+                // the memory is live for this whole operation. All accesses are atomic, so
+                // even racing operations (which the checker reports) are not undefined
+                // behaviour.
+                let bad = unsafe { run_mem(start, end, action) };
+                if bad > 0 {
+                    sh.tag_errors.fetch_add(bad, Ordering::Relaxed);
+                }
+                st = sh.lock();
+                st.inflight.retain(|x| !(x.stream == idx && x.seq == op.seq));
+            }
+        }
+        st.streams[idx].completed = op.seq;
+        sh.cv.notify_all();
+    }
+}
+
+/// Performs a memory operation and returns the number of words found changed.
+///
+/// # Safety
+/// `[start, end)` must be live host memory for the duration of the call, and `start` must be
+/// 4-byte aligned.
+unsafe fn run_mem(start: u64, end: u64, action: MemAction) -> u64 {
+    let len = (end - start) as usize;
+    let words = || {
+        // SAFETY: the caller guarantees the range is live and aligned; AtomicU32 has the
+        // size and alignment of u32.
+        unsafe { std::slice::from_raw_parts(start as *const AtomicU32, len / 4) }
+    };
+    let count_bad = |tag: u32| words().iter().filter(|w| w.load(Ordering::Relaxed) != tag).count() as u64;
+    match action {
+        MemAction::Fill(v) => {
+            // SAFETY: as above; AtomicU8 has the layout of u8.
+            let bytes = unsafe { std::slice::from_raw_parts(start as *const AtomicU8, len) };
+            bytes.iter().for_each(|b| b.store(v, Ordering::Relaxed));
+            0
+        }
+        MemAction::Tag(tag) => {
+            words().iter().for_each(|w| w.store(tag, Ordering::Relaxed));
+            0
+        }
+        MemAction::Check(tag) => count_bad(tag),
+        MemAction::HoldCheck(tag, hold) => {
+            words().iter().for_each(|w| w.store(tag, Ordering::Relaxed));
+            std::thread::sleep(hold);
+            count_bad(tag)
+        }
+    }
+}
+
+impl Device for HostDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Host
+    }
+
+    fn ordinal(&self) -> i32 {
+        0
+    }
+
+    fn total_memory(&self) -> Result<usize> {
+        Ok(self.sh().cfg.capacity)
+    }
+
+    fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        if bytes == 0 || st.reserved.saturating_add(bytes) > sh.cfg.capacity {
+            return Ok(None);
+        }
+        let Ok(layout) = std::alloc::Layout::from_size_align(bytes, sh.cfg.alignment) else {
+            return Ok(None);
+        };
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc(layout) };
+        if p.is_null() {
+            return Ok(None);
+        }
+        st.reserved += bytes;
+        st.regions.insert(p as u64, Region { len: bytes, layout });
+        Ok(Some(p as u64))
+    }
+
+    unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()> {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        match st.regions.get(&ptr) {
+            Some(r) if r.len == bytes => {}
+            _ => return Err(Error::Driver { call: "release", code: 1 }),
+        }
+        let end = ptr + bytes as u64;
+        let busy = |st: &State| st.inflight.iter().any(|x| x.start < end && ptr < x.end);
+        if busy(&st) {
+            st.violations.push(format!("release of [{ptr:#x}, {end:#x}) while work on it is still in flight"));
+            while busy(&st) {
+                st = sh.wait(st);
+            }
+        }
+        let r = st.regions.remove(&ptr).expect("checked above");
+        st.reserved -= bytes;
+        // SAFETY: `ptr` came from `alloc` with this layout and no operation touches it now.
+        unsafe { std::alloc::dealloc(ptr as *mut u8, r.layout) };
+        Ok(())
+    }
+
+    fn create_event(&self) -> Result<Event> {
+        let mut st = self.sh().lock();
+        let n = st.streams.len();
+        let idx = match st.free_events.pop() {
+            Some(i) => i,
+            None => {
+                st.events.push(SimEvent { recorded: 0, done: 0, clock: vec![0; n] });
+                st.events.len() - 1
+            }
+        };
+        let e = &mut st.events[idx];
+        e.recorded = e.done;
+        Ok(Event(idx as u64))
+    }
+
+    fn destroy_event(&self, event: Event) {
+        let mut st = self.sh().lock();
+        if (event.0 as usize) < st.events.len() {
+            st.free_events.push(event.0 as usize);
+        }
+    }
+
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        let idx = st.resolve(stream)?;
+        let e = event.0 as usize;
+        if e >= st.events.len() {
+            return Err(Error::Driver { call: "record_event", code: 400 });
+        }
+        let seq = st.streams[idx].bump();
+        let clock = st.streams[idx].clock.clone();
+        let ev = &mut st.events[e];
+        ev.recorded += 1;
+        let generation = ev.recorded;
+        ev.clock = clock;
+        st.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::Record { event: e, generation } });
+        Ok(())
+    }
+
+    fn query_event(&self, event: Event) -> Result<bool> {
+        let st = self.sh().lock();
+        if event.0 as usize >= st.events.len() {
+            return Err(Error::Driver { call: "query_event", code: 400 });
+        }
+        Ok(st.event_done(event.0 as usize))
+    }
+
+    fn sync_event(&self, event: Event) -> Result<()> {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        if event.0 as usize >= st.events.len() {
+            return Err(Error::Driver { call: "sync_event", code: 400 });
+        }
+        while !st.event_done(event.0 as usize) {
+            st = sh.wait(st);
+        }
+        Ok(())
+    }
+
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        let idx = st.resolve(stream)?;
+        let e = event.0 as usize;
+        if e >= st.events.len() {
+            return Err(Error::Driver { call: "stream_wait_event", code: 400 });
+        }
+        let ev_clock = st.events[e].clock.clone();
+        let generation = st.events[e].recorded;
+        let s = &mut st.streams[idx];
+        for (mine, theirs) in s.clock.iter_mut().zip(ev_clock) {
+            *mine = (*mine).max(theirs);
+        }
+        let seq = s.bump();
+        st.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::Wait { event: e, generation } });
+        Ok(())
+    }
+
+    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
+        let mut st = self.sh().lock();
+        let idx = st.resolve(stream)?;
+        Ok(StreamKey((self.sh().id << 32) | st.streams[idx].key))
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (ptr, r) in std::mem::take(&mut st.regions) {
+            // SAFETY: every worker holds an `Arc<Shared>`, so none runs now; the region came
+            // from `alloc` with this layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, r.layout) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(max_us: u64) -> HostDevice {
+        HostDevice::new(HostConfig {
+            capacity: 64 << 20,
+            min_delay: Duration::from_micros(max_us / 2),
+            max_delay: Duration::from_micros(max_us),
+            ..HostConfig::default()
+        })
+    }
+
+    #[test]
+    fn unordered_overlapping_work_is_a_violation() {
+        let d = dev(2000);
+        let p = d.reserve(1 << 20).unwrap().unwrap();
+        let a = d.create_stream();
+        let b = d.create_stream();
+        d.hold_and_check(p, 4096, 1, Duration::from_millis(30), a).unwrap();
+        std::thread::sleep(Duration::from_millis(8)); // a has written its tag and holds it
+        d.write_tag(p, 4096, 2, b).unwrap();
+        d.synchronize();
+        assert!(!d.violations().is_empty());
+        assert!(d.tag_errors() > 0);
+    }
+
+    #[test]
+    fn event_wait_orders_work() {
+        let d = dev(2000);
+        let p = d.reserve(1 << 20).unwrap().unwrap();
+        let a = d.create_stream();
+        let b = d.create_stream();
+        let e = d.create_event().unwrap();
+        d.hold_and_check(p, 4096, 1, Duration::from_millis(5), a).unwrap();
+        d.record_event(e, a).unwrap();
+        assert!(!d.query_event(e).unwrap());
+        d.stream_wait_event(b, e).unwrap();
+        d.write_tag(p, 4096, 2, b).unwrap();
+        d.check_tag(p, 4096, 2, b).unwrap();
+        d.synchronize();
+        assert!(d.query_event(e).unwrap());
+        assert_eq!(d.violations(), Vec::<String>::new());
+        assert_eq!(d.tag_errors(), 0);
+    }
+
+    #[test]
+    fn completed_work_needs_no_wait() {
+        let d = dev(100);
+        let p = d.reserve(1 << 20).unwrap().unwrap();
+        let a = d.create_stream();
+        let b = d.create_stream();
+        let e = d.create_event().unwrap();
+        d.write_tag(p, 512, 7, a).unwrap();
+        d.record_event(e, a).unwrap();
+        d.sync_event(e).unwrap();
+        d.write_tag(p, 512, 8, b).unwrap();
+        d.synchronize();
+        assert!(d.violations().is_empty());
+    }
+
+    #[test]
+    fn per_thread_streams_differ_and_legacy_is_shared() {
+        let d = dev(10);
+        let k0 = d.stream_key(Stream::PER_THREAD).unwrap();
+        let l0 = d.stream_key(Stream::LEGACY).unwrap();
+        assert_eq!(l0, d.stream_key(Stream::NULL).unwrap());
+        let d2 = d.clone();
+        let (k1, l1) =
+            std::thread::spawn(move || (d2.stream_key(Stream::PER_THREAD).unwrap(), d2.stream_key(Stream::NULL).unwrap()))
+                .join()
+                .unwrap();
+        assert_ne!(k0, k1);
+        assert_eq!(l0, l1);
+        assert_eq!(k0, d.stream_key(Stream::PER_THREAD).unwrap());
+    }
+
+    #[test]
+    fn destroyed_handles_are_reused_with_new_keys() {
+        let d = dev(10);
+        let s = d.create_stream();
+        let k = d.stream_key(s).unwrap();
+        d.destroy_stream(s).unwrap();
+        assert!(d.stream_key(s).is_err());
+        let t = d.create_stream();
+        assert_eq!(s, t, "the handle is reused");
+        assert_ne!(k, d.stream_key(t).unwrap(), "but the identity is new");
+    }
+
+    #[test]
+    fn out_of_bounds_and_busy_release_are_violations() {
+        let d = dev(1000);
+        let p = d.reserve(1 << 20).unwrap().unwrap();
+        d.write_tag(p + (1 << 20) - 256, 512, 1, Stream::LEGACY).unwrap();
+        assert_eq!(d.violations().len(), 1);
+        d.hold_and_check(p, 256, 1, Duration::from_millis(5), Stream::LEGACY).unwrap();
+        // SAFETY: the region came from reserve; the simulated release waits for the work.
+        unsafe { d.release(p, 1 << 20).unwrap() };
+        assert_eq!(d.violations().len(), 2);
+        assert_eq!(d.reserve(128 << 20).unwrap(), None, "over capacity");
+    }
+}

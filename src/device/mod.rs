@@ -1,0 +1,71 @@
+//! What the allocator needs from a device, and the two devices that provide it.
+//!
+//! - [`cuda::CudaDevice`]: a real GPU through the CUDA driver API (cudarc, loaded at run time).
+//! - [`host::HostDevice`]: a simulated device in host memory with asynchronous streams, events
+//!   and a race checker, for CI, loom and machines without a GPU.
+//!
+//! The allocator calls a device only on slow paths. It never blocks the host on the device except
+//! in [`Device::sync_event`], which only `trim(blocking)` and shutdown use.
+
+pub mod cuda;
+pub mod host;
+
+use crate::error::Result;
+use crate::stream::{Stream, StreamKey};
+
+/// An event handle (`CUevent` on CUDA, a table index on the host device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Event(pub u64);
+
+/// Which backend a device is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// A CUDA GPU.
+    Cuda,
+    /// The host-simulated device.
+    Host,
+}
+
+impl DeviceKind {
+    /// `"cuda"` or `"host"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Host => "host",
+        }
+    }
+}
+
+/// Upstream memory and stream-ordering primitives.
+///
+/// Every method may be called from any thread. Implementations make whatever per-thread
+/// preparation they need (the CUDA device makes its context current) inside each call.
+pub trait Device: Send + Sync + 'static {
+    /// Which backend this is.
+    fn kind(&self) -> DeviceKind;
+    /// The device ordinal.
+    fn ordinal(&self) -> i32;
+    /// Total device memory in bytes.
+    fn total_memory(&self) -> Result<usize>;
+    /// Reserves `bytes` of device memory. `Ok(None)` means the device is out of memory.
+    fn reserve(&self, bytes: usize) -> Result<Option<u64>>;
+    /// Releases memory from [`Device::reserve`].
+    ///
+    /// # Safety
+    /// `ptr` and `bytes` must come from one earlier `reserve`, and no work may still use it.
+    unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()>;
+    /// Creates an event (no timing).
+    fn create_event(&self) -> Result<Event>;
+    /// Destroys an event.
+    fn destroy_event(&self, event: Event);
+    /// Records `event` on `stream`: it completes when the work queued on `stream` so far has.
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
+    /// True once the work before the last record of `event` has completed. Never blocks.
+    fn query_event(&self, event: Event) -> Result<bool>;
+    /// Blocks the host until `event` has completed.
+    fn sync_event(&self, event: Event) -> Result<()>;
+    /// Makes later work on `stream` wait for `event`. Never blocks the host.
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
+    /// The identity of `stream` as seen from the calling thread.
+    fn stream_key(&self, stream: Stream) -> Result<StreamKey>;
+}

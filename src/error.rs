@@ -1,0 +1,78 @@
+//! The error type. Every failure the allocator can meet is a value here; nothing panics.
+
+use std::fmt;
+
+/// Why a free was refused. A refused free changes nothing: the block, if it exists, stays live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InvalidFree {
+    /// The pointer is not the start of a live block of this allocator.
+    UnknownPointer,
+    /// The block exists but was already freed (or its free is still waiting for its fence).
+    DoubleFree,
+    /// The size given to the free does not match the size the block was allocated with.
+    SizeMismatch { allocated: usize, given: usize },
+}
+
+/// Every error cuarena returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Error {
+    /// The request cannot be met within the configured cap or the device's free memory.
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes reserved from the device at the time.
+        reserved: usize,
+        /// Bytes handed out by the pool (live blocks plus superblocks lent to arenas).
+        in_use: usize,
+        /// The largest free block in the pool.
+        largest_free: usize,
+        /// The configured cap in bytes.
+        limit: usize,
+    },
+    /// A CUDA driver call failed.
+    Driver { call: &'static str, code: u32 },
+    /// A free was refused (see [`InvalidFree`]).
+    InvalidFree { ptr: u64, size: usize, reason: InvalidFree },
+    /// No CUDA driver library could be loaded on this machine.
+    NoDriver,
+    /// The device ordinal does not exist.
+    NoDevice { ordinal: i32, count: i32 },
+    /// A configuration string or value is invalid.
+    Config(String),
+    /// The allocator has been shut down (process exit has begun).
+    ShutDown,
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::OutOfMemory { requested, reserved, in_use, largest_free, limit } => write!(
+                f,
+                "out of device memory: requested {requested} B; reserved {reserved} B of a {limit} B cap, \
+                 {in_use} B in use, largest free block {largest_free} B"
+            ),
+            Error::Driver { call, code } => write!(f, "CUDA driver call {call} failed with CUresult {code}"),
+            Error::InvalidFree { ptr, size, reason } => match reason {
+                InvalidFree::UnknownPointer => {
+                    write!(f, "invalid free of {ptr:#x} ({size} B): not a live block of this allocator")
+                }
+                InvalidFree::DoubleFree => write!(f, "invalid free of {ptr:#x} ({size} B): double free"),
+                InvalidFree::SizeMismatch { allocated, given } => write!(
+                    f,
+                    "invalid free of {ptr:#x}: size {given} B does not match the allocation ({allocated} B after rounding)"
+                ),
+            },
+            Error::NoDriver => write!(f, "no CUDA driver: libcuda could not be loaded"),
+            Error::NoDevice { ordinal, count } => {
+                write!(f, "no CUDA device {ordinal}: the driver reports {count} device(s)")
+            }
+            Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
+            Error::ShutDown => write!(f, "the allocator has shut down"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
