@@ -126,18 +126,22 @@ impl Config {
 }
 
 fn parse_usize(v: &str) -> Result<usize> {
-    v.parse().map_err(|_| Error::Config(format!("`{v}` is not a whole number")))
+    v.parse()
+        .map_err(|_| Error::Config(format!("`{v}` is not a whole number")))
 }
 
 fn parse_f64(v: &str) -> Result<f64> {
-    v.parse().map_err(|_| Error::Config(format!("`{v}` is not a number")))
+    v.parse()
+        .map_err(|_| Error::Config(format!("`{v}` is not a number")))
 }
 
 /// Parses `4096`, `4KiB`, `2MiB`, `1GiB`, `1TiB` (binary) or `4KB`, `2MB`, `1GB` (decimal).
 pub fn parse_bytes(v: &str) -> Result<usize> {
     let split = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
     let (num, unit) = v.split_at(split);
-    let n: usize = num.parse().map_err(|_| Error::Config(format!("`{v}` is not a byte size")))?;
+    let n: usize = num
+        .parse()
+        .map_err(|_| Error::Config(format!("`{v}` is not a byte size")))?;
     let mul: usize = match unit.trim() {
         "" | "B" => 1,
         "K" | "KiB" => 1 << 10,
@@ -149,7 +153,8 @@ pub fn parse_bytes(v: &str) -> Result<usize> {
         "GB" => 1_000_000_000,
         u => return Err(Error::Config(format!("unknown unit `{u}` in `{v}`"))),
     };
-    n.checked_mul(mul).ok_or_else(|| Error::Config(format!("`{v}` overflows")))
+    n.checked_mul(mul)
+        .ok_or_else(|| Error::Config(format!("`{v}` overflows")))
 }
 
 /// Builds a validated [`Config`].
@@ -215,16 +220,28 @@ impl ConfigBuilder {
         let c = self.0;
         let err = |m: String| Err(Error::Config(m));
         if !c.superblock.is_power_of_two() || c.superblock < (64 << 10) {
-            return err(format!("superblock {} must be a power of two of at least 64 KiB", c.superblock));
+            return err(format!(
+                "superblock {} must be a power of two of at least 64 KiB",
+                c.superblock
+            ));
         }
         if c.superblock / GRANULE > MAX_CLASSED_GRANULES {
-            return err(format!("superblock {} is over the 64 MiB maximum", c.superblock));
+            return err(format!(
+                "superblock {} is over the 64 MiB maximum",
+                c.superblock
+            ));
         }
         if c.small_max == 0 || c.small_max > c.superblock {
-            return err(format!("small_max {} must be in 1 ..= superblock ({})", c.small_max, c.superblock));
+            return err(format!(
+                "small_max {} must be in 1 ..= superblock ({})",
+                c.small_max, c.superblock
+            ));
         }
         if c.chunk == 0 || c.chunk % c.superblock != 0 {
-            return err(format!("chunk {} must be a positive multiple of the superblock", c.chunk));
+            return err(format!(
+                "chunk {} must be a positive multiple of the superblock",
+                c.chunk
+            ));
         }
         match c.max {
             Limit::Fraction(f) if !(f > 0.0 && f <= 1.0) => {
@@ -266,7 +283,10 @@ mod tests {
         assert_eq!(c.superblock, 128 << 10);
         assert_eq!(c.chunk, 1 << 20);
         assert_eq!(c.max, Limit::Bytes(3_000_000_000));
-        assert_eq!((c.keep_empty, c.sparse, c.batch_blocks, c.batch_bytes), (2, 0.5, 8, 1 << 20));
+        assert_eq!(
+            (c.keep_empty, c.sparse, c.batch_blocks, c.batch_bytes),
+            (2, 0.5, 8, 1 << 20)
+        );
     }
 
     #[test]
@@ -286,7 +306,10 @@ mod tests {
             "small_max=1XB",
             "max=99999999999999999999TiB",
         ] {
-            assert!(matches!(Config::parse(bad), Err(Error::Config(_))), "{bad} was accepted");
+            assert!(
+                matches!(Config::parse(bad), Err(Error::Config(_))),
+                "{bad} was accepted"
+            );
         }
         assert_eq!(Config::parse("").unwrap(), Config::default());
     }

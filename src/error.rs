@@ -32,7 +32,11 @@ pub enum Error {
     /// A CUDA driver call failed.
     Driver { call: &'static str, code: u32 },
     /// A free was refused (see [`InvalidFree`]).
-    InvalidFree { ptr: u64, size: usize, reason: InvalidFree },
+    InvalidFree {
+        ptr: u64,
+        size: usize,
+        reason: InvalidFree,
+    },
     /// No CUDA driver library could be loaded on this machine.
     NoDriver,
     /// The device ordinal does not exist.
@@ -46,17 +50,30 @@ pub enum Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::OutOfMemory { requested, reserved, in_use, largest_free, limit } => write!(
+            Error::OutOfMemory {
+                requested,
+                reserved,
+                in_use,
+                largest_free,
+                limit,
+            } => write!(
                 f,
                 "out of device memory: requested {requested} B; reserved {reserved} B of a {limit} B cap, \
                  {in_use} B in use, largest free block {largest_free} B"
             ),
-            Error::Driver { call, code } => write!(f, "CUDA driver call {call} failed with CUresult {code}"),
+            Error::Driver { call, code } => {
+                write!(f, "CUDA driver call {call} failed with CUresult {code}")
+            }
             Error::InvalidFree { ptr, size, reason } => match reason {
                 InvalidFree::UnknownPointer => {
-                    write!(f, "invalid free of {ptr:#x} ({size} B): not a live block of this allocator")
+                    write!(
+                        f,
+                        "invalid free of {ptr:#x} ({size} B): not a live block of this allocator"
+                    )
                 }
-                InvalidFree::DoubleFree => write!(f, "invalid free of {ptr:#x} ({size} B): double free"),
+                InvalidFree::DoubleFree => {
+                    write!(f, "invalid free of {ptr:#x} ({size} B): double free")
+                }
                 InvalidFree::SizeMismatch { allocated, given } => write!(
                     f,
                     "invalid free of {ptr:#x}: size {given} B does not match the allocation ({allocated} B after rounding)"
@@ -64,7 +81,10 @@ impl fmt::Display for Error {
             },
             Error::NoDriver => write!(f, "no CUDA driver: libcuda could not be loaded"),
             Error::NoDevice { ordinal, count } => {
-                write!(f, "no CUDA device {ordinal}: the driver reports {count} device(s)")
+                write!(
+                    f,
+                    "no CUDA device {ordinal}: the driver reports {count} device(s)"
+                )
             }
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
             Error::ShutDown => write!(f, "the allocator has shut down"),

@@ -1,8 +1,36 @@
-//! cuarena: a CUDA device-memory allocator for many threads.
+#![doc = include_str!("../README.md")]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod address_tree;
+mod allocator;
+mod arena;
+mod buffer;
 pub mod config;
 pub mod device;
+mod env;
 pub mod error;
-pub mod size_class;
-pub mod stream;
-pub(crate) mod sync;
+mod fence;
+mod free_lists;
+mod global_pool;
+#[doc(hidden)]
+pub mod inbox;
+mod outbox;
+mod registry;
 pub mod shutdown;
+pub mod size_class;
+pub mod stats;
+pub mod stream;
+mod superblock;
+pub(crate) mod sync;
+#[doc(hidden)]
+pub mod testkit;
+
+pub use allocator::{Allocator, DevicePtr};
+pub use buffer::DeviceBuffer;
+pub use config::{Config, ConfigBuilder, Limit};
+pub use device::cuda::CudaDevice;
+pub use device::host::{HostConfig, HostDevice};
+pub use device::{Device, DeviceKind, Event};
+pub use error::{Error, InvalidFree, Result};
+pub use stats::Stats;
+pub use stream::{Stream, StreamKey};

@@ -5,8 +5,8 @@
 //! first time a CUDA allocator is created; from then on the release paths skip driver calls and
 //! leave the memory to the process teardown.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 static EXITING: AtomicBool = AtomicBool::new(false);
 static HOOK: Once = Once::new();

@@ -134,3 +134,15 @@ mod tests {
         assert_eq!(class_rounded_bytes(usize::MAX - 10), None);
     }
 }
+
+/// The bytes a block of `size` occupies: class-rounded if it is small (`<= small_max`),
+/// rounded to the granule otherwise. `None` if rounding overflows. One rule for allocation
+/// and for checking the size given to a free.
+#[inline]
+pub fn block_bytes(size: usize, small_max: usize) -> Option<usize> {
+    if size <= small_max {
+        class_rounded_bytes(size)
+    } else {
+        granules_for(size).map(|g| g << GRANULE_SHIFT)
+    }
+}

@@ -14,9 +14,36 @@ pub(crate) use loom::{
 #[cfg(not(loom))]
 pub(crate) use std::{
     sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard, Weak},
     thread_local,
 };
+
+/// loom's `Arc` has no weak form. Under loom a thread slot holds its allocator strongly,
+/// which only delays the allocator's drop until the model's threads are gone.
+#[cfg(loom)]
+pub(crate) struct Weak<T>(Arc<T>);
+
+#[cfg(loom)]
+impl<T> Weak<T> {
+    pub(crate) fn upgrade(&self) -> Option<Arc<T>> {
+        Some(Arc::clone(&self.0))
+    }
+    pub(crate) fn strong_count(&self) -> usize {
+        1
+    }
+}
+
+/// A weak reference to `a`.
+#[cfg(loom)]
+pub(crate) fn downgrade<T>(a: &Arc<T>) -> Weak<T> {
+    Weak(Arc::clone(a))
+}
+
+/// A weak reference to `a`.
+#[cfg(not(loom))]
+pub(crate) fn downgrade<T>(a: &Arc<T>) -> Weak<T> {
+    Arc::downgrade(a)
+}
 
 /// `std`'s `UnsafeCell` with loom's `with`/`with_mut` access style.
 #[cfg(not(loom))]
@@ -30,6 +57,7 @@ impl<T> UnsafeCell<T> {
     }
 
     #[inline(always)]
+    #[allow(dead_code)] // part of loom's interface; the crate uses `with_mut` today
     pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
         f(self.0.get())
     }

@@ -7,7 +7,9 @@
 //! The allocator calls a device only on slow paths. It never blocks the host on the device except
 //! in [`Device::sync_event`], which only `trim(blocking)` and shutdown use.
 
+pub(crate) mod counted;
 pub mod cuda;
+pub mod cuda_kernels;
 pub mod host;
 
 use crate::error::Result;

@@ -1,0 +1,520 @@
+//! The public allocator: routing of each request, and each thread's slot.
+//!
+//! ## Routing (the one place it is decided)
+//! - `size == 0`: a null pointer, like `cudaMallocAsync`; freeing null with size 0 is a no-op.
+//! - `size <= small_max` on the per-thread stream (`0x2`): the calling thread's arena.
+//! - anything else (large, or small on another stream): the global pool.
+//! - A free of a small block goes to its superblock's owner: the owner's fast path if the
+//!   caller is the owner and frees on its per-thread stream; otherwise the caller's outbox,
+//!   and from there, fenced, to the owner's inbox. A block whose superblock has no owner, and
+//!   every large block, goes to the pool with a fence recorded on the free stream.
+//!
+//! Data flows one way: allocator → arena → global pool → device.
+
+use std::cell::RefCell;
+
+use crate::arena::{Arena, ArenaShell, Freed};
+use crate::buffer::DeviceBuffer;
+use crate::config::Config;
+use crate::device::counted::Counted;
+use crate::device::cuda::CudaDevice;
+use crate::device::host::HostDevice;
+use crate::device::{Device, DeviceKind};
+use crate::env::Env;
+use crate::error::{Error, InvalidFree, Result};
+use crate::global_pool::GlobalPool;
+use crate::outbox::Outbox;
+use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
+use crate::stats::{CounterRegistry, Counters, Stats};
+use crate::stream::{Stream, StreamKey};
+use crate::sync::{
+    Arc, AtomicU64, AtomicUsize, Mutex, Ordering, Weak, downgrade, lock, thread_local,
+};
+
+/// A device address. Null is `DevicePtr(0)`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The null pointer.
+    pub const NULL: DevicePtr = DevicePtr(0);
+
+    /// True for null.
+    pub fn is_null(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The address.
+    pub fn as_u64(self) -> u64 {
+        self.0
+    }
+}
+
+/// A device-memory allocator for one device. Cheap to clone; clones share everything.
+#[derive(Clone)]
+pub struct Allocator {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    id: u64,
+    device: Arc<dyn Device>,
+    cfg: Config,
+    pool: GlobalPool,
+    counters: CounterRegistry,
+    /// Every shell ever made (kept so `owner` pointers never dangle) and the reusable ones.
+    shells: Mutex<(Vec<Arc<ArenaShell>>, Vec<Arc<ArenaShell>>)>,
+    deferred: Mutex<Option<Error>>,
+    arenas: AtomicUsize,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One thread's state for one allocator.
+struct Slot {
+    id: u64,
+    inner: Weak<Inner>,
+    arena: Option<Arena>,
+    outbox: Outbox,
+    counters: Arc<Counters>,
+    ptds: Option<StreamKey>,
+}
+
+thread_local! {
+    static SLOTS: RefCell<Vec<Slot>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Inner {
+    fn env<'a>(&'a self, counters: &'a Counters) -> Env<'a> {
+        Env {
+            pool: &self.pool,
+            dev: Counted::new(&*self.device, counters),
+            skip_fences: self.cfg.skip_fences,
+            small_max: self.cfg.small_max,
+            deferred: &self.deferred,
+        }
+    }
+
+    fn take_shell(&self) -> Arc<ArenaShell> {
+        let mut s = lock(&self.shells);
+        if let Some(sh) = s.1.pop() {
+            // Frees pushed after this reopen may be for blocks of the shell's earlier arena;
+            // the new owner's drain finds them not its own and sends them to the pool.
+            sh.inbox.reopen();
+            return sh;
+        }
+        let sh = Arc::new(ArenaShell::default());
+        s.0.push(Arc::clone(&sh));
+        sh
+    }
+
+    fn oom(&self, requested: usize) -> Error {
+        let mut s = Stats::default();
+        self.pool.fill_stats(&mut s);
+        Error::OutOfMemory {
+            requested,
+            reserved: s.reserved_bytes as usize,
+            in_use: s.pool_in_use_bytes as usize,
+            largest_free: s.largest_free_block as usize,
+            limit: self.pool.limit(),
+        }
+    }
+}
+
+impl Slot {
+    fn new(inner: &Arc<Inner>) -> Slot {
+        Slot {
+            id: inner.id,
+            inner: downgrade(inner),
+            arena: None,
+            outbox: Outbox::default(),
+            counters: inner.counters.register(),
+            ptds: None,
+        }
+    }
+
+    fn ptds_key(&mut self, env: &Env<'_>) -> Result<StreamKey> {
+        if let Some(k) = self.ptds {
+            return Ok(k);
+        }
+        let k = env.dev.stream_key(Stream::PER_THREAD)?;
+        self.ptds = Some(k);
+        Ok(k)
+    }
+
+    #[inline]
+    fn counted_alloc(&self, bytes: usize) {
+        let c = &*self.counters;
+        c.bump(&c.allocations, 1);
+        c.bump(&c.live_bytes, bytes as u64);
+    }
+
+    #[inline]
+    fn counted_free(&self, bytes: usize) {
+        let c = &*self.counters;
+        c.bump(&c.deallocations, 1);
+        c.bump(&c.live_bytes, (bytes as u64).wrapping_neg());
+    }
+
+    fn alloc_small_slow(&mut self, inner: &Inner, class: usize, g: usize) -> Result<u64> {
+        let counters = Arc::clone(&self.counters);
+        let env = inner.env(&counters);
+        let ptds = self.ptds_key(&env)?;
+        if let Err(e) = self.outbox.flush(&env, ptds) {
+            env.defer(e);
+        }
+        let arena = match &mut self.arena {
+            Some(a) => a,
+            None => {
+                let sb = inner.cfg.superblock / GRANULE;
+                inner.arenas.fetch_add(1, Ordering::Relaxed);
+                self.arena.insert(Arena::new(
+                    inner.take_shell(),
+                    ptds,
+                    sb,
+                    inner.cfg.keep_empty,
+                    inner.cfg.sparse,
+                ))
+            }
+        };
+        let p = arena.alloc_slow(&env, class, g)?;
+        inner.counters.sample();
+        Ok(p)
+    }
+
+    fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
+        let counters = Arc::clone(&self.counters);
+        let env = inner.env(&counters);
+        let key = if stream.is_per_thread() {
+            self.ptds_key(&env)?
+        } else {
+            env.dev.stream_key(stream)?
+        };
+        let p = inner
+            .pool
+            .alloc(&env.dev, bytes, stream, key, env.skip_fences)?;
+        self.counted_alloc(bytes);
+        inner.counters.sample();
+        Ok(p)
+    }
+
+    fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
+        let small_max = inner.cfg.small_max;
+        let invalid = |reason| Error::InvalidFree { ptr, size, reason };
+        let bytes = block_bytes(size, small_max).filter(|_| size > 0);
+        if size > 0
+            && size <= small_max
+            && let Some(sb) = inner.pool.registry.lookup(ptr)
+        {
+            let owner = sb.owner.load(Ordering::Acquire);
+            if !owner.is_null() {
+                let bytes = bytes.ok_or(invalid(InvalidFree::UnknownPointer))?;
+                let env = inner.env(&self.counters);
+                let mine = self
+                    .arena
+                    .as_ref()
+                    .is_some_and(|a| Arc::as_ptr(&a.shell) == owner as *const _);
+                if mine && stream.is_per_thread() {
+                    let arena = self.arena.as_mut().expect("checked");
+                    arena.free_local(&env, sb, ptr, size)?;
+                    self.counted_free(bytes);
+                    return Ok(());
+                }
+                if ptr % GRANULE as u64 != 0 {
+                    return Err(invalid(InvalidFree::UnknownPointer));
+                }
+                let counters = Arc::clone(&self.counters);
+                let env = inner.env(&counters);
+                let fr = Freed { ptr, size };
+                if Outbox::batchable(stream) {
+                    let ptds = self.ptds_key(&env)?;
+                    let limits = (inner.cfg.batch_blocks, inner.cfg.batch_bytes);
+                    self.outbox.push(&env, ptds, owner, fr, stream, limits)?;
+                } else {
+                    crate::outbox::send_now(&env, owner, fr, stream)?;
+                }
+                let c = &*counters;
+                c.bump(
+                    if mine {
+                        &c.cross_stream_frees
+                    } else {
+                        &c.cross_thread_frees
+                    },
+                    1,
+                );
+                self.counted_free(bytes);
+                return Ok(());
+            }
+        }
+        let Some(bytes) = bytes else {
+            return Err(invalid(InvalidFree::UnknownPointer));
+        };
+        let counters = Arc::clone(&self.counters);
+        let env = inner.env(&counters);
+        let key = if stream.is_per_thread() {
+            self.ptds_key(&env)?
+        } else {
+            env.dev.stream_key(stream)?
+        };
+        let fence = env.fence(stream, key)?;
+        inner.pool.free(ptr, size, fence)?;
+        self.counted_free(bytes);
+        Ok(())
+    }
+
+    /// Sends remote frees and gives the arena back (what thread exit does).
+    fn release_arena(&mut self, inner: &Inner) -> Result<()> {
+        let counters = Arc::clone(&self.counters);
+        let env = inner.env(&counters);
+        let flushed = match self.ptds {
+            Some(k) => self.outbox.flush(&env, k),
+            None if self.outbox.is_empty() => Ok(()),
+            None => self.ptds_key(&env).and_then(|k| self.outbox.flush(&env, k)),
+        };
+        if let Some(arena) = self.arena.take() {
+            inner.arenas.fetch_sub(1, Ordering::Relaxed);
+            if let Some(shell) = arena.exit(&env) {
+                lock(&inner.shells).1.push(shell);
+            }
+        }
+        flushed
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            if crate::shutdown::process_exiting() && inner.device.kind() == DeviceKind::Cuda {
+                return; // no CUDA calls once exit has begun
+            }
+            if let Err(e) = self.release_arena(&inner) {
+                *lock(&inner.deferred) = Some(e);
+            }
+            inner.counters.retire(&self.counters);
+        }
+    }
+}
+
+/// Runs `f` on the calling thread's slot for `inner`.
+#[inline]
+fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R {
+    let mut f = Some(f);
+    let r = SLOTS.try_with(|cell| {
+        let mut slots = cell.borrow_mut();
+        let i = match slots.iter().position(|s| s.id == inner.id) {
+            Some(i) => i,
+            None => {
+                // Forget slots of dropped allocators; their memory went with them.
+                let dead: Vec<Slot> = {
+                    let (keep, dead): (Vec<Slot>, Vec<Slot>) = std::mem::take(&mut *slots)
+                        .into_iter()
+                        .partition(|s| s.inner.strong_count() > 0);
+                    *slots = keep;
+                    dead
+                };
+                slots.push(Slot::new(inner));
+                drop(dead);
+                slots.len() - 1
+            }
+        };
+        (f.take().expect("called once"))(&mut slots[i], inner)
+    });
+    match r {
+        Ok(r) => r,
+        // The thread's slots are being destroyed (a late destructor): use a temporary slot.
+        Err(_) => {
+            let mut slot = Slot::new(inner);
+            (f.take().expect("not called"))(&mut slot, inner)
+        }
+    }
+}
+
+impl Allocator {
+    /// An allocator over `device`.
+    pub fn new(device: Arc<dyn Device>, config: Config) -> Result<Allocator> {
+        let total = device.total_memory()?;
+        Ok(Allocator {
+            inner: Arc::new(Inner {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                pool: GlobalPool::new(Arc::clone(&device), &config, total),
+                device,
+                cfg: config,
+                counters: CounterRegistry::new(),
+                shells: Mutex::new((Vec::new(), Vec::new())),
+                deferred: Mutex::new(None),
+                arenas: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// An allocator for CUDA device `ordinal`. [`Error::NoDriver`] if there is no driver.
+    pub fn cuda(ordinal: i32, config: Config) -> Result<Allocator> {
+        crate::shutdown::install_exit_hook();
+        let dev = CudaDevice::new(ordinal)?;
+        Allocator::new(Arc::new(dev), config)
+    }
+
+    /// An allocator over a simulated device.
+    pub fn host(device: HostDevice, config: Config) -> Result<Allocator> {
+        Allocator::new(Arc::new(device), config)
+    }
+
+    /// Allocates `size` bytes, ready for use on `stream` (256-byte aligned).
+    /// `size == 0` gives [`DevicePtr::NULL`].
+    pub fn allocate(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(DevicePtr::NULL);
+        }
+        let inner = &self.inner;
+        if size <= inner.cfg.small_max && stream.is_per_thread() {
+            let g = granules_for(size).expect("small sizes do not overflow");
+            let class = class_ceil(g);
+            let gc = class_granules(class);
+            return with_slot(inner, |slot, inner| {
+                if let Some(a) = slot.arena.as_mut()
+                    && let Some(p) = a.alloc(class, gc)
+                {
+                    slot.counted_alloc(gc * GRANULE);
+                    return Ok(DevicePtr(p));
+                }
+                let p = slot.alloc_small_slow(inner, class, gc)?;
+                slot.counted_alloc(gc * GRANULE);
+                Ok(DevicePtr(p))
+            });
+        }
+        let bytes = match block_bytes(size, inner.cfg.small_max) {
+            Some(b) if b <= inner.pool.limit() => b,
+            _ => return Err(inner.oom(size)),
+        };
+        with_slot(inner, |slot, inner| {
+            slot.alloc_pool(inner, bytes, stream).map(DevicePtr)
+        })
+    }
+
+    /// Frees a block from [`Allocator::allocate`]. `size` is the size it was allocated with.
+    ///
+    /// **Contract:** every earlier use of the block is ordered before later work on `stream`
+    /// (like `cudaFreeAsync`). An invalid free (unknown pointer, double free, wrong size) is
+    /// refused with [`Error::InvalidFree`] and changes nothing. A free of a block owned by
+    /// another thread is checked by that thread later; if found invalid it is counted in
+    /// [`Stats::invalid_frees`] and reported by [`Allocator::take_deferred_error`].
+    pub fn deallocate(&self, ptr: DevicePtr, size: usize, stream: Stream) -> Result<()> {
+        if ptr.is_null() && size == 0 {
+            return Ok(());
+        }
+        with_slot(&self.inner, |slot, inner| {
+            let r = if ptr.is_null() {
+                Err(Error::InvalidFree {
+                    ptr: 0,
+                    size,
+                    reason: InvalidFree::UnknownPointer,
+                })
+            } else {
+                slot.free(inner, ptr.0, size, stream)
+            };
+            if let Err(Error::InvalidFree { .. }) = r {
+                slot.counters.bump(&slot.counters.invalid_frees, 1);
+            }
+            r
+        })
+    }
+
+    /// [`Allocator::allocate`] on the calling thread's per-thread default stream.
+    pub fn allocate_per_thread(&self, size: usize) -> Result<DevicePtr> {
+        self.allocate(size, Stream::PER_THREAD)
+    }
+
+    /// [`Allocator::deallocate`] on the calling thread's per-thread default stream.
+    pub fn deallocate_per_thread(&self, ptr: DevicePtr, size: usize) -> Result<()> {
+        self.deallocate(ptr, size, Stream::PER_THREAD)
+    }
+
+    /// An owning buffer of `size` bytes on `stream`, freed on that stream when dropped.
+    pub fn buffer(&self, size: usize, stream: Stream) -> Result<DeviceBuffer> {
+        let ptr = self.allocate(size, stream)?;
+        Ok(DeviceBuffer::from_parts(self.clone(), ptr, size, stream))
+    }
+
+    /// Sends this thread's gathered remote frees and takes back frees sent to it.
+    pub fn flush(&self) -> Result<()> {
+        with_slot(&self.inner, |slot, inner| {
+            let counters = Arc::clone(&slot.counters);
+            let env = inner.env(&counters);
+            if !slot.outbox.is_empty() {
+                let k = slot.ptds_key(&env)?;
+                slot.outbox.flush(&env, k)?;
+            }
+            if let Some(a) = &mut slot.arena {
+                a.tidy(&env);
+            }
+            Ok(())
+        })
+    }
+
+    /// Gives this thread's arena back to the global pool, as thread exit does. The thread may
+    /// go on allocating; it then gets a new arena.
+    pub fn release_thread(&self) -> Result<()> {
+        with_slot(&self.inner, |slot, inner| slot.release_arena(inner))
+    }
+
+    /// Releases wholly free chunks to the device. With `blocking`, waits for their pending
+    /// fences (a host synchronisation); otherwise releases only chunks whose fences are done.
+    /// Returns the bytes released.
+    pub fn trim(&self, blocking: bool) -> Result<usize> {
+        with_slot(&self.inner, |slot, inner| {
+            inner.pool.trim(&inner.env(&slot.counters).dev, blocking)
+        })
+    }
+
+    /// The latest error found after the call that caused it (an invalid remote free, a
+    /// failed fence on a background path), taken.
+    pub fn take_deferred_error(&self) -> Option<Error> {
+        lock(&self.inner.deferred).take()
+    }
+
+    /// A snapshot of the allocator's state.
+    pub fn stats(&self) -> Stats {
+        let mut s = Stats::default();
+        self.inner.counters.fill(&mut s);
+        self.inner.pool.fill_stats(&mut s);
+        s.arenas = self.inner.arenas.load(Ordering::Relaxed) as u64;
+        s
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.inner.device
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.cfg
+    }
+
+    /// Checks the global pool's invariants; panics on a violation. For tests.
+    #[doc(hidden)]
+    #[cfg(any(test, debug_assertions))]
+    pub fn check_invariants(&self) {
+        self.inner.pool.check();
+    }
+
+    /// Ranges the pool has handed out: `(address, bytes, is_superblock)`. For tests.
+    #[doc(hidden)]
+    #[cfg(any(test, debug_assertions))]
+    pub fn pool_used_ranges(&self) -> Vec<(u64, usize, bool)> {
+        self.inner.pool.used_ranges()
+    }
+
+    /// Bytes the pool has handed out (blocks and lent superblocks). For tests.
+    #[doc(hidden)]
+    #[cfg(any(test, debug_assertions))]
+    pub fn pool_in_use(&self) -> usize {
+        self.inner.pool.in_use()
+    }
+}
+
+impl Allocator {
+    pub(crate) fn defer_error(&self, e: Error) {
+        *lock(&self.inner.deferred) = Some(e);
+    }
+}

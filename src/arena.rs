@@ -1,0 +1,496 @@
+//! A per-thread arena: small blocks for one thread's per-thread default stream.
+//!
+//! ## Fast path
+//! `alloc` and `free_local` run on the owning thread only, touch only owner-only memory (the
+//! free lists and the superblocks' boundary tags) and make no CUDA call, take no lock and do
+//! no atomic read-modify-write. Blocks are split on allocation and merged with free
+//! neighbours on free, in O(1) (see `free_lists.rs` and `superblock.rs`).
+//!
+//! ## Remote frees
+//! A free by another thread, or on another stream, does not touch this arena: the freeing
+//! thread batches it (`outbox.rs`) and pushes the batch, with one fence, into this arena's
+//! [`ArenaShell`] inbox. On its slow path the owner drains the inbox, checks each block
+//! against its tags (refusing double and foreign frees), marks it `PENDING`, and keeps the batch
+//! until its fence completes; only then are the blocks merged into the free lists. A pending
+//! block is never handed out. If the pool is out of memory, the owner instead makes its stream
+//! wait on the pending fences (still no host block) and reuses the blocks at once.
+//!
+//! ## Superblock return rule (Hoard's emptiness rule)
+//! With `u` the granules in used or pending blocks, `a` the granules of the superblocks held,
+//! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
+//! `u < a - K·S` and `u < (1 - f)·a`, the emptiest superblock goes back to the pool
+//! (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks).
+//! Such a superblock exists by pigeonhole. Hence after every free
+//! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
+//! `max(K·S, f/(1-f)·u)`**, i.e. one superblock or a third of its live bytes at the defaults.
+//!
+//! ## Thread exit
+//! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
+//! fence, **then** closes the inbox. A free that finds the inbox closed, or a superblock with
+//! no owner, goes to the pool, which by then knows the block.
+
+use std::collections::VecDeque;
+
+use crate::env::Env;
+use crate::error::{Error, InvalidFree, Result};
+use crate::fence::{Fence, FenceSet};
+use crate::free_lists::{FreeBlock, FreeLists};
+use crate::inbox::Inbox;
+use crate::size_class::{GRANULE_SHIFT, block_bytes};
+use crate::stream::{Stream, StreamKey};
+use crate::superblock::{FREE, PENDING, SbLocal, Superblock, USED};
+use crate::sync::{Arc, Ordering};
+
+/// A block freed remotely: its address and the size given to the free.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Freed {
+    pub(crate) ptr: u64,
+    pub(crate) size: usize,
+}
+
+/// Remote frees sent together under one fence (`None` only when fencing is off for a test).
+pub(crate) struct Batch {
+    pub(crate) fence: Option<Arc<Fence>>,
+    pub(crate) blocks: Vec<Freed>,
+}
+
+/// The part of an arena other threads may touch: its inbox. Shells live as long as the
+/// allocator and are reused by later arenas, so a raw pointer to one (a superblock's `owner`)
+/// never dangles.
+#[derive(Default)]
+pub(crate) struct ArenaShell {
+    pub(crate) inbox: Inbox<Batch>,
+}
+
+/// The owner-only arena.
+pub(crate) struct Arena {
+    pub(crate) shell: Arc<ArenaShell>,
+    /// Identity of the owner thread's per-thread default stream.
+    pub(crate) key: StreamKey,
+    granules: usize,
+    keep_empty: usize,
+    sparse: f64,
+    lists: FreeLists,
+    /// Superblocks held; `SbLocal::slot` is each one's index here.
+    owned: Vec<*const Superblock>,
+    /// Granules in used or pending blocks.
+    live: usize,
+    pending: VecDeque<Batch>,
+}
+
+/// Pending batches polled per slow path at most (one event query each).
+const MAX_POLLS: usize = 16;
+
+impl Arena {
+    pub(crate) fn new(
+        shell: Arc<ArenaShell>,
+        key: StreamKey,
+        granules: usize,
+        keep_empty: usize,
+        sparse: f64,
+    ) -> Arena {
+        Arena {
+            shell,
+            key,
+            granules,
+            keep_empty,
+            sparse,
+            lists: FreeLists::default(),
+            owned: Vec::new(),
+            live: 0,
+            pending: VecDeque::new(),
+        }
+    }
+
+    fn shell_ptr(&self) -> *mut ArenaShell {
+        Arc::as_ptr(&self.shell) as *mut ArenaShell
+    }
+
+    /// True if this arena owns `sb`.
+    #[inline]
+    pub(crate) fn owns(&self, sb: &Superblock) -> bool {
+        sb.owner.load(Ordering::Acquire) == self.shell_ptr()
+    }
+
+    /// Fast path: a block of `g` granules (class `class`), or `None` if no free block fits.
+    #[inline]
+    pub(crate) fn alloc(&mut self, class: usize, g: usize) -> Option<u64> {
+        let b = self.lists.take_fit(class)?;
+        // SAFETY: every block in our free lists lies in a superblock we own.
+        let sb = unsafe { &*b.sb };
+        let lists = &mut self.lists;
+        // SAFETY: we own `sb` (see above) and no other `with_local` on it is active.
+        unsafe {
+            sb.with_local(|l| {
+                if b.len > g {
+                    let rest = FreeBlock {
+                        sb: b.sb,
+                        first: b.first + g,
+                        len: b.len - g,
+                    };
+                    let id = lists.insert(rest);
+                    l.mark(rest.first, rest.len, FREE, id);
+                }
+                l.mark(b.first, g, USED, g);
+                l.live += g;
+            })
+        };
+        self.live += g;
+        Some(sb.base + ((b.first as u64) << GRANULE_SHIFT))
+    }
+
+    /// Checks that a block of `g` granules starts at `ptr` in `l` and is live.
+    fn validate(
+        l: &SbLocal,
+        sb: &Superblock,
+        ptr: u64,
+        size: usize,
+        g: usize,
+    ) -> Result<usize, InvalidFree> {
+        let off = ptr - sb.base;
+        if off & ((1 << GRANULE_SHIFT) - 1) != 0 {
+            return Err(InvalidFree::UnknownPointer);
+        }
+        let first = (off >> GRANULE_SHIFT) as usize;
+        match l.head(first) {
+            Some((USED, len)) if len == g => Ok(first),
+            Some((USED, len)) => Err(InvalidFree::SizeMismatch {
+                allocated: len << GRANULE_SHIFT,
+                given: size,
+            }),
+            Some((PENDING | FREE, _)) => Err(InvalidFree::DoubleFree),
+            _ => Err(InvalidFree::UnknownPointer),
+        }
+    }
+
+    /// Merges the block `[first, first+len)` of `sb` into the free lists.
+    #[inline]
+    fn merge_free(
+        lists: &mut FreeLists,
+        l: &mut SbLocal,
+        sb: *const Superblock,
+        first: usize,
+        len: usize,
+    ) {
+        l.clear(first, len);
+        let (mut start, mut n) = (first, len);
+        if let Some(id) = l.free_before(first) {
+            let b = lists.remove(id);
+            l.clear(b.first, b.len);
+            start = b.first;
+            n += b.len;
+        }
+        if let Some(id) = l.free_at(first + len) {
+            let b = lists.remove(id);
+            l.clear(b.first, b.len);
+            n += b.len;
+        }
+        let id = lists.insert(FreeBlock {
+            sb,
+            first: start,
+            len: n,
+        });
+        l.mark(start, n, FREE, id);
+        l.live -= len;
+    }
+
+    /// Fast path: frees a block of this arena on the owner's per-thread stream.
+    #[inline]
+    pub(crate) fn free_local(
+        &mut self,
+        env: &Env<'_>,
+        sb: &Superblock,
+        ptr: u64,
+        size: usize,
+    ) -> Result<()> {
+        let g = block_bytes(size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
+        let lists = &mut self.lists;
+        // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
+        let r = unsafe {
+            sb.with_local(|l| {
+                let first = Self::validate(l, sb, ptr, size, g)?;
+                Self::merge_free(lists, l, sb, first, g);
+                Ok(())
+            })
+        };
+        r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
+        self.live -= g;
+        if self.over_held() {
+            self.shrink(env);
+        }
+        Ok(())
+    }
+
+    /// True if the return rule asks for a superblock back.
+    #[inline]
+    fn over_held(&self) -> bool {
+        let (u, a, s) = (self.live, self.owned.len() * self.granules, self.granules);
+        u + self.keep_empty * s < a && (u as f64) < (1.0 - self.sparse) * a as f64
+    }
+
+    /// Gives superblocks back until the return rule holds.
+    fn shrink(&mut self, env: &Env<'_>) {
+        while self.over_held() {
+            let idx = (0..self.owned.len())
+                // SAFETY: we own every superblock in `owned`.
+                .min_by_key(|&i| unsafe { (*self.owned[i]).with_local(|l| l.live) })
+                .expect("over_held implies a superblock");
+            let fence = match env.fence(Stream::PER_THREAD, self.key) {
+                Ok(f) => f,
+                Err(e) => return env.defer(e), // keep the superblock; try again later
+            };
+            self.give_back(env, idx, FenceSet::one(fence));
+        }
+    }
+
+    /// Returns `owned[idx]` to the pool, guarded by `fences` (recorded on our stream).
+    fn give_back(&mut self, env: &Env<'_>, idx: usize, fences: FenceSet) {
+        let sbp = self.owned.swap_remove(idx);
+        if idx < self.owned.len() {
+            // SAFETY: we own the moved superblock.
+            unsafe { (*self.owned[idx]).with_local(|l| l.slot = idx) };
+        }
+        // SAFETY: we own `sbp` until `take_back` clears its owner.
+        let sb = unsafe { &*sbp };
+        let (mut used, mut free) = (Vec::new(), Vec::new());
+        let lists = &mut self.lists;
+        let granules = self.granules;
+        // SAFETY: as above.
+        let live = unsafe {
+            sb.with_local(|l| {
+                let mut g = 0;
+                while g < granules {
+                    let addr = sb.base + ((g as u64) << GRANULE_SHIFT);
+                    match l.head(g) {
+                        Some((FREE, id)) => {
+                            let b = lists.remove(id);
+                            free.push((addr, b.len << GRANULE_SHIFT));
+                            g += b.len;
+                        }
+                        Some((_, len)) => {
+                            used.push((addr, len << GRANULE_SHIFT));
+                            g += len;
+                        }
+                        None => {
+                            unreachable!("boundary tags broken at granule {g} of {:#x}", sb.base)
+                        }
+                    }
+                }
+                l.live
+            })
+        };
+        self.live -= live;
+        let c = env.dev.counters;
+        c.bump(
+            if used.is_empty() {
+                &c.superblocks_returned
+            } else {
+                &c.superblocks_dissolved
+            },
+            1,
+        );
+        c.bump(
+            &c.arena_bytes,
+            ((granules as u64) << GRANULE_SHIFT).wrapping_neg(),
+        );
+        env.pool.take_back(sb, &used, &free, fences);
+    }
+
+    /// Takes a superblock from the pool.
+    fn grow(&mut self, env: &Env<'_>) -> Result<()> {
+        let sb = env
+            .pool
+            .lend(&env.dev, self.shell_ptr(), self.key, env.skip_fences)?;
+        let sbp: *const Superblock = sb;
+        let slot = self.owned.len();
+        let lists = &mut self.lists;
+        let granules = self.granules;
+        // SAFETY: the pool just made us the owner.
+        unsafe {
+            sb.with_local(|l| {
+                l.init(granules);
+                l.slot = slot;
+                let id = lists.insert(FreeBlock {
+                    sb: sbp,
+                    first: 0,
+                    len: granules,
+                });
+                l.mark(0, granules, FREE, id);
+            })
+        };
+        self.owned.push(sbp);
+        let c = env.dev.counters;
+        c.bump(&c.superblocks_taken, 1);
+        c.bump(&c.arena_bytes, (granules as u64) << GRANULE_SHIFT);
+        Ok(())
+    }
+
+    /// Takes remote frees from the inbox: checks them and sets them aside until their fence.
+    fn drain(&mut self, env: &Env<'_>) {
+        if self.shell.inbox.is_empty() {
+            return;
+        }
+        for batch in self.shell.inbox.take_all() {
+            let mut mine = Vec::with_capacity(batch.blocks.len());
+            for fr in batch.blocks {
+                match env.pool.registry.lookup(fr.ptr) {
+                    Some(sb) if fr.size <= env.small_max && self.owns(sb) => {
+                        let g =
+                            block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
+                        // SAFETY: we own `sb`.
+                        let r = unsafe {
+                            sb.with_local(|l| {
+                                let first = Self::validate(l, sb, fr.ptr, fr.size, g)?;
+                                l.mark(first, g, PENDING, g);
+                                Ok(())
+                            })
+                        };
+                        match r {
+                            Ok(()) => mine.push(fr),
+                            Err(reason) => env.refuse_remote(
+                                Error::InvalidFree {
+                                    ptr: fr.ptr,
+                                    size: fr.size,
+                                    reason,
+                                },
+                                fr.size,
+                            ),
+                        }
+                    }
+                    // Not ours (any more): the pool has it, or it is invalid.
+                    _ => env.pool_free_remote(fr.ptr, fr.size, batch.fence.clone()),
+                }
+            }
+            if !mine.is_empty() {
+                self.pending.push_back(Batch {
+                    fence: batch.fence,
+                    blocks: mine,
+                });
+            }
+        }
+    }
+
+    /// Frees the blocks of a batch whose fence is satisfied.
+    fn complete(&mut self, env: &Env<'_>, batch: Batch) {
+        let Batch { fence, blocks } = batch;
+        for fr in blocks {
+            let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
+            match env.pool.registry.lookup(fr.ptr) {
+                Some(sb) if self.owns(sb) => {
+                    let first = ((fr.ptr - sb.base) >> GRANULE_SHIFT) as usize;
+                    let lists = &mut self.lists;
+                    // SAFETY: we own `sb`; the block was marked PENDING by `drain`.
+                    unsafe {
+                        sb.with_local(|l| {
+                            debug_assert_eq!(l.head(first), Some((PENDING, g)));
+                            Self::merge_free(lists, l, sb, first, g)
+                        })
+                    };
+                    self.live -= g;
+                }
+                // Its superblock was given back meanwhile: the pool holds it as a live block.
+                // (Its fence may only be ordered before our stream, not complete: keep it.)
+                _ => env.pool_free_remote(fr.ptr, fr.size, fence.clone()),
+            }
+        }
+    }
+
+    /// Completes pending batches whose fences have completed; returns true if any did.
+    fn poll(&mut self, env: &Env<'_>) -> bool {
+        let (mut i, mut polls, mut any) = (0, 0, false);
+        while i < self.pending.len() && polls < MAX_POLLS {
+            let done = match &self.pending[i].fence {
+                None => true,
+                Some(f) => {
+                    polls += usize::from(!f.known_done());
+                    f.poll(&env.dev).unwrap_or(false)
+                }
+            };
+            if done {
+                let b = self.pending.remove(i).expect("index in range");
+                self.complete(env, b);
+                any = true;
+            } else {
+                i += 1;
+            }
+        }
+        any
+    }
+
+    /// Slow path: drains remote frees, completes fenced ones, and takes a superblock if still
+    /// nothing fits. On out-of-memory it reuses pending blocks by making the stream wait.
+    pub(crate) fn alloc_slow(&mut self, env: &Env<'_>, class: usize, g: usize) -> Result<u64> {
+        self.drain(env);
+        if self.poll(env) {
+            if self.over_held() {
+                self.shrink(env);
+            }
+            if let Some(p) = self.alloc(class, g) {
+                return Ok(p);
+            }
+        }
+        match self.grow(env) {
+            Ok(()) => {}
+            Err(e @ Error::OutOfMemory { .. }) if !self.pending.is_empty() => {
+                while let Some(b) = self.pending.pop_front() {
+                    if let Some(f) = &b.fence
+                        && let Err(w) = f.order_before(&env.dev, Stream::PER_THREAD, self.key)
+                    {
+                        self.pending.push_front(b);
+                        env.defer(w);
+                        return Err(e);
+                    }
+                    self.complete(env, b);
+                }
+                return self.alloc(class, g).ok_or(e);
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(self
+            .alloc(class, g)
+            .expect("a fresh superblock fits every small class"))
+    }
+
+    /// Drains, polls and returns what the return rule allows (an explicit flush).
+    pub(crate) fn tidy(&mut self, env: &Env<'_>) {
+        self.drain(env);
+        self.poll(env);
+        if self.over_held() {
+            self.shrink(env);
+        }
+    }
+
+    /// Thread exit: every superblock back to the pool, then the inbox closed; see the module
+    /// comment for why in this order. Returns the shell for reuse, or `None` if no fence could
+    /// be recorded: then the superblocks stay with the dead shell (never reused unfenced, freed
+    /// when the allocator drops) and the shell must not be reused.
+    pub(crate) fn exit(mut self, env: &Env<'_>) -> Option<Arc<ArenaShell>> {
+        self.drain(env);
+        self.poll(env);
+        let fence = if self.owned.is_empty() {
+            None
+        } else {
+            match env.fence(Stream::PER_THREAD, self.key) {
+                Ok(f) => f,
+                Err(e) => {
+                    env.defer(e);
+                    return None;
+                }
+            }
+        };
+        while !self.owned.is_empty() {
+            let idx = self.owned.len() - 1;
+            self.give_back(env, idx, FenceSet::one(fence.clone()));
+        }
+        let late = self.shell.inbox.close();
+        for batch in late.into_iter().chain(std::mem::take(&mut self.pending)) {
+            for fr in batch.blocks {
+                env.pool_free_remote(fr.ptr, fr.size, batch.fence.clone());
+            }
+        }
+        debug_assert!(self.lists.is_empty());
+        // The inbox stays closed while the shell is idle, so late frees go to the pool; the
+        // next arena to take the shell reopens it (`Inner::take_shell`).
+        Some(Arc::clone(&self.shell))
+    }
+}

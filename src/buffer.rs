@@ -1,0 +1,88 @@
+//! An owning device buffer, freed on its stream when dropped.
+
+use crate::allocator::{Allocator, DevicePtr};
+use crate::stream::Stream;
+
+/// `size` bytes of device memory, freed on [`DeviceBuffer::stream`] when dropped.
+///
+/// A buffer on [`Stream::PER_THREAD`] is freed on the per-thread stream of the thread that
+/// drops it. If it moves to another thread, first call [`DeviceBuffer::set_stream`] or make sure
+/// the old thread's work on it has finished: the free promises that every earlier use is
+/// ordered before later work on the stream it names.
+pub struct DeviceBuffer {
+    alloc: Allocator,
+    ptr: DevicePtr,
+    len: usize,
+    stream: Stream,
+}
+
+impl DeviceBuffer {
+    pub(crate) fn from_parts(
+        alloc: Allocator,
+        ptr: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> DeviceBuffer {
+        DeviceBuffer {
+            alloc,
+            ptr,
+            len,
+            stream,
+        }
+    }
+
+    /// The device address (null for an empty buffer).
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Size in bytes, as requested.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-byte buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The stream the buffer will be freed on.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    /// Frees on `stream` instead. The caller promises that every use so far is ordered before
+    /// later work on `stream`.
+    pub fn set_stream(&mut self, stream: Stream) {
+        self.stream = stream;
+    }
+
+    /// Gives up ownership: the caller must free the block with `deallocate`.
+    pub fn into_raw(self) -> (DevicePtr, usize, Stream) {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped, so its allocator handle is moved out exactly once.
+        let alloc = unsafe { std::ptr::read(&me.alloc) };
+        drop(alloc);
+        (me.ptr, me.len, me.stream)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // A failed free keeps the block (never reused): the error is kept for
+        // `take_deferred_error` rather than lost.
+        if let Err(e) = self.alloc.deallocate(self.ptr, self.len, self.stream) {
+            self.alloc.defer_error(e);
+        }
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}

@@ -1,0 +1,73 @@
+//! Device calls made on behalf of one thread, counted in that thread's statistics.
+//!
+//! Every driver call the allocator makes goes through [`Counted`], so `driver_calls`,
+//! `fences_recorded`, `fence_waits`, `fence_polls` and `host_syncs` are exact.
+
+use super::{Device, Event};
+use crate::error::Result;
+use crate::stats::Counters;
+use crate::stream::{Stream, StreamKey};
+
+/// A device and the counters its calls are charged to.
+#[derive(Clone, Copy)]
+pub(crate) struct Counted<'a> {
+    pub(crate) device: &'a dyn Device,
+    pub(crate) counters: &'a Counters,
+}
+
+impl<'a> Counted<'a> {
+    pub(crate) fn new(device: &'a dyn Device, counters: &'a Counters) -> Self {
+        Counted { device, counters }
+    }
+
+    fn call(&self) {
+        self.counters.bump(&self.counters.driver_calls, 1);
+    }
+
+    pub(crate) fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
+        self.call();
+        self.device.reserve(bytes)
+    }
+
+    /// # Safety
+    /// As [`Device::release`].
+    pub(crate) unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()> {
+        self.call();
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device.release(ptr, bytes) }
+    }
+
+    pub(crate) fn create_event(&self) -> Result<Event> {
+        self.call();
+        self.device.create_event()
+    }
+
+    pub(crate) fn record_fence(&self, e: Event, s: Stream) -> Result<()> {
+        self.call();
+        self.counters.bump(&self.counters.fences_recorded, 1);
+        self.device.record_event(e, s)
+    }
+
+    pub(crate) fn query_fence(&self, e: Event) -> Result<bool> {
+        self.call();
+        self.counters.bump(&self.counters.fence_polls, 1);
+        self.device.query_event(e)
+    }
+
+    pub(crate) fn sync_fence(&self, e: Event) -> Result<()> {
+        self.call();
+        self.counters.bump(&self.counters.host_syncs, 1);
+        self.device.sync_event(e)
+    }
+
+    pub(crate) fn wait_fence(&self, s: Stream, e: Event) -> Result<()> {
+        self.call();
+        self.counters.bump(&self.counters.fence_waits, 1);
+        self.device.stream_wait_event(s, e)
+    }
+
+    pub(crate) fn stream_key(&self, s: Stream) -> Result<StreamKey> {
+        self.call();
+        self.device.stream_key(s)
+    }
+}

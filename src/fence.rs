@@ -1,0 +1,178 @@
+//! Fences: a CUDA event recorded on the stream of a free, and the rule for reusing the block.
+//!
+//! **The rule.** A block freed on stream `F` may be handed to stream `N` only if
+//! - `N` and `F` are the same stream (equal [`StreamKey`]s: work on one stream is ordered), or
+//! - the fence's event has completed (seen by `cuEventQuery`), or
+//! - `N` has been made to wait on the event (`cuStreamWaitEvent`) before the block is returned.
+//!
+//! [`Fence::order_before`] applies the rule; every hand-out of a fenced block goes through it.
+//! Arenas never use the third form on their fast path: they keep fenced blocks aside until the
+//! event completes (see `arena.rs`).
+//!
+//! Fences are shared (`Arc`) between the blocks of one batch and the pieces of a split extent.
+//! The event goes back to the [`EventPool`] when the last reference drops; recording it again
+//! later is safe because a stream wait captures the event's state at the time of the wait.
+
+use crate::device::counted::Counted;
+use crate::device::{Device, Event};
+use crate::error::Result;
+use crate::stream::{Stream, StreamKey};
+use crate::sync::{Arc, AtomicBool, Mutex, Ordering, lock};
+
+/// Reusable events (creating one is a driver call).
+pub(crate) struct EventPool {
+    device: Arc<dyn Device>,
+    free: Mutex<Vec<Event>>,
+}
+
+impl EventPool {
+    pub(crate) fn new(device: Arc<dyn Device>) -> EventPool {
+        EventPool {
+            device,
+            free: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn get(&self, dev: &Counted<'_>) -> Result<Event> {
+        if let Some(e) = lock(&self.free).pop() {
+            return Ok(e);
+        }
+        dev.create_event()
+    }
+
+    fn put(&self, e: Event) {
+        lock(&self.free).push(e);
+    }
+}
+
+impl Drop for EventPool {
+    fn drop(&mut self) {
+        let free = std::mem::take(&mut *lock(&self.free));
+        for e in free {
+            self.device.destroy_event(e);
+        }
+    }
+}
+
+/// An event recorded at a free, on the freeing stream.
+pub(crate) struct Fence {
+    event: Event,
+    stream: StreamKey,
+    /// Set once a query has seen the event complete; never cleared.
+    done: AtomicBool,
+    pool: Arc<EventPool>,
+}
+
+impl Fence {
+    /// Records a fence on `stream` (whose identity is `key`).
+    pub(crate) fn record(
+        pool: &Arc<EventPool>,
+        dev: &Counted<'_>,
+        stream: Stream,
+        key: StreamKey,
+    ) -> Result<Arc<Fence>> {
+        let event = pool.get(dev)?;
+        if let Err(e) = dev.record_fence(event, stream) {
+            pool.put(event);
+            return Err(e);
+        }
+        Ok(Arc::new(Fence {
+            event,
+            stream: key,
+            done: AtomicBool::new(false),
+            pool: Arc::clone(pool),
+        }))
+    }
+
+    /// True if a query has already seen the event complete (no driver call).
+    pub(crate) fn known_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// True once the work before the fence has completed. Never blocks.
+    pub(crate) fn poll(&self, dev: &Counted<'_>) -> Result<bool> {
+        if self.known_done() {
+            return Ok(true);
+        }
+        let done = dev.query_fence(self.event)?;
+        if done {
+            self.done.store(true, Ordering::Release);
+        }
+        Ok(done)
+    }
+
+    /// Blocks the host until the fence completes (trim and shutdown only).
+    pub(crate) fn wait_host(&self, dev: &Counted<'_>) -> Result<()> {
+        if !self.known_done() {
+            dev.sync_fence(self.event)?;
+            self.done.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Applies the reuse rule for handing the fenced block to `stream` (identity `key`).
+    pub(crate) fn order_before(
+        &self,
+        dev: &Counted<'_>,
+        stream: Stream,
+        key: StreamKey,
+    ) -> Result<()> {
+        if self.stream == key || self.poll(dev)? {
+            return Ok(());
+        }
+        dev.wait_fence(stream, self.event)
+    }
+}
+
+impl Drop for Fence {
+    fn drop(&mut self) {
+        self.pool.put(self.event);
+    }
+}
+
+/// The fences guarding one free extent: all must be satisfied before it is reused.
+#[derive(Default, Clone)]
+pub(crate) struct FenceSet(Vec<Arc<Fence>>);
+
+impl FenceSet {
+    pub(crate) fn one(f: Option<Arc<Fence>>) -> FenceSet {
+        FenceSet(f.into_iter().collect())
+    }
+
+    /// Adds the fences of `other`, dropping any already known complete.
+    pub(crate) fn merge(&mut self, other: FenceSet) {
+        self.0.retain(|f| !f.known_done());
+        for f in other.0 {
+            if !f.known_done() && !self.0.iter().any(|g| Arc::ptr_eq(&f, g)) {
+                self.0.push(f);
+            }
+        }
+    }
+
+    /// Orders every fence before `stream`; see [`Fence::order_before`].
+    pub(crate) fn order_before(
+        &self,
+        dev: &Counted<'_>,
+        stream: Stream,
+        key: StreamKey,
+    ) -> Result<()> {
+        self.0
+            .iter()
+            .try_for_each(|f| f.order_before(dev, stream, key))
+    }
+
+    /// True if every fence has completed (queries each pending one).
+    pub(crate) fn poll_all(&self, dev: &Counted<'_>) -> Result<bool> {
+        for f in &self.0 {
+            if !f.poll(dev)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Blocks until every fence has completed.
+    pub(crate) fn wait_host(&self, dev: &Counted<'_>) -> Result<()> {
+        self.0.iter().try_for_each(|f| f.wait_host(dev))
+    }
+}

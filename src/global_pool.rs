@@ -1,0 +1,484 @@
+//! The global pool: address-ordered first fit with coalescing over memory reserved from the
+//! device in chunks, shared by all threads under one mutex.
+//!
+//! It serves large requests (and small ones on streams other than a thread's per-thread
+//! stream), lends superblocks to arenas and takes them back.
+//!
+//! ## State and invariants (under `state`'s lock)
+//! - `free`: free extents keyed by address ([`AddressTree`]); each lies inside one chunk, no two
+//!   overlap, and two adjacent extents of the same chunk are always merged.
+//! - `used`: every range handed out: blocks, and superblocks lent to arenas.
+//! - Every byte of every chunk is in exactly one extent of `free` or one entry of `used`.
+//! - `reserved` is the sum of the chunks, `in_use` the sum of `used`; `reserved <= limit`.
+//! - A free extent carries the fences of every free that produced it; a range is handed out
+//!   only after [`FenceSet::order_before`] for the receiving stream.
+//! - Superblock `owner` fields are written only here, under the lock.
+//!
+//! ## Lock layering
+//! The pool lock is the innermost lock of the allocator, except for the event pool's lock
+//! (taken when a fence is dropped). No callback runs under it. Driver calls made under it are
+//! growth (`reserve`), `trim`, and fence queries in `trim`; stream waits are issued after the
+//! lock is dropped.
+
+use std::collections::BTreeMap;
+
+use crate::address_tree::AddressTree;
+use crate::arena::ArenaShell;
+use crate::config::Config;
+use crate::device::Device;
+use crate::device::counted::Counted;
+use crate::error::{Error, InvalidFree, Result};
+use crate::fence::{EventPool, Fence, FenceSet};
+use crate::registry::Registry;
+use crate::size_class::{GRANULE, block_bytes};
+use crate::stats::{Counters, Stats};
+use crate::stream::{Stream, StreamKey};
+use crate::superblock::Superblock;
+use crate::sync::{Arc, Mutex, Ordering, lock};
+
+struct FreeExt {
+    chunk: u64,
+    fences: FenceSet,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum UsedKind {
+    Block,
+    Superblock,
+}
+
+#[derive(Clone, Copy)]
+struct Used {
+    len: usize,
+    kind: UsedKind,
+    chunk: u64,
+}
+
+struct PoolState {
+    free: AddressTree<FreeExt>,
+    used: BTreeMap<u64, Used>,
+    chunks: BTreeMap<u64, usize>,
+    reserved: usize,
+    peak_reserved: usize,
+    in_use: usize,
+}
+
+/// The shared pool of one allocator.
+pub(crate) struct GlobalPool {
+    device: Arc<dyn Device>,
+    superblock: usize,
+    chunk: usize,
+    limit: usize,
+    small_max: usize,
+    pub(crate) registry: Registry,
+    pub(crate) events: Arc<EventPool>,
+    state: Mutex<PoolState>,
+}
+
+impl GlobalPool {
+    pub(crate) fn new(device: Arc<dyn Device>, cfg: &Config, total: usize) -> GlobalPool {
+        GlobalPool {
+            superblock: cfg.superblock,
+            chunk: cfg.chunk,
+            limit: cfg.limit_bytes(total),
+            small_max: cfg.small_max,
+            registry: Registry::new(cfg.superblock),
+            events: Arc::new(EventPool::new(Arc::clone(&device))),
+            device,
+            state: Mutex::new(PoolState {
+                free: AddressTree::new(cfg.superblock as u64),
+                used: BTreeMap::new(),
+                chunks: BTreeMap::new(),
+                reserved: 0,
+                peak_reserved: 0,
+                in_use: 0,
+            }),
+        }
+    }
+
+    /// The cap on reserved bytes.
+    pub(crate) fn limit(&self) -> usize {
+        self.limit
+    }
+
+    fn oom(&self, st: &PoolState, requested: usize) -> Error {
+        Error::OutOfMemory {
+            requested,
+            reserved: st.reserved,
+            in_use: st.in_use,
+            largest_free: st.free.max_len() as usize,
+            limit: self.limit,
+        }
+    }
+
+    /// Reserves a new chunk of at least `min` bytes (a multiple of the superblock).
+    fn grow(
+        &self,
+        st: &mut PoolState,
+        dev: &Counted<'_>,
+        min: usize,
+        requested: usize,
+    ) -> Result<()> {
+        let room = self.limit.saturating_sub(st.reserved) / self.superblock * self.superblock;
+        if min > room {
+            self.trim_locked(st, dev, false)?;
+            let room = self.limit.saturating_sub(st.reserved) / self.superblock * self.superblock;
+            if min > room {
+                return Err(self.oom(st, requested));
+            }
+        }
+        let room = self.limit.saturating_sub(st.reserved) / self.superblock * self.superblock;
+        let size = self.chunk.max(min).min(room);
+        let mut got = dev.reserve(size)?.map(|p| (p, size));
+        if got.is_none() {
+            // The device is full (other processes, or our own cache): give back what we can.
+            self.trim_locked(st, dev, false)?;
+            got = dev.reserve(min)?.map(|p| (p, min));
+        }
+        let (base, len) = got.ok_or_else(|| self.oom(st, requested))?;
+        st.chunks.insert(base, len);
+        st.free.insert(
+            base,
+            len as u64,
+            FreeExt {
+                chunk: base,
+                fences: FenceSet::default(),
+            },
+        );
+        st.reserved += len;
+        st.peak_reserved = st.peak_reserved.max(st.reserved);
+        Ok(())
+    }
+
+    /// Takes `[take, take+len)` out of the free extent starting at `ext`, putting the
+    /// pieces before and after back. Returns the chunk and the extent's fences.
+    fn carve(st: &mut PoolState, ext: u64, take: u64, len: usize) -> (u64, FenceSet) {
+        let (elen, e) = st.free.remove(ext).expect("carving a free extent");
+        debug_assert!(take >= ext && take + len as u64 <= ext + elen);
+        if take > ext {
+            st.free.insert(
+                ext,
+                take - ext,
+                FreeExt {
+                    chunk: e.chunk,
+                    fences: e.fences.clone(),
+                },
+            );
+        }
+        let end = take + len as u64;
+        if end < ext + elen {
+            st.free.insert(
+                end,
+                ext + elen - end,
+                FreeExt {
+                    chunk: e.chunk,
+                    fences: e.fences.clone(),
+                },
+            );
+        }
+        (e.chunk, e.fences)
+    }
+
+    /// Returns `[addr, addr+len)` of `chunk` to the free tree, merging with its neighbours.
+    fn insert_free(st: &mut PoolState, addr: u64, len: usize, chunk: u64, mut fences: FenceSet) {
+        let (mut start, mut size) = (addr, len as u64);
+        if let Some((pk, pl, pv)) = st.free.below(addr) {
+            debug_assert!(pk + pl <= addr, "free extents overlap at {addr:#x}");
+            if pk + pl == addr && pv.chunk == chunk {
+                let (pl, pv) = st.free.remove(pk).expect("present");
+                fences.merge(pv.fences);
+                start = pk;
+                size += pl;
+            }
+        }
+        let end = addr + len as u64;
+        if st.free.get(end).is_some_and(|(_, v)| v.chunk == chunk) {
+            let (nl, nv) = st.free.remove(end).expect("present");
+            fences.merge(nv.fences);
+            size += nl;
+        }
+        st.free.insert(start, size, FreeExt { chunk, fences });
+    }
+
+    /// Allocates `bytes` (already rounded) for `stream`.
+    pub(crate) fn alloc(
+        &self,
+        dev: &Counted<'_>,
+        bytes: usize,
+        stream: Stream,
+        key: StreamKey,
+        skip_fences: bool,
+    ) -> Result<u64> {
+        let (addr, fences) = {
+            let mut st = lock(&self.state);
+            let addr = match st.free.first_fit(bytes as u64) {
+                Some(a) => a,
+                None => {
+                    let min = bytes
+                        .checked_next_multiple_of(self.superblock)
+                        .ok_or_else(|| self.oom(&st, bytes))?;
+                    self.grow(&mut st, dev, min, bytes)?;
+                    st.free
+                        .first_fit(bytes as u64)
+                        .expect("a new chunk fits the request")
+                }
+            };
+            let (chunk, fences) = Self::carve(&mut st, addr, addr, bytes);
+            st.used.insert(
+                addr,
+                Used {
+                    len: bytes,
+                    kind: UsedKind::Block,
+                    chunk,
+                },
+            );
+            st.in_use += bytes;
+            (addr, fences)
+        };
+        if !skip_fences && let Err(e) = fences.order_before(dev, stream, key) {
+            let mut st = lock(&self.state);
+            let u = st.used.remove(&addr).expect("just allocated");
+            st.in_use -= u.len;
+            Self::insert_free(&mut st, addr, u.len, u.chunk, fences);
+            return Err(e);
+        }
+        Ok(addr)
+    }
+
+    /// Frees a block handed out by [`GlobalPool::alloc`] or left by a dissolved superblock.
+    /// `fence` guards its reuse. A refused free changes nothing.
+    pub(crate) fn free(&self, ptr: u64, size: usize, fence: Option<Arc<Fence>>) -> Result<()> {
+        let invalid = |reason| Error::InvalidFree { ptr, size, reason };
+        let mut st = lock(&self.state);
+        let u = match st.used.get(&ptr) {
+            Some(u) if u.kind == UsedKind::Block => *u,
+            _ => {
+                let inside_free = st.free.below(ptr + 1).is_some_and(|(k, l, _)| ptr < k + l);
+                return Err(invalid(if inside_free {
+                    InvalidFree::DoubleFree
+                } else {
+                    InvalidFree::UnknownPointer
+                }));
+            }
+        };
+        if block_bytes(size, self.small_max) != Some(u.len) {
+            return Err(invalid(InvalidFree::SizeMismatch {
+                allocated: u.len,
+                given: size,
+            }));
+        }
+        st.used.remove(&ptr);
+        st.in_use -= u.len;
+        Self::insert_free(&mut st, ptr, u.len, u.chunk, FenceSet::one(fence));
+        Ok(())
+    }
+
+    /// Lends a superblock to the arena `shell`, ordered for that thread's per-thread stream.
+    pub(crate) fn lend(
+        &self,
+        dev: &Counted<'_>,
+        shell: *mut ArenaShell,
+        key: StreamKey,
+        skip_fences: bool,
+    ) -> Result<&Superblock> {
+        let s = self.superblock;
+        let (sb, fences) = {
+            let mut st = lock(&self.state);
+            let ext = match st.free.first_fit_aligned(s as u64) {
+                Some(a) => a,
+                None => {
+                    self.grow(&mut st, dev, s, s)?;
+                    match st.free.first_fit_aligned(s as u64) {
+                        Some(a) => a,
+                        // The device returned a chunk not aligned to the superblock size.
+                        None => {
+                            self.grow(&mut st, dev, 2 * s, s)?;
+                            st.free
+                                .first_fit_aligned(s as u64)
+                                .expect("a chunk of two superblocks holds an aligned one")
+                        }
+                    }
+                }
+            };
+            let base = ext.next_multiple_of(s as u64);
+            if !self.registry.covers(base) {
+                return Err(Error::Driver {
+                    call: "superblock address beyond the registry's range",
+                    code: 0,
+                });
+            }
+            let (chunk, fences) = Self::carve(&mut st, ext, base, s);
+            st.used.insert(
+                base,
+                Used {
+                    len: s,
+                    kind: UsedKind::Superblock,
+                    chunk,
+                },
+            );
+            st.in_use += s;
+            let sb = self.registry.get_or_insert(base, s / GRANULE);
+            debug_assert!(sb.owner.load(Ordering::Relaxed).is_null());
+            sb.owner.store(shell, Ordering::Release);
+            (sb, fences)
+        };
+        if !skip_fences && let Err(e) = fences.order_before(dev, Stream::PER_THREAD, key) {
+            self.take_back(sb, &[], &[(sb.base, s)], fences);
+            return Err(e);
+        }
+        Ok(sb)
+    }
+
+    /// Takes a superblock back from its arena: `used` ranges stay live as pool blocks (their
+    /// frees come here from now on), `free` ranges become free extents guarded by `fences`.
+    pub(crate) fn take_back(
+        &self,
+        sb: &Superblock,
+        used: &[(u64, usize)],
+        free: &[(u64, usize)],
+        fences: FenceSet,
+    ) {
+        let mut st = lock(&self.state);
+        let u = st.used.remove(&sb.base).expect("a lent superblock");
+        debug_assert!(u.kind == UsedKind::Superblock);
+        st.in_use -= u.len;
+        for &(a, l) in used {
+            st.used.insert(
+                a,
+                Used {
+                    len: l,
+                    kind: UsedKind::Block,
+                    chunk: u.chunk,
+                },
+            );
+            st.in_use += l;
+        }
+        for &(a, l) in free {
+            Self::insert_free(&mut st, a, l, u.chunk, fences.clone());
+        }
+        // Cleared under the lock, after the ranges are registered: a free that sees no owner
+        // and then takes this lock finds its block in `used`.
+        sb.owner.store(std::ptr::null_mut(), Ordering::Release);
+    }
+
+    /// Releases every chunk that is wholly free to the device. With `blocking`, waits for
+    /// pending fences first; otherwise skips chunks whose fences have not completed.
+    pub(crate) fn trim(&self, dev: &Counted<'_>, blocking: bool) -> Result<usize> {
+        let mut st = lock(&self.state);
+        self.trim_locked(&mut st, dev, blocking)
+    }
+
+    fn trim_locked(&self, st: &mut PoolState, dev: &Counted<'_>, blocking: bool) -> Result<usize> {
+        let mut released = 0;
+        let empty: Vec<(u64, usize)> = st
+            .chunks
+            .iter()
+            .filter(|&(&b, &l)| st.free.get(b).is_some_and(|(fl, _)| fl as usize == l))
+            .map(|(&b, &l)| (b, l))
+            .collect();
+        for (base, len) in empty {
+            let fences = &st.free.get(base).expect("checked").1.fences;
+            if blocking {
+                fences.wait_host(dev)?;
+            } else if !fences.poll_all(dev)? {
+                continue;
+            }
+            st.free.remove(base);
+            st.chunks.remove(&base);
+            st.reserved -= len;
+            // SAFETY: the chunk came from `reserve`, is wholly free, and its fences have
+            // completed, so no queued work uses it.
+            unsafe { dev.release(base, len)? };
+            released += len;
+        }
+        Ok(released)
+    }
+
+    /// Fills the pool's part of `s`.
+    pub(crate) fn fill_stats(&self, s: &mut Stats) {
+        let st = lock(&self.state);
+        s.reserved_bytes = st.reserved as u64;
+        s.peak_reserved_bytes = st.peak_reserved as u64;
+        s.pool_in_use_bytes = st.in_use as u64;
+        s.largest_free_block = st.free.max_len();
+        s.free_extents = st.free.len() as u64;
+    }
+
+    /// Checks the invariants in the module comment; panics on a violation.
+    #[cfg(any(test, debug_assertions))]
+    pub(crate) fn check(&self) {
+        let st = lock(&self.state);
+        st.free.check();
+        let mut ranges: Vec<(u64, u64, u64)> = Vec::new();
+        let mut prev: Option<(u64, u64, u64)> = None;
+        st.free.for_each(|k, l, v| {
+            if let Some((pk, pl, pc)) = prev {
+                assert!(
+                    !(pk + pl == k && pc == v.chunk),
+                    "unmerged free neighbours at {k:#x}"
+                );
+            }
+            prev = Some((k, l, v.chunk));
+            ranges.push((k, l, v.chunk));
+        });
+        ranges.extend(st.used.iter().map(|(&k, u)| (k, u.len as u64, u.chunk)));
+        ranges.sort();
+        let mut covered: BTreeMap<u64, u64> = BTreeMap::new();
+        for w in ranges.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "overlap at {:#x}", w[1].0);
+        }
+        for (k, l, c) in &ranges {
+            let clen = st.chunks[c] as u64;
+            assert!(
+                *k >= *c && k + l <= c + clen,
+                "range {k:#x} outside its chunk"
+            );
+            *covered.entry(*c).or_default() += l;
+        }
+        for (c, l) in &st.chunks {
+            assert_eq!(
+                covered.get(c).copied().unwrap_or(0),
+                *l as u64,
+                "chunk {c:#x} not fully accounted"
+            );
+        }
+        assert_eq!(st.reserved, st.chunks.values().sum::<usize>());
+        assert_eq!(st.in_use, st.used.values().map(|u| u.len).sum::<usize>());
+        assert!(st.reserved <= self.limit);
+    }
+
+    /// Ranges handed out: `(address, bytes, is_superblock)`.
+    #[cfg(any(test, debug_assertions))]
+    pub(crate) fn used_ranges(&self) -> Vec<(u64, usize, bool)> {
+        lock(&self.state)
+            .used
+            .iter()
+            .map(|(&a, u)| (a, u.len, u.kind == UsedKind::Superblock))
+            .collect()
+    }
+
+    /// Bytes handed out (blocks and lent superblocks).
+    #[cfg(any(test, debug_assertions))]
+    pub(crate) fn in_use(&self) -> usize {
+        lock(&self.state).in_use
+    }
+}
+
+impl Drop for GlobalPool {
+    fn drop(&mut self) {
+        if crate::shutdown::process_exiting() {
+            return; // the driver is going away; the process teardown frees the memory
+        }
+        let counters = Counters::new_shared();
+        let dev = Counted::new(&*self.device, &counters);
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        st.free.for_each(|_, _, v| {
+            let _ = v.fences.wait_host(&dev);
+        });
+        for (&base, &len) in &st.chunks {
+            // SAFETY: the allocator is being dropped: no block may be used any more (the
+            // documented contract of dropping it), and pending fences were waited for above.
+            let _ = unsafe { dev.release(base, len) };
+        }
+    }
+}

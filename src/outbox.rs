@@ -1,0 +1,124 @@
+//! A thread's outbox: remote frees gathered into batches, one fence per batch.
+//!
+//! A free of a small block that is not the calling thread's own block on its own per-thread
+//! stream lands here. Frees on the per-thread or the legacy stream, which cannot be destroyed,
+//! gather per destination arena until the outbox holds `batch_blocks` blocks or `batch_bytes`
+//! bytes, the free stream changes, or the thread reaches a slow path, flushes or exits. A flush
+//! records **one** event on the free stream and pushes one batch per destination. So at most
+//! one batch's worth of freed memory per thread waits unsent: the bound on memory a thread
+//! strands this way.
+//!
+//! A free on a user stream is sent at once ([`send_now`]) with its own fence: the caller may
+//! destroy the stream right after the free, and a later flush could not record on it.
+
+use crate::arena::{ArenaShell, Batch, Freed};
+use crate::env::Env;
+use crate::error::Result;
+use crate::stream::{Stream, StreamKey};
+
+/// Pending remote frees of one thread.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    stream: Option<Stream>,
+    dests: Vec<(*const ArenaShell, Vec<Freed>)>,
+    count: usize,
+    bytes: usize,
+}
+
+impl Outbox {
+    /// True if frees on `stream` may wait in the outbox: it can never be destroyed.
+    pub(crate) fn batchable(stream: Stream) -> bool {
+        stream.is_per_thread() || stream.is_legacy()
+    }
+
+    /// Adds a free of a block owned by `dest`, made on a [`Outbox::batchable`] stream. May flush.
+    pub(crate) fn push(
+        &mut self,
+        env: &Env<'_>,
+        ptds: StreamKey,
+        dest: *const ArenaShell,
+        fr: Freed,
+        stream: Stream,
+        limits: (usize, usize),
+    ) -> Result<()> {
+        if self.stream.is_some_and(|s| s != stream) {
+            self.flush(env, ptds)?;
+        }
+        self.stream = Some(stream);
+        match self.dests.iter_mut().find(|(d, _)| *d == dest) {
+            Some((_, v)) => v.push(fr),
+            None => self.dests.push((dest, vec![fr])),
+        }
+        self.count += 1;
+        self.bytes += fr.size;
+        if self.count >= limits.0 || self.bytes >= limits.1 {
+            self.flush(env, ptds)?;
+        }
+        Ok(())
+    }
+
+    /// True if nothing waits.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Sends every gathered free under one fence. `ptds` is the calling thread's per-thread
+    /// stream identity. If no fence can be recorded (a destroyed stream), the blocks are
+    /// dropped: never reused, so memory is lost but never corrupted; the error is returned.
+    pub(crate) fn flush(&mut self, env: &Env<'_>, ptds: StreamKey) -> Result<()> {
+        let Some(stream) = self.stream.take() else {
+            return Ok(());
+        };
+        let dests = std::mem::take(&mut self.dests);
+        self.count = 0;
+        self.bytes = 0;
+        let key = if stream.is_per_thread() {
+            Ok(ptds)
+        } else {
+            env.dev.stream_key(stream)
+        };
+        let fence = key.and_then(|k| env.fence(stream, k))?;
+        for (dest, blocks) in dests {
+            deliver(
+                env,
+                dest,
+                Batch {
+                    fence: fence.clone(),
+                    blocks,
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Sends one free made on a user stream, fenced now. On error nothing has changed.
+pub(crate) fn send_now(
+    env: &Env<'_>,
+    dest: *const ArenaShell,
+    fr: Freed,
+    stream: Stream,
+) -> Result<()> {
+    let key = env.dev.stream_key(stream)?;
+    let fence = env.fence(stream, key)?;
+    deliver(
+        env,
+        dest,
+        Batch {
+            fence,
+            blocks: vec![fr],
+        },
+    );
+    Ok(())
+}
+
+/// Pushes `batch` into `dest`'s inbox, or into the pool if its owner has exited.
+fn deliver(env: &Env<'_>, dest: *const ArenaShell, batch: Batch) {
+    // SAFETY: shells live as long as the allocator, which `env` borrows.
+    if let Err(batch) = unsafe { &*dest }.inbox.push(batch) {
+        // The owner has exited: its superblocks are the pool's now.
+        for fr in batch.blocks {
+            env.pool_free_remote(fr.ptr, fr.size, batch.fence.clone());
+        }
+    }
+}
