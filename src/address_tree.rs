@@ -260,7 +260,6 @@ impl<V> AddressTree<V> {
     }
 
     /// Checks every invariant; panics with a description if one fails.
-    #[cfg(any(test, debug_assertions))]
     pub(crate) fn check(&self) {
         fn walk<V>(
             t: &AddressTree<V>,

@@ -493,21 +493,18 @@ impl Allocator {
 
     /// Checks the global pool's invariants; panics on a violation. For tests.
     #[doc(hidden)]
-    #[cfg(any(test, debug_assertions))]
     pub fn check_invariants(&self) {
         self.inner.pool.check();
     }
 
     /// Ranges the pool has handed out: `(address, bytes, is_superblock)`. For tests.
     #[doc(hidden)]
-    #[cfg(any(test, debug_assertions))]
     pub fn pool_used_ranges(&self) -> Vec<(u64, usize, bool)> {
         self.inner.pool.used_ranges()
     }
 
     /// Bytes the pool has handed out (blocks and lent superblocks). For tests.
     #[doc(hidden)]
-    #[cfg(any(test, debug_assertions))]
     pub fn pool_in_use(&self) -> usize {
         self.inner.pool.in_use()
     }

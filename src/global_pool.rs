@@ -405,7 +405,6 @@ impl GlobalPool {
     }
 
     /// Checks the invariants in the module comment; panics on a violation.
-    #[cfg(any(test, debug_assertions))]
     pub(crate) fn check(&self) {
         let st = lock(&self.state);
         st.free.check();
@@ -448,7 +447,6 @@ impl GlobalPool {
     }
 
     /// Ranges handed out: `(address, bytes, is_superblock)`.
-    #[cfg(any(test, debug_assertions))]
     pub(crate) fn used_ranges(&self) -> Vec<(u64, usize, bool)> {
         lock(&self.state)
             .used
@@ -458,7 +456,6 @@ impl GlobalPool {
     }
 
     /// Bytes handed out (blocks and lent superblocks).
-    #[cfg(any(test, debug_assertions))]
     pub(crate) fn in_use(&self) -> usize {
         lock(&self.state).in_use
     }

@@ -401,3 +401,38 @@ fn config_from_env_string() {
     let a = Allocator::host(HostDevice::default(), c).unwrap();
     assert_eq!(a.config().small_max(), 1 << 20);
 }
+
+#[test]
+fn cuda_without_a_driver_is_an_error_not_a_panic() {
+    if cuarena::device::cuda::driver_present() {
+        return; // a GPU machine: tests/gpu.rs covers it
+    }
+    assert!(matches!(
+        Allocator::cuda(0, Config::default()),
+        Err(Error::NoDriver)
+    ));
+    assert!(matches!(cuarena::CudaDevice::new(0), Err(Error::NoDriver)));
+}
+
+#[test]
+fn a_free_on_a_destroyed_stream_is_refused_and_the_block_stays_live() {
+    let dev = device(0);
+    let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
+    let p = a.allocate_per_thread(4096).unwrap();
+    let q = a.allocate(200 << 10, Stream::LEGACY).unwrap();
+    let s = dev.create_stream();
+    dev.destroy_stream(s).unwrap();
+    assert!(matches!(
+        a.deallocate(p, 4096, s),
+        Err(Error::Driver { .. })
+    ));
+    assert!(matches!(
+        a.deallocate(q, 200 << 10, s),
+        Err(Error::Driver { .. })
+    ));
+    assert_eq!(a.stats().live_bytes, 4096 + (200 << 10));
+    a.deallocate_per_thread(p, 4096).unwrap();
+    a.deallocate(q, 200 << 10, Stream::LEGACY).unwrap();
+    a.release_thread().unwrap();
+    assert_all_returned(&a);
+}

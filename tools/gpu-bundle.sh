@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds everything the GPU machine needs into gpu-bundle/ (ignored by git): the release test
+# binaries, the main binary, libcuarena.so and run.sh. Carry `gpu-bundle` with the device tool and
+# run `bash gpu-bundle/run.sh` there (it has no Rust toolchain).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf gpu-bundle && mkdir -p gpu-bundle
+cargo build --release --bins --lib
+cargo test --release --no-run --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["bin"] and m.get("profile", {}).get("test"):
+        name = m["target"]["name"]
+        shutil.copy(m["executable"], f"gpu-bundle/test-{name}")
+        print("bundled test", name)
+'
+cp target/release/cuarena gpu-bundle/ 2>/dev/null || true
+cp target/release/libcuarena.so gpu-bundle/ 2>/dev/null || true
+[ -d python ] && cp -r python gpu-bundle/
+[ -d include ] && cp -r include gpu-bundle/
+[ -d examples ] && cp -r examples gpu-bundle/
+cat > gpu-bundle/run.sh <<'RUN'
+#!/usr/bin/env bash
+# Runs the bundled tests with the GPU required. Usage: bash gpu-bundle/run.sh [test-name ...]
+set -uo pipefail
+cd "$(dirname "$0")"
+export CUARENA_REQUIRE_GPU=1
+status=0
+for t in ${@:-test-gpu test-host test-cuarena}; do
+  echo "== $t"
+  ./$t --test-threads=1 2>&1 || status=1
+done
+exit $status
+RUN
+chmod +x gpu-bundle/run.sh
+for f in gpu-bundle/test-* gpu-bundle/cuarena gpu-bundle/libcuarena.so; do [ -f "$f" ] && strip --strip-debug "$f"; done
+du -sh gpu-bundle
