@@ -62,10 +62,7 @@ impl<V> AddressTree<V> {
 
     fn update(&mut self, i: u32) {
         let (l, r) = (self.n(i).left, self.n(i).right);
-        let (mut ml, mut ma) = (
-            self.n(i).len,
-            aligned_capacity(self.n(i).key, self.n(i).len, self.align),
-        );
+        let (mut ml, mut ma) = (self.n(i).len, aligned_capacity(self.n(i).key, self.n(i).len, self.align));
         for c in [l, r] {
             if c != NIL {
                 ml = ml.max(self.n(c).max_len);
@@ -122,16 +119,8 @@ impl<V> AddressTree<V> {
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
-        let node = Node {
-            key,
-            len,
-            prio: self.rng as u32,
-            left: NIL,
-            right: NIL,
-            max_len: 0,
-            max_aligned: 0,
-            val,
-        };
+        let node =
+            Node { key, len, prio: self.rng as u32, left: NIL, right: NIL, max_len: 0, max_aligned: 0, val };
         let i = match self.spare.pop() {
             Some(i) => {
                 self.nodes[i as usize] = Some(node);
@@ -202,17 +191,10 @@ impl<V> AddressTree<V> {
     /// The lowest-addressed extent holding an `align`-aligned run of `len` bytes.
     pub(crate) fn first_fit_aligned(&self, len: u64) -> Option<u64> {
         let a = self.align;
-        self.descend(
-            |n| n.max_aligned >= len,
-            |n| aligned_capacity(n.key, n.len, a) >= len,
-        )
+        self.descend(|n| n.max_aligned >= len, |n| aligned_capacity(n.key, n.len, a) >= len)
     }
 
-    fn descend(
-        &self,
-        sub: impl Fn(&Node<V>) -> bool,
-        this: impl Fn(&Node<V>) -> bool,
-    ) -> Option<u64> {
+    fn descend(&self, sub: impl Fn(&Node<V>) -> bool, this: impl Fn(&Node<V>) -> bool) -> Option<u64> {
         let mut t = self.root;
         while t != NIL {
             let n = self.n(t);
@@ -231,11 +213,7 @@ impl<V> AddressTree<V> {
 
     /// The largest extent's length.
     pub(crate) fn max_len(&self) -> u64 {
-        if self.root == NIL {
-            0
-        } else {
-            self.n(self.root).max_len
-        }
+        if self.root == NIL { 0 } else { self.n(self.root).max_len }
     }
 
     /// Number of extents.
@@ -261,20 +239,12 @@ impl<V> AddressTree<V> {
 
     /// Checks every invariant; panics with a description if one fails.
     pub(crate) fn check(&self) {
-        fn walk<V>(
-            t: &AddressTree<V>,
-            i: u32,
-            lo: Option<u64>,
-            hi: Option<u64>,
-        ) -> (u64, u64, usize) {
+        fn walk<V>(t: &AddressTree<V>, i: u32, lo: Option<u64>, hi: Option<u64>) -> (u64, u64, usize) {
             if i == NIL {
                 return (0, 0, 0);
             }
             let n = t.n(i);
-            assert!(
-                lo.is_none_or(|lo| n.key > lo) && hi.is_none_or(|hi| n.key < hi),
-                "order"
-            );
+            assert!(lo.is_none_or(|lo| n.key > lo) && hi.is_none_or(|hi| n.key < hi), "order");
             for c in [n.left, n.right] {
                 assert!(c == NIL || t.n(c).prio <= n.prio, "heap");
             }
@@ -282,12 +252,7 @@ impl<V> AddressTree<V> {
             let (rl, ra, rc) = walk(t, n.right, Some(n.key), hi);
             let ml = n.len.max(ll).max(rl);
             let ma = aligned_capacity(n.key, n.len, t.align).max(la).max(ra);
-            assert_eq!(
-                (n.max_len, n.max_aligned),
-                (ml, ma),
-                "augmentation at {:#x}",
-                n.key
-            );
+            assert_eq!((n.max_len, n.max_aligned), (ml, ma), "augmentation at {:#x}", n.key);
             (ml, ma, lc + rc + 1)
         }
         let (_, _, c) = walk(self, self.root, None, None);
@@ -322,19 +287,14 @@ mod tests {
                 }
                 1 => {
                     let want = m.remove(&key);
-                    assert_eq!(
-                        t.remove(key).map(|(l, v)| (l, v == key ^ l)),
-                        want.map(|l| (l, true))
-                    );
+                    assert_eq!(t.remove(key).map(|(l, v)| (l, v == key ^ l)), want.map(|l| (l, true)));
                 }
                 _ => {
                     let need = (1 + rnd(64)) * 256;
                     let naive = m.iter().find(|&(_, &l)| l >= need).map(|(&k, _)| k);
                     assert_eq!(t.first_fit(need), naive);
-                    let naive_a = m
-                        .iter()
-                        .find(|&(&k, &l)| aligned_capacity(k, l, align) >= need)
-                        .map(|(&k, _)| k);
+                    let naive_a =
+                        m.iter().find(|&(&k, &l)| aligned_capacity(k, l, align) >= need).map(|(&k, _)| k);
                     assert_eq!(t.first_fit_aligned(need), naive_a);
                     let below = m.range(..key).next_back().map(|(&k, &l)| (k, l));
                     assert_eq!(t.below(key).map(|(k, l, _)| (k, l)), below);

@@ -27,9 +27,7 @@ use crate::outbox::Outbox;
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
 use crate::stats::{CounterRegistry, Counters, Stats};
 use crate::stream::{Stream, StreamKey};
-use crate::sync::{
-    Arc, AtomicU64, AtomicUsize, Mutex, Ordering, Weak, downgrade, lock, thread_local,
-};
+use crate::sync::{Arc, AtomicU64, AtomicUsize, Mutex, Ordering, Weak, downgrade, lock, thread_local};
 
 /// A device address. Null is `DevicePtr(0)`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -62,10 +60,16 @@ pub(crate) struct Inner {
     cfg: Config,
     pool: GlobalPool,
     counters: CounterRegistry,
-    /// Every shell ever made (kept so `owner` pointers never dangle) and the reusable ones.
-    shells: Mutex<(Vec<Arc<ArenaShell>>, Vec<Arc<ArenaShell>>)>,
+    shells: Mutex<Shells>,
     deferred: Mutex<Option<Error>>,
     arenas: AtomicUsize,
+}
+
+/// Arena shells: every one ever made (kept so `owner` pointers never dangle) and the idle ones.
+#[derive(Default)]
+struct Shells {
+    all: Vec<Arc<ArenaShell>>,
+    idle: Vec<Arc<ArenaShell>>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -97,14 +101,14 @@ impl Inner {
 
     fn take_shell(&self) -> Arc<ArenaShell> {
         let mut s = lock(&self.shells);
-        if let Some(sh) = s.1.pop() {
+        if let Some(sh) = s.idle.pop() {
             // Frees pushed after this reopen may be for blocks of the shell's earlier arena;
             // the new owner's drain finds them not its own and sends them to the pool.
             sh.inbox.reopen();
             return sh;
         }
         let sh = Arc::new(ArenaShell::default());
-        s.0.push(Arc::clone(&sh));
+        s.all.push(Arc::clone(&sh));
         sh
     }
 
@@ -185,14 +189,8 @@ impl Slot {
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
         let counters = Arc::clone(&self.counters);
         let env = inner.env(&counters);
-        let key = if stream.is_per_thread() {
-            self.ptds_key(&env)?
-        } else {
-            env.dev.stream_key(stream)?
-        };
-        let p = inner
-            .pool
-            .alloc(&env.dev, bytes, stream, key, env.skip_fences)?;
+        let key = if stream.is_per_thread() { self.ptds_key(&env)? } else { env.dev.stream_key(stream)? };
+        let p = inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?;
         self.counted_alloc(bytes);
         inner.counters.sample();
         Ok(p)
@@ -210,17 +208,14 @@ impl Slot {
             if !owner.is_null() {
                 let bytes = bytes.ok_or(invalid(InvalidFree::UnknownPointer))?;
                 let env = inner.env(&self.counters);
-                let mine = self
-                    .arena
-                    .as_ref()
-                    .is_some_and(|a| Arc::as_ptr(&a.shell) == owner as *const _);
+                let mine = self.arena.as_ref().is_some_and(|a| std::ptr::eq(Arc::as_ptr(&a.shell), owner));
                 if mine && stream.is_per_thread() {
                     let arena = self.arena.as_mut().expect("checked");
                     arena.free_local(&env, sb, ptr, size)?;
                     self.counted_free(bytes);
                     return Ok(());
                 }
-                if ptr % GRANULE as u64 != 0 {
+                if !ptr.is_multiple_of(GRANULE as u64) {
                     return Err(invalid(InvalidFree::UnknownPointer));
                 }
                 let counters = Arc::clone(&self.counters);
@@ -234,14 +229,7 @@ impl Slot {
                     crate::outbox::send_now(&env, owner, fr, stream)?;
                 }
                 let c = &*counters;
-                c.bump(
-                    if mine {
-                        &c.cross_stream_frees
-                    } else {
-                        &c.cross_thread_frees
-                    },
-                    1,
-                );
+                c.bump(if mine { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);
                 self.counted_free(bytes);
                 return Ok(());
             }
@@ -251,11 +239,7 @@ impl Slot {
         };
         let counters = Arc::clone(&self.counters);
         let env = inner.env(&counters);
-        let key = if stream.is_per_thread() {
-            self.ptds_key(&env)?
-        } else {
-            env.dev.stream_key(stream)?
-        };
+        let key = if stream.is_per_thread() { self.ptds_key(&env)? } else { env.dev.stream_key(stream)? };
         let fence = env.fence(stream, key)?;
         inner.pool.free(ptr, size, fence)?;
         self.counted_free(bytes);
@@ -274,7 +258,7 @@ impl Slot {
         if let Some(arena) = self.arena.take() {
             inner.arenas.fetch_sub(1, Ordering::Relaxed);
             if let Some(shell) = arena.exit(&env) {
-                lock(&inner.shells).1.push(shell);
+                lock(&inner.shells).idle.push(shell);
             }
         }
         flushed
@@ -306,9 +290,8 @@ fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R
             None => {
                 // Forget slots of dropped allocators; their memory went with them.
                 let dead: Vec<Slot> = {
-                    let (keep, dead): (Vec<Slot>, Vec<Slot>) = std::mem::take(&mut *slots)
-                        .into_iter()
-                        .partition(|s| s.inner.strong_count() > 0);
+                    let (keep, dead): (Vec<Slot>, Vec<Slot>) =
+                        std::mem::take(&mut *slots).into_iter().partition(|s| s.inner.strong_count() > 0);
                     *slots = keep;
                     dead
                 };
@@ -340,7 +323,7 @@ impl Allocator {
                 device,
                 cfg: config,
                 counters: CounterRegistry::new(),
-                shells: Mutex::new((Vec::new(), Vec::new())),
+                shells: Mutex::new(Shells::default()),
                 deferred: Mutex::new(None),
                 arenas: AtomicUsize::new(0),
             }),
@@ -386,9 +369,7 @@ impl Allocator {
             Some(b) if b <= inner.pool.limit() => b,
             _ => return Err(inner.oom(size)),
         };
-        with_slot(inner, |slot, inner| {
-            slot.alloc_pool(inner, bytes, stream).map(DevicePtr)
-        })
+        with_slot(inner, |slot, inner| slot.alloc_pool(inner, bytes, stream).map(DevicePtr))
     }
 
     /// Frees a block from [`Allocator::allocate`]. `size` is the size it was allocated with.
@@ -404,11 +385,7 @@ impl Allocator {
         }
         with_slot(&self.inner, |slot, inner| {
             let r = if ptr.is_null() {
-                Err(Error::InvalidFree {
-                    ptr: 0,
-                    size,
-                    reason: InvalidFree::UnknownPointer,
-                })
+                Err(Error::InvalidFree { ptr: 0, size, reason: InvalidFree::UnknownPointer })
             } else {
                 slot.free(inner, ptr.0, size, stream)
             };
@@ -461,9 +438,7 @@ impl Allocator {
     /// fences (a host synchronisation); otherwise releases only chunks whose fences are done.
     /// Returns the bytes released.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
-        with_slot(&self.inner, |slot, inner| {
-            inner.pool.trim(&inner.env(&slot.counters).dev, blocking)
-        })
+        with_slot(&self.inner, |slot, inner| inner.pool.trim(&inner.env(&slot.counters).dev, blocking))
     }
 
     /// The latest error found after the call that caused it (an invalid remote free, a

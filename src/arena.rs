@@ -22,7 +22,8 @@
 //! (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks).
 //! Such a superblock exists by pigeonhole. Hence after every free
 //! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
-//! `max(K·S, f/(1-f)·u)`**, i.e. one superblock or a third of its live bytes at the defaults.
+//! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
+//! its live bytes, whichever is larger (see `config.rs` for why `f` is not Hoard's 1/4).
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
@@ -123,11 +124,7 @@ impl Arena {
         unsafe {
             sb.with_local(|l| {
                 if b.len > g {
-                    let rest = FreeBlock {
-                        sb: b.sb,
-                        first: b.first + g,
-                        len: b.len - g,
-                    };
+                    let rest = FreeBlock { sb: b.sb, first: b.first + g, len: b.len - g };
                     let id = lists.insert(rest);
                     l.mark(rest.first, rest.len, FREE, id);
                 }
@@ -140,13 +137,7 @@ impl Arena {
     }
 
     /// Checks that a block of `g` granules starts at `ptr` in `l` and is live.
-    fn validate(
-        l: &SbLocal,
-        sb: &Superblock,
-        ptr: u64,
-        size: usize,
-        g: usize,
-    ) -> Result<usize, InvalidFree> {
+    fn validate(l: &SbLocal, sb: &Superblock, ptr: u64, size: usize, g: usize) -> Result<usize, InvalidFree> {
         let off = ptr - sb.base;
         if off & ((1 << GRANULE_SHIFT) - 1) != 0 {
             return Err(InvalidFree::UnknownPointer);
@@ -154,10 +145,9 @@ impl Arena {
         let first = (off >> GRANULE_SHIFT) as usize;
         match l.head(first) {
             Some((USED, len)) if len == g => Ok(first),
-            Some((USED, len)) => Err(InvalidFree::SizeMismatch {
-                allocated: len << GRANULE_SHIFT,
-                given: size,
-            }),
+            Some((USED, len)) => {
+                Err(InvalidFree::SizeMismatch { allocated: len << GRANULE_SHIFT, given: size })
+            }
             Some((PENDING | FREE, _)) => Err(InvalidFree::DoubleFree),
             _ => Err(InvalidFree::UnknownPointer),
         }
@@ -165,13 +155,7 @@ impl Arena {
 
     /// Merges the block `[first, first+len)` of `sb` into the free lists.
     #[inline]
-    fn merge_free(
-        lists: &mut FreeLists,
-        l: &mut SbLocal,
-        sb: *const Superblock,
-        first: usize,
-        len: usize,
-    ) {
+    fn merge_free(lists: &mut FreeLists, l: &mut SbLocal, sb: *const Superblock, first: usize, len: usize) {
         l.clear(first, len);
         let (mut start, mut n) = (first, len);
         if let Some(id) = l.free_before(first) {
@@ -185,24 +169,14 @@ impl Arena {
             l.clear(b.first, b.len);
             n += b.len;
         }
-        let id = lists.insert(FreeBlock {
-            sb,
-            first: start,
-            len: n,
-        });
+        let id = lists.insert(FreeBlock { sb, first: start, len: n });
         l.mark(start, n, FREE, id);
         l.live -= len;
     }
 
     /// Fast path: frees a block of this arena on the owner's per-thread stream.
     #[inline]
-    pub(crate) fn free_local(
-        &mut self,
-        env: &Env<'_>,
-        sb: &Superblock,
-        ptr: u64,
-        size: usize,
-    ) -> Result<()> {
+    pub(crate) fn free_local(&mut self, env: &Env<'_>, sb: &Superblock, ptr: u64, size: usize) -> Result<()> {
         let g = block_bytes(size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
         let lists = &mut self.lists;
         // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
@@ -281,26 +255,14 @@ impl Arena {
         };
         self.live -= live;
         let c = env.dev.counters;
-        c.bump(
-            if used.is_empty() {
-                &c.superblocks_returned
-            } else {
-                &c.superblocks_dissolved
-            },
-            1,
-        );
-        c.bump(
-            &c.arena_bytes,
-            ((granules as u64) << GRANULE_SHIFT).wrapping_neg(),
-        );
+        c.bump(if used.is_empty() { &c.superblocks_returned } else { &c.superblocks_dissolved }, 1);
+        c.bump(&c.arena_bytes, ((granules as u64) << GRANULE_SHIFT).wrapping_neg());
         env.pool.take_back(sb, &used, &free, fences);
     }
 
     /// Takes a superblock from the pool.
     fn grow(&mut self, env: &Env<'_>) -> Result<()> {
-        let sb = env
-            .pool
-            .lend(&env.dev, self.shell_ptr(), self.key, env.skip_fences)?;
+        let sb = env.pool.lend(&env.dev, self.shell_ptr(), self.key, env.skip_fences)?;
         let sbp: *const Superblock = sb;
         let slot = self.owned.len();
         let lists = &mut self.lists;
@@ -310,11 +272,7 @@ impl Arena {
             sb.with_local(|l| {
                 l.init(granules);
                 l.slot = slot;
-                let id = lists.insert(FreeBlock {
-                    sb: sbp,
-                    first: 0,
-                    len: granules,
-                });
+                let id = lists.insert(FreeBlock { sb: sbp, first: 0, len: granules });
                 l.mark(0, granules, FREE, id);
             })
         };
@@ -335,8 +293,7 @@ impl Arena {
             for fr in batch.blocks {
                 match env.pool.registry.lookup(fr.ptr) {
                     Some(sb) if fr.size <= env.small_max && self.owns(sb) => {
-                        let g =
-                            block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
+                        let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
                         // SAFETY: we own `sb`.
                         let r = unsafe {
                             sb.with_local(|l| {
@@ -348,11 +305,7 @@ impl Arena {
                         match r {
                             Ok(()) => mine.push(fr),
                             Err(reason) => env.refuse_remote(
-                                Error::InvalidFree {
-                                    ptr: fr.ptr,
-                                    size: fr.size,
-                                    reason,
-                                },
+                                Error::InvalidFree { ptr: fr.ptr, size: fr.size, reason },
                                 fr.size,
                             ),
                         }
@@ -362,10 +315,7 @@ impl Arena {
                 }
             }
             if !mine.is_empty() {
-                self.pending.push_back(Batch {
-                    fence: batch.fence,
-                    blocks: mine,
-                });
+                self.pending.push_back(Batch { fence: batch.fence, blocks: mine });
             }
         }
     }
@@ -446,9 +396,7 @@ impl Arena {
             }
             Err(e) => return Err(e),
         }
-        Ok(self
-            .alloc(class, g)
-            .expect("a fresh superblock fits every small class"))
+        Ok(self.alloc(class, g).expect("a fresh superblock fits every small class"))
     }
 
     /// Drains, polls and returns what the return rule allows (an explicit flush).

@@ -17,18 +17,8 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
-    pub(crate) fn from_parts(
-        alloc: Allocator,
-        ptr: DevicePtr,
-        len: usize,
-        stream: Stream,
-    ) -> DeviceBuffer {
-        DeviceBuffer {
-            alloc,
-            ptr,
-            len,
-            stream,
-        }
+    pub(crate) fn from_parts(alloc: Allocator, ptr: DevicePtr, len: usize, stream: Stream) -> DeviceBuffer {
+        DeviceBuffer { alloc, ptr, len, stream }
     }
 
     /// The device address (null for an empty buffer).

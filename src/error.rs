@@ -32,11 +32,7 @@ pub enum Error {
     /// A CUDA driver call failed.
     Driver { call: &'static str, code: u32 },
     /// A free was refused (see [`InvalidFree`]).
-    InvalidFree {
-        ptr: u64,
-        size: usize,
-        reason: InvalidFree,
-    },
+    InvalidFree { ptr: u64, size: usize, reason: InvalidFree },
     /// No CUDA driver library could be loaded on this machine.
     NoDriver,
     /// The device ordinal does not exist.
@@ -50,13 +46,7 @@ pub enum Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::OutOfMemory {
-                requested,
-                reserved,
-                in_use,
-                largest_free,
-                limit,
-            } => write!(
+            Error::OutOfMemory { requested, reserved, in_use, largest_free, limit } => write!(
                 f,
                 "out of device memory: requested {requested} B; reserved {reserved} B of a {limit} B cap, \
                  {in_use} B in use, largest free block {largest_free} B"
@@ -66,10 +56,7 @@ impl fmt::Display for Error {
             }
             Error::InvalidFree { ptr, size, reason } => match reason {
                 InvalidFree::UnknownPointer => {
-                    write!(
-                        f,
-                        "invalid free of {ptr:#x} ({size} B): not a live block of this allocator"
-                    )
+                    write!(f, "invalid free of {ptr:#x} ({size} B): not a live block of this allocator")
                 }
                 InvalidFree::DoubleFree => {
                     write!(f, "invalid free of {ptr:#x} ({size} B): double free")
@@ -81,10 +68,7 @@ impl fmt::Display for Error {
             },
             Error::NoDriver => write!(f, "no CUDA driver: libcuda could not be loaded"),
             Error::NoDevice { ordinal, count } => {
-                write!(
-                    f,
-                    "no CUDA device {ordinal}: the driver reports {count} device(s)"
-                )
+                write!(f, "no CUDA device {ordinal}: the driver reports {count} device(s)")
             }
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
             Error::ShutDown => write!(f, "the allocator has shut down"),

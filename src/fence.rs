@@ -17,20 +17,19 @@ use crate::device::counted::Counted;
 use crate::device::{Device, Event};
 use crate::error::Result;
 use crate::stream::{Stream, StreamKey};
-use crate::sync::{Arc, AtomicBool, Mutex, Ordering, lock};
+use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering, lock};
 
 /// Reusable events (creating one is a driver call).
 pub(crate) struct EventPool {
     device: Arc<dyn Device>,
     free: Mutex<Vec<Event>>,
+    /// Order of records: a fence with a higher `seq` on the same stream was recorded later.
+    next_seq: AtomicU64,
 }
 
 impl EventPool {
     pub(crate) fn new(device: Arc<dyn Device>) -> EventPool {
-        EventPool {
-            device,
-            free: Mutex::new(Vec::new()),
-        }
+        EventPool { device, free: Mutex::new(Vec::new()), next_seq: AtomicU64::new(0) }
     }
 
     fn get(&self, dev: &Counted<'_>) -> Result<Event> {
@@ -58,6 +57,9 @@ impl Drop for EventPool {
 pub(crate) struct Fence {
     event: Event,
     stream: StreamKey,
+    /// Taken after the record was issued: among fences of one stream, the highest was
+    /// recorded last, so its completion implies the others'.
+    seq: u64,
     /// Set once a query has seen the event complete; never cleared.
     done: AtomicBool,
     pool: Arc<EventPool>,
@@ -76,12 +78,8 @@ impl Fence {
             pool.put(event);
             return Err(e);
         }
-        Ok(Arc::new(Fence {
-            event,
-            stream: key,
-            done: AtomicBool::new(false),
-            pool: Arc::clone(pool),
-        }))
+        let seq = pool.next_seq.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(Fence { event, stream: key, seq, done: AtomicBool::new(false), pool: Arc::clone(pool) }))
     }
 
     /// True if a query has already seen the event complete (no driver call).
@@ -111,12 +109,7 @@ impl Fence {
     }
 
     /// Applies the reuse rule for handing the fenced block to `stream` (identity `key`).
-    pub(crate) fn order_before(
-        &self,
-        dev: &Counted<'_>,
-        stream: Stream,
-        key: StreamKey,
-    ) -> Result<()> {
+    pub(crate) fn order_before(&self, dev: &Counted<'_>, stream: Stream, key: StreamKey) -> Result<()> {
         if self.stream == key || self.poll(dev)? {
             return Ok(());
         }
@@ -131,6 +124,10 @@ impl Drop for Fence {
 }
 
 /// The fences guarding one free extent: all must be satisfied before it is reused.
+///
+/// Invariant: at most one fence per stream (the latest recorded), none known complete. Work
+/// on one stream completes in order, so the latest fence of a stream implies the earlier ones;
+/// the set is bounded by the number of streams that freed into the extent.
 #[derive(Default, Clone)]
 pub(crate) struct FenceSet(Vec<Arc<Fence>>);
 
@@ -139,26 +136,24 @@ impl FenceSet {
         FenceSet(f.into_iter().collect())
     }
 
-    /// Adds the fences of `other`, dropping any already known complete.
+    /// Adds the fences of `other`, keeping the invariant.
     pub(crate) fn merge(&mut self, other: FenceSet) {
         self.0.retain(|f| !f.known_done());
         for f in other.0 {
-            if !f.known_done() && !self.0.iter().any(|g| Arc::ptr_eq(&f, g)) {
-                self.0.push(f);
+            if f.known_done() {
+                continue;
+            }
+            match self.0.iter_mut().find(|g| g.stream == f.stream) {
+                Some(g) if g.seq >= f.seq => {}
+                Some(g) => *g = f,
+                None => self.0.push(f),
             }
         }
     }
 
     /// Orders every fence before `stream`; see [`Fence::order_before`].
-    pub(crate) fn order_before(
-        &self,
-        dev: &Counted<'_>,
-        stream: Stream,
-        key: StreamKey,
-    ) -> Result<()> {
-        self.0
-            .iter()
-            .try_for_each(|f| f.order_before(dev, stream, key))
+    pub(crate) fn order_before(&self, dev: &Counted<'_>, stream: Stream, key: StreamKey) -> Result<()> {
+        self.0.iter().try_for_each(|f| f.order_before(dev, stream, key))
     }
 
     /// True if every fence has completed (queries each pending one).
@@ -174,5 +169,34 @@ impl FenceSet {
     /// Blocks until every fence has completed.
     pub(crate) fn wait_host(&self, dev: &Counted<'_>) -> Result<()> {
         self.0.iter().try_for_each(|f| f.wait_host(dev))
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::device::host::HostDevice;
+    use crate::stats::Counters;
+
+    #[test]
+    fn a_set_keeps_one_fence_per_stream_the_latest() {
+        let host = HostDevice::default();
+        let dev_arc: Arc<dyn Device> = Arc::new(host.clone());
+        let pool = Arc::new(EventPool::new(Arc::clone(&dev_arc)));
+        let c = Counters::default();
+        let dev = Counted::new(&*dev_arc, &c);
+        let (a, b) = (host.create_stream(), host.create_stream());
+        let (ka, kb) = (dev.stream_key(a).unwrap(), dev.stream_key(b).unwrap());
+        let mut set = FenceSet::default();
+        for _ in 0..100 {
+            let f = Fence::record(&pool, &dev, a, ka).unwrap();
+            let g = Fence::record(&pool, &dev, b, kb).unwrap();
+            set.merge(FenceSet(vec![f, g]));
+        }
+        assert_eq!(set.0.len(), 2);
+        let latest = Fence::record(&pool, &dev, a, ka).unwrap();
+        set.merge(FenceSet(vec![Arc::clone(&latest)]));
+        assert!(set.0.iter().any(|f| Arc::ptr_eq(f, &latest)));
+        assert_eq!(set.0.len(), 2);
     }
 }

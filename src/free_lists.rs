@@ -42,12 +42,7 @@ pub(crate) struct FreeLists {
 
 impl Default for FreeLists {
     fn default() -> Self {
-        FreeLists {
-            heads: [NIL; MAX_CLASSES],
-            bitmap: 0,
-            nodes: Vec::new(),
-            spare: Vec::new(),
-        }
+        FreeLists { heads: [NIL; MAX_CLASSES], bitmap: 0, nodes: Vec::new(), spare: Vec::new() }
     }
 }
 
@@ -99,11 +94,7 @@ impl FreeLists {
             self.nodes[n.next as usize].prev = n.prev;
         }
         self.spare.push(id as u32);
-        FreeBlock {
-            sb: n.sb,
-            first: n.first as usize,
-            len: n.len as usize,
-        }
+        FreeBlock { sb: n.sb, first: n.first as usize, len: n.len as usize }
     }
 
     /// Takes a free block of class `class` or larger.

@@ -112,13 +112,7 @@ impl GlobalPool {
     }
 
     /// Reserves a new chunk of at least `min` bytes (a multiple of the superblock).
-    fn grow(
-        &self,
-        st: &mut PoolState,
-        dev: &Counted<'_>,
-        min: usize,
-        requested: usize,
-    ) -> Result<()> {
+    fn grow(&self, st: &mut PoolState, dev: &Counted<'_>, min: usize, requested: usize) -> Result<()> {
         let room = self.limit.saturating_sub(st.reserved) / self.superblock * self.superblock;
         if min > room {
             self.trim_locked(st, dev, false)?;
@@ -137,14 +131,7 @@ impl GlobalPool {
         }
         let (base, len) = got.ok_or_else(|| self.oom(st, requested))?;
         st.chunks.insert(base, len);
-        st.free.insert(
-            base,
-            len as u64,
-            FreeExt {
-                chunk: base,
-                fences: FenceSet::default(),
-            },
-        );
+        st.free.insert(base, len as u64, FreeExt { chunk: base, fences: FenceSet::default() });
         st.reserved += len;
         st.peak_reserved = st.peak_reserved.max(st.reserved);
         Ok(())
@@ -156,25 +143,11 @@ impl GlobalPool {
         let (elen, e) = st.free.remove(ext).expect("carving a free extent");
         debug_assert!(take >= ext && take + len as u64 <= ext + elen);
         if take > ext {
-            st.free.insert(
-                ext,
-                take - ext,
-                FreeExt {
-                    chunk: e.chunk,
-                    fences: e.fences.clone(),
-                },
-            );
+            st.free.insert(ext, take - ext, FreeExt { chunk: e.chunk, fences: e.fences.clone() });
         }
         let end = take + len as u64;
         if end < ext + elen {
-            st.free.insert(
-                end,
-                ext + elen - end,
-                FreeExt {
-                    chunk: e.chunk,
-                    fences: e.fences.clone(),
-                },
-            );
+            st.free.insert(end, ext + elen - end, FreeExt { chunk: e.chunk, fences: e.fences.clone() });
         }
         (e.chunk, e.fences)
     }
@@ -218,20 +191,11 @@ impl GlobalPool {
                         .checked_next_multiple_of(self.superblock)
                         .ok_or_else(|| self.oom(&st, bytes))?;
                     self.grow(&mut st, dev, min, bytes)?;
-                    st.free
-                        .first_fit(bytes as u64)
-                        .expect("a new chunk fits the request")
+                    st.free.first_fit(bytes as u64).expect("a new chunk fits the request")
                 }
             };
             let (chunk, fences) = Self::carve(&mut st, addr, addr, bytes);
-            st.used.insert(
-                addr,
-                Used {
-                    len: bytes,
-                    kind: UsedKind::Block,
-                    chunk,
-                },
-            );
+            st.used.insert(addr, Used { len: bytes, kind: UsedKind::Block, chunk });
             st.in_use += bytes;
             (addr, fences)
         };
@@ -262,10 +226,7 @@ impl GlobalPool {
             }
         };
         if block_bytes(size, self.small_max) != Some(u.len) {
-            return Err(invalid(InvalidFree::SizeMismatch {
-                allocated: u.len,
-                given: size,
-            }));
+            return Err(invalid(InvalidFree::SizeMismatch { allocated: u.len, given: size }));
         }
         st.used.remove(&ptr);
         st.in_use -= u.len;
@@ -308,14 +269,7 @@ impl GlobalPool {
                 });
             }
             let (chunk, fences) = Self::carve(&mut st, ext, base, s);
-            st.used.insert(
-                base,
-                Used {
-                    len: s,
-                    kind: UsedKind::Superblock,
-                    chunk,
-                },
-            );
+            st.used.insert(base, Used { len: s, kind: UsedKind::Superblock, chunk });
             st.in_use += s;
             let sb = self.registry.get_or_insert(base, s / GRANULE);
             debug_assert!(sb.owner.load(Ordering::Relaxed).is_null());
@@ -343,14 +297,7 @@ impl GlobalPool {
         debug_assert!(u.kind == UsedKind::Superblock);
         st.in_use -= u.len;
         for &(a, l) in used {
-            st.used.insert(
-                a,
-                Used {
-                    len: l,
-                    kind: UsedKind::Block,
-                    chunk: u.chunk,
-                },
-            );
+            st.used.insert(a, Used { len: l, kind: UsedKind::Block, chunk: u.chunk });
             st.in_use += l;
         }
         for &(a, l) in free {
@@ -412,10 +359,7 @@ impl GlobalPool {
         let mut prev: Option<(u64, u64, u64)> = None;
         st.free.for_each(|k, l, v| {
             if let Some((pk, pl, pc)) = prev {
-                assert!(
-                    !(pk + pl == k && pc == v.chunk),
-                    "unmerged free neighbours at {k:#x}"
-                );
+                assert!(!(pk + pl == k && pc == v.chunk), "unmerged free neighbours at {k:#x}");
             }
             prev = Some((k, l, v.chunk));
             ranges.push((k, l, v.chunk));
@@ -428,18 +372,11 @@ impl GlobalPool {
         }
         for (k, l, c) in &ranges {
             let clen = st.chunks[c] as u64;
-            assert!(
-                *k >= *c && k + l <= c + clen,
-                "range {k:#x} outside its chunk"
-            );
+            assert!(*k >= *c && k + l <= c + clen, "range {k:#x} outside its chunk");
             *covered.entry(*c).or_default() += l;
         }
         for (c, l) in &st.chunks {
-            assert_eq!(
-                covered.get(c).copied().unwrap_or(0),
-                *l as u64,
-                "chunk {c:#x} not fully accounted"
-            );
+            assert_eq!(covered.get(c).copied().unwrap_or(0), *l as u64, "chunk {c:#x} not fully accounted");
         }
         assert_eq!(st.reserved, st.chunks.values().sum::<usize>());
         assert_eq!(st.in_use, st.used.values().map(|u| u.len).sum::<usize>());
@@ -448,11 +385,7 @@ impl GlobalPool {
 
     /// Ranges handed out: `(address, bytes, is_superblock)`.
     pub(crate) fn used_ranges(&self) -> Vec<(u64, usize, bool)> {
-        lock(&self.state)
-            .used
-            .iter()
-            .map(|(&a, u)| (a, u.len, u.kind == UsedKind::Superblock))
-            .collect()
+        lock(&self.state).used.iter().map(|(&a, u)| (a, u.len, u.kind == UsedKind::Superblock)).collect()
     }
 
     /// Bytes handed out (blocks and lent superblocks).

@@ -39,19 +39,14 @@ unsafe impl<T: Send> Sync for Inbox<T> {}
 
 impl<T> Default for Inbox<T> {
     fn default() -> Self {
-        Inbox {
-            head: AtomicPtr::new(std::ptr::null_mut()),
-        }
+        Inbox { head: AtomicPtr::new(std::ptr::null_mut()) }
     }
 }
 
 impl<T> Inbox<T> {
     /// Pushes `value`, or gives it back if the inbox is closed.
     pub fn push(&self, value: T) -> Result<(), T> {
-        let node = Box::into_raw(Box::new(Node {
-            value,
-            next: std::ptr::null_mut(),
-        }));
+        let node = Box::into_raw(Box::new(Node { value, next: std::ptr::null_mut() }));
         let mut head = self.head.load(Ordering::Relaxed);
         loop {
             if head == closed() {
@@ -61,10 +56,7 @@ impl<T> Inbox<T> {
             }
             // SAFETY: `node` is still exclusively ours until the CAS publishes it.
             unsafe { (*node).next = head };
-            match self
-                .head
-                .compare_exchange_weak(head, node, Ordering::Release, Ordering::Relaxed)
-            {
+            match self.head.compare_exchange_weak(head, node, Ordering::Release, Ordering::Relaxed) {
                 Ok(_) => return Ok(()),
                 Err(h) => head = h,
             }
@@ -91,21 +83,13 @@ impl<T> Inbox<T> {
     /// Closes the inbox and takes what it held. Later pushes fail.
     pub fn close(&self) -> Vec<T> {
         let h = self.head.swap(closed(), Ordering::Acquire);
-        if h == closed() {
-            Vec::new()
-        } else {
-            Self::collect(h)
-        }
+        if h == closed() { Vec::new() } else { Self::collect(h) }
     }
 
     /// Opens a closed inbox again for a new owner.
     pub fn reopen(&self) {
-        let _ = self.head.compare_exchange(
-            closed(),
-            std::ptr::null_mut(),
-            Ordering::AcqRel,
-            Ordering::Relaxed,
-        );
+        let _ =
+            self.head.compare_exchange(closed(), std::ptr::null_mut(), Ordering::AcqRel, Ordering::Relaxed);
     }
 
     fn collect(mut h: *mut Node<T>) -> Vec<T> {
@@ -155,9 +139,7 @@ mod tests {
         let hs: Vec<_> = (0..4)
             .map(|t| {
                 let ib = ib.clone();
-                std::thread::spawn(move || {
-                    (0..10_000).for_each(|i| ib.push(t * 10_000 + i).unwrap())
-                })
+                std::thread::spawn(move || (0..10_000).for_each(|i| ib.push(t * 10_000 + i).unwrap()))
             })
             .collect();
         let mut got = Vec::new();

@@ -4,6 +4,8 @@
 mod address_tree;
 mod allocator;
 mod arena;
+#[doc(hidden)]
+pub mod bench;
 mod buffer;
 pub mod config;
 pub mod device;

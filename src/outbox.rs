@@ -72,43 +72,20 @@ impl Outbox {
         let dests = std::mem::take(&mut self.dests);
         self.count = 0;
         self.bytes = 0;
-        let key = if stream.is_per_thread() {
-            Ok(ptds)
-        } else {
-            env.dev.stream_key(stream)
-        };
+        let key = if stream.is_per_thread() { Ok(ptds) } else { env.dev.stream_key(stream) };
         let fence = key.and_then(|k| env.fence(stream, k))?;
         for (dest, blocks) in dests {
-            deliver(
-                env,
-                dest,
-                Batch {
-                    fence: fence.clone(),
-                    blocks,
-                },
-            );
+            deliver(env, dest, Batch { fence: fence.clone(), blocks });
         }
         Ok(())
     }
 }
 
 /// Sends one free made on a user stream, fenced now. On error nothing has changed.
-pub(crate) fn send_now(
-    env: &Env<'_>,
-    dest: *const ArenaShell,
-    fr: Freed,
-    stream: Stream,
-) -> Result<()> {
+pub(crate) fn send_now(env: &Env<'_>, dest: *const ArenaShell, fr: Freed, stream: Stream) -> Result<()> {
     let key = env.dev.stream_key(stream)?;
     let fence = env.fence(stream, key)?;
-    deliver(
-        env,
-        dest,
-        Batch {
-            fence,
-            blocks: vec![fr],
-        },
-    );
+    deliver(env, dest, Batch { fence, blocks: vec![fr] });
     Ok(())
 }
 

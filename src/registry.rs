@@ -25,17 +25,12 @@ pub(crate) struct Registry {
 }
 
 fn table<T>() -> Box<[AtomicPtr<T>]> {
-    (0..1usize << LEVEL_BITS)
-        .map(|_| AtomicPtr::new(std::ptr::null_mut()))
-        .collect()
+    (0..1usize << LEVEL_BITS).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect()
 }
 
 impl Registry {
     pub(crate) fn new(superblock: usize) -> Registry {
-        Registry {
-            shift: superblock.trailing_zeros(),
-            root: table(),
-        }
+        Registry { shift: superblock.trailing_zeros(), root: table() }
     }
 
     fn split(&self, addr: u64) -> Option<(usize, usize)> {

@@ -76,6 +76,14 @@ pub fn class_rounded_bytes(bytes: usize) -> Option<usize> {
     Some(class_granules(class_ceil(g)) << GRANULE_SHIFT)
 }
 
+/// The bytes a block of `size` occupies: class-rounded if it is small (`<= small_max`),
+/// rounded to the granule otherwise. `None` if rounding overflows. One rule for allocation
+/// and for checking the size given to a free.
+#[inline]
+pub fn block_bytes(size: usize, small_max: usize) -> Option<usize> {
+    if size <= small_max { class_rounded_bytes(size) } else { granules_for(size).map(|g| g << GRANULE_SHIFT) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,7 +118,7 @@ mod tests {
         let mut b = 1usize;
         while b <= 4 << 20 {
             let r = class_rounded_bytes(b).unwrap();
-            assert!(r >= b && r % GRANULE == 0);
+            assert!(r >= b && r.is_multiple_of(GRANULE));
             if b >= 2048 {
                 assert!((r - b) * 8 <= b, "waste for {b}: {r}");
             } else {
@@ -132,17 +140,5 @@ mod tests {
     fn overflow_is_none() {
         assert_eq!(granules_for(usize::MAX), None);
         assert_eq!(class_rounded_bytes(usize::MAX - 10), None);
-    }
-}
-
-/// The bytes a block of `size` occupies: class-rounded if it is small (`<= small_max`),
-/// rounded to the granule otherwise. `None` if rounding overflows. One rule for allocation
-/// and for checking the size given to a free.
-#[inline]
-pub fn block_bytes(size: usize, small_max: usize) -> Option<usize> {
-    if size <= small_max {
-        class_rounded_bytes(size)
-    } else {
-        granules_for(size).map(|g| g << GRANULE_SHIFT)
     }
 }

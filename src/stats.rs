@@ -18,10 +18,7 @@ impl Counter {
             self.0.fetch_add(n, Ordering::Relaxed);
         } else {
             // Only the owning thread writes: load + store is exact and needs no RMW.
-            self.0.store(
-                self.0.load(Ordering::Relaxed).wrapping_add(n),
-                Ordering::Relaxed,
-            );
+            self.0.store(self.0.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
         }
     }
 
@@ -75,10 +72,7 @@ counters!(
 impl Counters {
     /// A block that any thread may write (used when a thread has no slot of its own).
     pub(crate) fn new_shared() -> Counters {
-        Counters {
-            shared: true,
-            ..Counters::default()
-        }
+        Counters { shared: true, ..Counters::default() }
     }
 
     #[inline]

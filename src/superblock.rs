@@ -103,18 +103,9 @@ unsafe impl Sync for Superblock {}
 
 impl Superblock {
     pub(crate) fn new(base: u64, granules: usize) -> Superblock {
-        let mut local = SbLocal {
-            tags: Vec::new(),
-            live: 0,
-            slot: usize::MAX,
-            sparse_slot: usize::MAX,
-        };
+        let mut local = SbLocal { tags: Vec::new(), live: 0, slot: usize::MAX, sparse_slot: usize::MAX };
         local.tags.reserve_exact(granules);
-        Superblock {
-            base,
-            owner: AtomicPtr::new(std::ptr::null_mut()),
-            local: UnsafeCell::new(local),
-        }
+        Superblock { base, owner: AtomicPtr::new(std::ptr::null_mut()), local: UnsafeCell::new(local) }
     }
 
     /// Runs `f` on the owner-only state.

@@ -28,14 +28,7 @@ pub trait TagOps: Send + Sync {
     /// The device, for events.
     fn device(&self) -> &dyn Device;
     /// Writes `tag` over `[ptr, ptr+len)`, holds it for `hold`, then counts words that changed.
-    fn hold_check(
-        &self,
-        ptr: u64,
-        len: usize,
-        tag: u32,
-        hold: Duration,
-        stream: Stream,
-    ) -> Result<()>;
+    fn hold_check(&self, ptr: u64, len: usize, tag: u32, hold: Duration, stream: Stream) -> Result<()>;
     /// A new user stream.
     fn create_stream(&self) -> Result<Stream>;
     /// Destroys a user stream.
@@ -50,14 +43,7 @@ impl TagOps for HostDevice {
     fn device(&self) -> &dyn Device {
         self
     }
-    fn hold_check(
-        &self,
-        ptr: u64,
-        len: usize,
-        tag: u32,
-        hold: Duration,
-        stream: Stream,
-    ) -> Result<()> {
+    fn hold_check(&self, ptr: u64, len: usize, tag: u32, hold: Duration, stream: Stream) -> Result<()> {
         self.hold_and_check(ptr, len, tag, hold, stream)
     }
     fn create_stream(&self) -> Result<Stream> {
@@ -84,11 +70,7 @@ pub struct GpuOps {
 
 impl GpuOps {
     pub fn new(dev: Arc<CudaDevice>) -> Result<GpuOps> {
-        Ok(GpuOps {
-            kernels: CudaKernels::load(Arc::clone(&dev))?,
-            dev,
-            errors: Mutex::new(0),
-        })
+        Ok(GpuOps { kernels: CudaKernels::load(Arc::clone(&dev))?, dev, errors: Mutex::new(0) })
     }
 }
 
@@ -96,16 +78,8 @@ impl TagOps for GpuOps {
     fn device(&self) -> &dyn Device {
         &*self.dev
     }
-    fn hold_check(
-        &self,
-        ptr: u64,
-        len: usize,
-        tag: u32,
-        hold: Duration,
-        stream: Stream,
-    ) -> Result<()> {
-        self.kernels
-            .tag_hold_check(ptr, len, tag, hold.as_nanos() as u64, stream)
+    fn hold_check(&self, ptr: u64, len: usize, tag: u32, hold: Duration, stream: Stream) -> Result<()> {
+        self.kernels.tag_hold_check(ptr, len, tag, hold.as_nanos() as u64, stream)
     }
     fn create_stream(&self) -> Result<Stream> {
         self.kernels.create_stream()
@@ -192,15 +166,13 @@ impl Live {
         let end = ptr + size as u64;
         let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let mut bad = Vec::new();
-        if ptr % 256 != 0 {
+        if !ptr.is_multiple_of(256) {
             bad.push(format!("block {ptr:#x} is not 256-byte aligned"));
         }
         if let Some((&s, &e)) = m.range(..end).next_back()
             && e > ptr
         {
-            bad.push(format!(
-                "block [{ptr:#x}, {end:#x}) overlaps live [{s:#x}, {e:#x})"
-            ));
+            bad.push(format!("block [{ptr:#x}, {end:#x}) overlaps live [{s:#x}, {e:#x})"));
         }
         m.insert(ptr, end);
         drop(m);
@@ -210,10 +182,7 @@ impl Live {
     }
 
     fn remove(&self, ptr: u64) {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&ptr);
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&ptr);
     }
 }
 
@@ -229,9 +198,8 @@ pub fn stress(ops: Arc<dyn TagOps>, alloc: &Allocator, p: &StressParams) -> Resu
     let live = Arc::new(Live(Mutex::new(BTreeMap::new())));
     let layout = Arc::new(Mutex::new(Vec::new()));
     let barrier = Arc::new(Barrier::new(p.threads));
-    let (txs, rxs): (Vec<_>, Vec<_>) = (0..p.threads)
-        .map(|_| mpsc::channel::<(Block, crate::device::Event)>())
-        .unzip();
+    let (txs, rxs): (Vec<_>, Vec<_>) =
+        (0..p.threads).map(|_| mpsc::channel::<(Block, crate::device::Event)>()).unzip();
     let mut handles = Vec::new();
     for (t, rx) in rxs.into_iter().enumerate() {
         let tx = txs[(t + 1) % p.threads].clone();
@@ -245,11 +213,7 @@ pub fn stress(ops: Arc<dyn TagOps>, alloc: &Allocator, p: &StressParams) -> Resu
         );
         handles.push(std::thread::spawn(move || -> Result<(u64, u64)> {
             let dev = ops.device();
-            let mut x = p
-                .seed
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                .wrapping_add(t as u64 * 7919)
-                | 1;
+            let mut x = p.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(t as u64 * 7919) | 1;
             let streams = [ops.create_stream()?, ops.create_stream()?];
             let mut slots: Vec<Option<Block>> = (0..p.slots).map(|_| None).collect();
             let (mut allocs, mut handoffs) = (0u64, 0u64);
@@ -257,13 +221,7 @@ pub fn stress(ops: Arc<dyn TagOps>, alloc: &Allocator, p: &StressParams) -> Resu
             let receive = |blk: Block, ev: crate::device::Event| -> Result<()> {
                 dev.stream_wait_event(Stream::PER_THREAD, ev)?;
                 dev.destroy_event(ev);
-                ops.hold_check(
-                    blk.ptr.0,
-                    tag_len(&blk),
-                    blk.tag,
-                    p.hold,
-                    Stream::PER_THREAD,
-                )?;
+                ops.hold_check(blk.ptr.0, tag_len(&blk), blk.tag, p.hold, Stream::PER_THREAD)?;
                 live.remove(blk.ptr.0);
                 alloc.deallocate(blk.ptr, blk.size, Stream::PER_THREAD)
             };
@@ -278,15 +236,12 @@ pub fn stress(ops: Arc<dyn TagOps>, alloc: &Allocator, p: &StressParams) -> Resu
                     Some(blk) if (rng(&mut x) % 100) < p.handoff_pct as u64 => {
                         let ev = dev.create_event()?;
                         dev.record_event(ev, blk.stream)?;
-                        tx.send((blk, ev))
-                            .expect("receiver lives until the barrier");
+                        tx.send((blk, ev)).expect("receiver lives until the barrier");
                     }
                     Some(blk) => {
                         ops.hold_check(blk.ptr.0, tag_len(&blk), blk.tag, p.hold, blk.stream)?;
                         let mut on = blk.stream;
-                        if blk.stream.is_per_thread()
-                            && (rng(&mut x) % 100) < p.cross_stream_pct as u64
-                        {
+                        if blk.stream.is_per_thread() && (rng(&mut x) % 100) < p.cross_stream_pct as u64 {
                             // Free on a user stream: order the block's work before it first.
                             on = streams[step % 2];
                             let ev = dev.create_event()?;
@@ -307,12 +262,7 @@ pub fn stress(ops: Arc<dyn TagOps>, alloc: &Allocator, p: &StressParams) -> Resu
                         };
                         let ptr = alloc.allocate(size, stream)?;
                         live.insert(ptr.0, size, &layout);
-                        let blk = Block {
-                            ptr,
-                            size,
-                            tag: rng(&mut x) as u32 | 1,
-                            stream,
-                        };
+                        let blk = Block { ptr, size, tag: rng(&mut x) as u32 | 1, stream };
                         ops.hold_check(ptr.0, tag_len(&blk), blk.tag, p.hold, stream)?;
                         slots[i] = Some(blk);
                         allocs += 1;

@@ -24,11 +24,7 @@ fn gpu() -> Option<Arc<CudaDevice>> {
 fn assert_all_returned(a: &Allocator) {
     a.check_invariants();
     let s = a.stats();
-    assert_eq!(
-        (s.live_bytes, s.arena_held_bytes, s.arenas),
-        (0, 0, 0),
-        "{s:?}"
-    );
+    assert_eq!((s.live_bytes, s.arena_held_bytes, s.arenas), (0, 0, 0), "{s:?}");
     assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
     a.trim(true).unwrap();
     assert_eq!(a.stats().reserved_bytes, 0);
@@ -48,18 +44,11 @@ fn gpu_stress_keeps_tags_and_layout() {
         ..Default::default()
     };
     let r = stress(ops, &a, &p).unwrap();
-    assert!(
-        r.layout_errors.is_empty(),
-        "{:?}",
-        &r.layout_errors[..r.layout_errors.len().min(5)]
-    );
+    assert!(r.layout_errors.is_empty(), "{:?}", &r.layout_errors[..r.layout_errors.len().min(5)]);
     assert_eq!(r.tag_errors, 0, "a block was reused before its fence");
     let s = a.stats();
     eprintln!("gpu stress: {r:?}\n{s:?}");
-    assert!(
-        s.cross_thread_frees > 1000 && s.cross_stream_frees > 100,
-        "{s:?}"
-    );
+    assert!(s.cross_thread_frees > 1000 && s.cross_stream_frees > 100, "{s:?}");
     assert_eq!(s.host_syncs, 0);
     assert_all_returned(&a);
 }
@@ -94,10 +83,7 @@ fn gpu_stream_identity_and_reused_handles() {
     assert_eq!(legacy, dev.stream_key(Stream::NULL).unwrap());
     let d2 = Arc::clone(&dev);
     let (k1, l1) = std::thread::spawn(move || {
-        (
-            d2.stream_key(Stream::PER_THREAD).unwrap(),
-            d2.stream_key(Stream::NULL).unwrap(),
-        )
+        (d2.stream_key(Stream::PER_THREAD).unwrap(), d2.stream_key(Stream::NULL).unwrap())
     })
     .join()
     .unwrap();
@@ -114,9 +100,7 @@ fn gpu_stream_identity_and_reused_handles() {
             reused += 1;
         }
         let p = a.allocate(4 << 20, s).unwrap();
-        ops.kernels
-            .tag_hold_check(p.0, 1 << 20, round + 1, 200_000, s)
-            .unwrap();
+        ops.kernels.tag_hold_check(p.0, 1 << 20, round + 1, 200_000, s).unwrap();
         a.deallocate(p, 4 << 20, s).unwrap();
         ops.kernels.destroy_stream(s).unwrap();
         last = Some(s);

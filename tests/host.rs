@@ -18,23 +18,14 @@ fn device(max_delay_us: u64) -> HostDevice {
 
 /// Small superblocks and chunks, so that lending, return and dissolution happen often.
 fn small_config() -> cuarena::ConfigBuilder {
-    Config::builder()
-        .superblock(256 << 10)
-        .small_max(64 << 10)
-        .chunk(1 << 20)
-        .batch_blocks(8)
+    Config::builder().superblock(256 << 10).small_max(64 << 10).chunk(1 << 20).batch_blocks(8)
 }
 
 fn assert_all_returned(a: &Allocator) {
     a.check_invariants();
     let s = a.stats();
     assert_eq!(s.live_bytes, 0, "{s:?}");
-    assert_eq!(
-        a.pool_in_use(),
-        0,
-        "bytes still handed out: {:?} {s:?}",
-        a.pool_used_ranges()
-    );
+    assert_eq!(a.pool_in_use(), 0, "bytes still handed out: {:?} {s:?}", a.pool_used_ranges());
     assert_eq!(s.arena_held_bytes, 0, "{s:?}");
     assert_eq!(s.arenas, 0);
     a.trim(true).unwrap();
@@ -53,27 +44,13 @@ fn random_threads_with_cross_thread_and_cross_stream_frees() {
         ..Default::default()
     };
     let r = stress(Arc::new(dev.clone()), &a, &p).unwrap();
-    assert!(
-        r.layout_errors.is_empty(),
-        "{:?}",
-        &r.layout_errors[..r.layout_errors.len().min(5)]
-    );
-    assert!(
-        r.violations.is_empty(),
-        "{:?}",
-        &r.violations[..r.violations.len().min(5)]
-    );
+    assert!(r.layout_errors.is_empty(), "{:?}", &r.layout_errors[..r.layout_errors.len().min(5)]);
+    assert!(r.violations.is_empty(), "{:?}", &r.violations[..r.violations.len().min(5)]);
     assert_eq!(r.tag_errors, 0);
     assert!(r.handoffs > 500, "{r:?}");
     let s = a.stats();
-    assert!(
-        s.cross_thread_frees > 100 && s.cross_stream_frees > 10 && s.fences_recorded > 0,
-        "{s:?}"
-    );
-    assert!(
-        s.superblocks_taken > 6 && s.superblocks_returned + s.superblocks_dissolved > 0,
-        "{s:?}"
-    );
+    assert!(s.cross_thread_frees > 100 && s.cross_stream_frees > 10 && s.fences_recorded > 0, "{s:?}");
+    assert!(s.superblocks_taken > 6 && s.superblocks_returned + s.superblocks_dissolved > 0, "{s:?}");
     assert_eq!(s.invalid_frees, 0);
     assert_eq!(s.host_syncs, 0, "no host-blocking sync outside trim");
     assert_all_returned(&a);
@@ -92,10 +69,7 @@ fn default_config_stress_returns_everything() {
         ..Default::default()
     };
     let r = stress(Arc::new(dev.clone()), &a, &p).unwrap();
-    assert!(
-        r.layout_errors.is_empty() && r.violations.is_empty() && r.tag_errors == 0,
-        "{r:?}"
-    );
+    assert!(r.layout_errors.is_empty() && r.violations.is_empty() && r.tag_errors == 0, "{r:?}");
     assert_all_returned(&a);
 }
 
@@ -115,10 +89,7 @@ fn skipping_fences_is_caught_by_the_checker() {
         ..Default::default()
     };
     let r = stress(Arc::new(dev.clone()), &a, &p).unwrap();
-    assert!(
-        !r.violations.is_empty(),
-        "unfenced reuse went unnoticed: {r:?}"
-    );
+    assert!(!r.violations.is_empty(), "unfenced reuse went unnoticed: {r:?}");
 }
 
 #[test]
@@ -126,23 +97,15 @@ fn blocks_are_aligned_disjoint_and_writable() {
     let dev = device(0);
     let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
     let mut blocks = Vec::new();
-    for (i, size) in [
-        1usize, 255, 256, 257, 2047, 2049, 4000, 65536, 65537, 300_000,
-    ]
-    .iter()
-    .cycle()
-    .take(200)
-    .enumerate()
+    for (i, size) in
+        [1usize, 255, 256, 257, 2047, 2049, 4000, 65536, 65537, 300_000].iter().cycle().take(200).enumerate()
     {
         let p = a.allocate_per_thread(*size).unwrap();
         assert_eq!(p.0 % 256, 0);
         dev.fill(p.0, *size, i as u8, Stream::PER_THREAD).unwrap();
         blocks.push((p, *size, i as u8));
     }
-    let mut sorted: Vec<_> = blocks
-        .iter()
-        .map(|&(p, s, _)| (p.0, p.0 + s as u64))
-        .collect();
+    let mut sorted: Vec<_> = blocks.iter().map(|&(p, s, _)| (p.0, p.0 + s as u64)).collect();
     sorted.sort();
     assert!(sorted.windows(2).all(|w| w[0].1 <= w[1].0), "overlap");
     dev.synchronize();
@@ -169,14 +132,8 @@ fn invalid_frees_are_refused_and_lose_nothing() {
         other => panic!("expected an invalid free, got {other:?}"),
     };
     // Wrong size, interior pointer, foreign pointer, null with a size.
-    assert!(matches!(
-        reason(a.deallocate_per_thread(small, 5000)),
-        InvalidFree::SizeMismatch { .. }
-    ));
-    assert_eq!(
-        reason(a.deallocate_per_thread(DevicePtr(small.0 + 256), 256)),
-        InvalidFree::UnknownPointer
-    );
+    assert!(matches!(reason(a.deallocate_per_thread(small, 5000)), InvalidFree::SizeMismatch { .. }));
+    assert_eq!(reason(a.deallocate_per_thread(DevicePtr(small.0 + 256), 256)), InvalidFree::UnknownPointer);
     assert!(matches!(
         reason(a.deallocate(large, 100 << 10, Stream::LEGACY)),
         InvalidFree::SizeMismatch { .. }
@@ -189,10 +146,7 @@ fn invalid_frees_are_refused_and_lose_nothing() {
         reason(a.deallocate(DevicePtr(0xdead_0000), 4 << 20, Stream::LEGACY)),
         InvalidFree::UnknownPointer
     );
-    assert_eq!(
-        reason(a.deallocate(DevicePtr::NULL, 8, Stream::LEGACY)),
-        InvalidFree::UnknownPointer
-    );
+    assert_eq!(reason(a.deallocate(DevicePtr::NULL, 8, Stream::LEGACY)), InvalidFree::UnknownPointer);
     a.deallocate(DevicePtr::NULL, 0, Stream::LEGACY).unwrap();
     // The refused frees lost nothing: both blocks are still live and free once.
     a.deallocate_per_thread(small, 1000).unwrap();
@@ -202,10 +156,7 @@ fn invalid_frees_are_refused_and_lose_nothing() {
         reason(a.deallocate_per_thread(small, 1000)),
         InvalidFree::DoubleFree | InvalidFree::UnknownPointer
     ));
-    assert_eq!(
-        reason(a.deallocate(large, 200 << 10, Stream::LEGACY)),
-        InvalidFree::DoubleFree
-    );
+    assert_eq!(reason(a.deallocate(large, 200 << 10, Stream::LEGACY)), InvalidFree::DoubleFree);
     assert_eq!(a.stats().invalid_frees, 8, "every refusal is counted");
     a.release_thread().unwrap();
     assert_all_returned(&a);
@@ -228,10 +179,7 @@ fn a_double_free_from_another_thread_is_caught_by_the_owner() {
     a.flush().unwrap();
     assert!(matches!(
         a.take_deferred_error(),
-        Some(Error::InvalidFree {
-            reason: InvalidFree::DoubleFree,
-            ..
-        })
+        Some(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })
     ));
     assert_eq!(a.stats().invalid_frees, 1);
     a.release_thread().unwrap();
@@ -246,20 +194,14 @@ fn zero_and_huge_sizes() {
     assert!(a.buffer(0, Stream::LEGACY).unwrap().is_empty());
     for huge in [usize::MAX, usize::MAX - 255, 1 << 40, (64 << 20) + 1] {
         match a.allocate(huge, Stream::LEGACY) {
-            Err(Error::OutOfMemory {
-                requested, limit, ..
-            }) => {
+            Err(Error::OutOfMemory { requested, limit, .. }) => {
                 assert_eq!(requested, huge);
                 assert_eq!(limit, 64 << 20);
             }
             other => panic!("{huge}: {other:?}"),
         }
     }
-    assert_eq!(
-        a.stats().reserved_bytes,
-        0,
-        "a refused request reserves nothing"
-    );
+    assert_eq!(a.stats().reserved_bytes, 0, "a refused request reserves nothing");
 }
 
 #[test]
@@ -274,25 +216,15 @@ fn out_of_memory_reports_figures_and_recovers() {
         }
     };
     match err {
-        Error::OutOfMemory {
-            requested,
-            reserved,
-            in_use,
-            largest_free,
-            limit,
-        } => {
+        Error::OutOfMemory { requested, reserved, in_use, largest_free, limit } => {
             assert_eq!((requested, limit), (1 << 20, 8 << 20));
             assert!(reserved <= limit && in_use <= reserved && largest_free < (1 << 20));
         }
         e => panic!("{e:?}"),
     }
     assert_eq!(held.len(), 8);
-    assert!(
-        a.allocate_per_thread(4096).is_err(),
-        "no room for a superblock either"
-    );
-    a.deallocate(held.pop().unwrap(), 1 << 20, Stream::LEGACY)
-        .unwrap();
+    assert!(a.allocate_per_thread(4096).is_err(), "no room for a superblock either");
+    a.deallocate(held.pop().unwrap(), 1 << 20, Stream::LEGACY).unwrap();
     let p = a.allocate(1 << 20, Stream::LEGACY).unwrap();
     a.deallocate(p, 1 << 20, Stream::LEGACY).unwrap();
     for p in held {
@@ -308,18 +240,10 @@ fn frees_after_the_owner_thread_exited_go_to_the_pool() {
     let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
     let a2 = a.clone();
     let blocks: Vec<(DevicePtr, usize)> = std::thread::spawn(move || {
-        let v: Vec<_> = (0..100)
-            .map(|i| {
-                (
-                    a2.allocate_per_thread(512 * (i + 1)).unwrap(),
-                    512 * (i + 1),
-                )
-            })
-            .collect();
+        let v: Vec<_> =
+            (0..100).map(|i| (a2.allocate_per_thread(512 * (i + 1)).unwrap(), 512 * (i + 1))).collect();
         for &(p, s) in &v {
-            a2.device()
-                .record_event(a2.device().create_event().unwrap(), Stream::PER_THREAD)
-                .unwrap();
+            a2.device().record_event(a2.device().create_event().unwrap(), Stream::PER_THREAD).unwrap();
             let _ = (p, s);
         }
         v
@@ -340,18 +264,9 @@ fn frees_after_the_owner_thread_exited_go_to_the_pool() {
 fn hoard_rule_bounds_stranded_memory() {
     let dev = device(0);
     let sb = 256usize << 10;
-    let a = Allocator::host(
-        dev,
-        small_config()
-            .keep_empty(1)
-            .sparse_fraction(0.25)
-            .build()
-            .unwrap(),
-    )
-    .unwrap();
-    let mut v: Vec<_> = (0..400)
-        .map(|_| a.allocate_per_thread(16 << 10).unwrap())
-        .collect();
+    let a =
+        Allocator::host(dev, small_config().keep_empty(1).sparse_fraction(0.25).build().unwrap()).unwrap();
+    let mut v: Vec<_> = (0..400).map(|_| a.allocate_per_thread(16 << 10).unwrap()).collect();
     let peak_held = a.stats().arena_held_bytes as usize;
     assert!(peak_held >= 400 * (16 << 10));
     // Free 95%, in an order that leaves every superblock partly used for a while.
@@ -363,10 +278,7 @@ fn hoard_rule_bounds_stranded_memory() {
             a.deallocate_per_thread(p, 16 << 10).unwrap();
             let s = a.stats();
             let (held, live) = (s.arena_held_bytes as f64, s.live_bytes as f64);
-            assert!(
-                held <= (live + sb as f64).max(live / 0.75) + 1.0,
-                "held {held} live {live}"
-            );
+            assert!(held <= (live + sb as f64).max(live / 0.75) + 1.0, "held {held} live {live}");
         }
     }
     assert!((a.stats().arena_held_bytes as usize) < peak_held / 4);
@@ -384,8 +296,7 @@ fn stream_handles_reused_after_destroy_are_not_confused() {
     for round in 0..40u32 {
         let s = dev.create_stream();
         let p = a.allocate(100 << 10, s).unwrap();
-        dev.hold_and_check(p.0, 4096, round, Duration::from_micros(500), s)
-            .unwrap();
+        dev.hold_and_check(p.0, 4096, round, Duration::from_micros(500), s).unwrap();
         a.deallocate(p, 100 << 10, s).unwrap();
         dev.destroy_stream(s).unwrap(); // the next create_stream gets this handle back
     }
@@ -407,10 +318,7 @@ fn cuda_without_a_driver_is_an_error_not_a_panic() {
     if cuarena::device::cuda::driver_present() {
         return; // a GPU machine: tests/gpu.rs covers it
     }
-    assert!(matches!(
-        Allocator::cuda(0, Config::default()),
-        Err(Error::NoDriver)
-    ));
+    assert!(matches!(Allocator::cuda(0, Config::default()), Err(Error::NoDriver)));
     assert!(matches!(cuarena::CudaDevice::new(0), Err(Error::NoDriver)));
 }
 
@@ -422,14 +330,8 @@ fn a_free_on_a_destroyed_stream_is_refused_and_the_block_stays_live() {
     let q = a.allocate(200 << 10, Stream::LEGACY).unwrap();
     let s = dev.create_stream();
     dev.destroy_stream(s).unwrap();
-    assert!(matches!(
-        a.deallocate(p, 4096, s),
-        Err(Error::Driver { .. })
-    ));
-    assert!(matches!(
-        a.deallocate(q, 200 << 10, s),
-        Err(Error::Driver { .. })
-    ));
+    assert!(matches!(a.deallocate(p, 4096, s), Err(Error::Driver { .. })));
+    assert!(matches!(a.deallocate(q, 200 << 10, s), Err(Error::Driver { .. })));
     assert_eq!(a.stats().live_bytes, 4096 + (200 << 10));
     a.deallocate_per_thread(p, 4096).unwrap();
     a.deallocate(q, 200 << 10, Stream::LEGACY).unwrap();

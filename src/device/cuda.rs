@@ -28,14 +28,7 @@ unsafe impl Sync for CudaDevice {}
 
 /// Turns a `CUresult` into a `Result`.
 pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Driver {
-            call,
-            code: r as u32,
-        })
-    }
+    if r == sys::CUresult::CUDA_SUCCESS { Ok(()) } else { Err(Error::Driver { call, code: r as u32 }) }
 }
 
 /// True if the CUDA driver library can be loaded here.
@@ -81,25 +74,14 @@ impl CudaDevice {
         }
         let mut dev = 0;
         // SAFETY: out-pointers are valid; the ordinal was checked.
-        check("cuDeviceGet", unsafe {
-            sys::cuDeviceGet(&mut dev, ordinal)
-        })?;
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: `dev` is a valid device.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
-        })?;
+        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
         let mut total = 0;
         // SAFETY: `dev` is a valid device.
-        check("cuDeviceTotalMem", unsafe {
-            sys::cuDeviceTotalMem_v2(&mut total, dev)
-        })?;
-        Ok(CudaDevice {
-            ordinal,
-            dev,
-            ctx: ctx as usize,
-            total,
-        })
+        check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) })?;
+        Ok(CudaDevice { ordinal, dev, ctx: ctx as usize, total })
     }
 
     /// The primary context handle.
@@ -116,9 +98,7 @@ impl CudaDevice {
             return Ok(CtxGuard { pushed: false });
         }
         // SAFETY: the primary context is retained for our lifetime.
-        check("cuCtxPushCurrent", unsafe {
-            sys::cuCtxPushCurrent_v2(self.context())
-        })?;
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(self.context()) })?;
         Ok(CtxGuard { pushed: true })
     }
 }
@@ -172,9 +152,7 @@ impl Device for CudaDevice {
         let mut e = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: `e` is a valid out-pointer and the context is current.
-        check("cuEventCreate", unsafe {
-            sys::cuEventCreate(&mut e, flags)
-        })?;
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
         Ok(Event(e as u64))
     }
 
@@ -191,9 +169,7 @@ impl Device for CudaDevice {
     fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
         let _g = self.enter()?;
         // SAFETY: the event is live; the stream handle is the caller's, valid per the contract.
-        check("cuEventRecord", unsafe {
-            sys::cuEventRecord(event.0 as sys::CUevent, raw_stream(stream))
-        })
+        check("cuEventRecord", unsafe { sys::cuEventRecord(event.0 as sys::CUevent, raw_stream(stream)) })
     }
 
     fn query_event(&self, event: Event) -> Result<bool> {
@@ -209,9 +185,7 @@ impl Device for CudaDevice {
     fn sync_event(&self, event: Event) -> Result<()> {
         let _g = self.enter()?;
         // SAFETY: the event is live.
-        check("cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(event.0 as sys::CUevent)
-        })
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
     }
 
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
@@ -226,9 +200,7 @@ impl Device for CudaDevice {
         let _g = self.enter()?;
         let mut id = 0;
         // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
-        check("cuStreamGetId", unsafe {
-            sys::cuStreamGetId(raw_stream(stream), &mut id)
-        })?;
+        check("cuStreamGetId", unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) })?;
         Ok(StreamKey(id))
     }
 }

@@ -41,21 +41,15 @@ impl CudaKernels {
             let n = CString::new(name).expect("no NUL");
             let mut f = std::ptr::null_mut();
             // SAFETY: the module is loaded; `n` is NUL-terminated.
-            check("cuModuleGetFunction", unsafe {
-                sys::cuModuleGetFunction(&mut f, module, n.as_ptr())
-            })?;
+            check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut f, module, n.as_ptr()) })?;
             Ok(f as usize)
         };
         let (tag_hold_check, spin) = (func("tag_hold_check")?, func("spin")?);
         let mut counters = 0;
         // SAFETY: out-pointer valid; 16 bytes: the error counter and two spin counters.
-        check("cuMemAlloc", unsafe {
-            sys::cuMemAlloc_v2(&mut counters, 16)
-        })?;
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut counters, 16) })?;
         // SAFETY: the allocation is 16 bytes = 4 words.
-        check("cuMemsetD32", unsafe {
-            sys::cuMemsetD32_v2(counters, 0, 4)
-        })?;
+        check("cuMemsetD32", unsafe { sys::cuMemsetD32_v2(counters, 0, 4) })?;
         Ok(CudaKernels {
             dev,
             module: module as usize,
@@ -100,16 +94,8 @@ impl CudaKernels {
     }
 
     /// Writes `tag` over `[ptr, ptr+len)`, spins `hold_ns`, and counts words that changed.
-    pub fn tag_hold_check(
-        &self,
-        ptr: u64,
-        len: usize,
-        tag: u32,
-        hold_ns: u64,
-        stream: Stream,
-    ) -> Result<()> {
-        let (mut p, mut n, mut t, mut h, mut e) =
-            (ptr, (len / 4) as u64, tag, hold_ns, self.errors);
+    pub fn tag_hold_check(&self, ptr: u64, len: usize, tag: u32, hold_ns: u64, stream: Stream) -> Result<()> {
+        let (mut p, mut n, mut t, mut h, mut e) = (ptr, (len / 4) as u64, tag, hold_ns, self.errors);
         let grid = (n.div_ceil(256).clamp(1, 64)) as u32;
         let mut params = [
             &mut p as *mut u64 as *mut c_void,
@@ -144,9 +130,7 @@ impl CudaKernels {
             sys::cuMemcpyDtoH_v2(host.as_mut_ptr() as *mut c_void, self.errors, 16)
         })?;
         // SAFETY: the allocation is 4 words.
-        check("cuMemsetD32", unsafe {
-            sys::cuMemsetD32_v2(self.errors, 0, 4)
-        })?;
+        check("cuMemsetD32", unsafe { sys::cuMemsetD32_v2(self.errors, 0, 4) })?;
         Ok((host[0] as u64 | (host[1] as u64) << 32, host[3]))
     }
 
@@ -163,9 +147,7 @@ impl CudaKernels {
     pub fn destroy_stream(&self, s: Stream) -> Result<()> {
         let _g = self.dev.enter()?;
         // SAFETY: the stream came from create_stream and is destroyed once.
-        check("cuStreamDestroy", unsafe {
-            sys::cuStreamDestroy_v2(s.as_raw() as sys::CUstream)
-        })
+        check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(s.as_raw() as sys::CUstream) })
     }
 
     /// Waits for all work on the device.

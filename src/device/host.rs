@@ -95,19 +95,9 @@ enum MemAction {
 }
 
 enum OpKind {
-    Mem {
-        start: u64,
-        end: u64,
-        action: MemAction,
-    },
-    Record {
-        event: usize,
-        generation: u64,
-    },
-    Wait {
-        event: usize,
-        generation: u64,
-    },
+    Mem { start: u64, end: u64, action: MemAction },
+    Record { event: usize, generation: u64 },
+    Wait { event: usize, generation: u64 },
 }
 
 struct Op {
@@ -203,9 +193,7 @@ impl HostDevice {
             cv: Condvar::new(),
             tag_errors: AtomicU64::new(0),
         });
-        HostDevice {
-            handle: Arc::new(Handle { sh }),
-        }
+        HostDevice { handle: Arc::new(Handle { sh }) }
     }
 
     fn sh(&self) -> &Arc<Shared> {
@@ -232,10 +220,7 @@ impl HostDevice {
     /// given to the next stream created.
     pub fn destroy_stream(&self, stream: Stream) -> Result<()> {
         let mut st = self.sh().lock();
-        st.handles.remove(&stream.0).ok_or(Error::Driver {
-            call: "destroy_stream",
-            code: 400,
-        })?;
+        st.handles.remove(&stream.0).ok_or(Error::Driver { call: "destroy_stream", code: 400 })?;
         st.free_handles.push(stream.0);
         Ok(())
     }
@@ -300,9 +285,8 @@ impl HostDevice {
         let idx = st.resolve(stream)?;
         let end = ptr + len as u64;
         if !st.covered(ptr, end) {
-            st.violations.push(format!(
-                "stream {idx}: access to [{ptr:#x}, {end:#x}) outside reserved memory"
-            ));
+            st.violations
+                .push(format!("stream {idx}: access to [{ptr:#x}, {end:#x}) outside reserved memory"));
             return Ok(());
         }
         let seq = st.streams[idx].bump();
@@ -319,26 +303,9 @@ impl HostDevice {
             })
             .collect();
         st.violations.extend(races);
-        st.inflight.push(Inflight {
-            stream: idx,
-            seq,
-            start: ptr,
-            end,
-        });
+        st.inflight.push(Inflight { stream: idx, seq, start: ptr, end });
         let delay = st.streams[idx].delay(&sh.cfg);
-        st.enqueue(
-            sh,
-            idx,
-            Op {
-                seq,
-                delay,
-                kind: OpKind::Mem {
-                    start: ptr,
-                    end,
-                    action,
-                },
-            },
-        );
+        st.enqueue(sh, idx, Op { seq, delay, kind: OpKind::Mem { start: ptr, end, action } });
         Ok(())
     }
 }
@@ -412,10 +379,7 @@ impl State {
             self.ptds.insert(tid, i);
             return Ok(i);
         }
-        self.handles.get(&stream.0).copied().ok_or(Error::Driver {
-            call: "stream handle",
-            code: 400,
-        })
+        self.handles.get(&stream.0).copied().ok_or(Error::Driver { call: "stream handle", code: 400 })
     }
 
     fn covered(&self, start: u64, end: u64) -> bool {
@@ -456,10 +420,8 @@ fn worker(sh: Arc<Shared>, idx: usize) {
                     st.streams[idx].worker = false;
                     return;
                 }
-                let (g, timeout) = sh
-                    .cv
-                    .wait_timeout(st, Duration::from_millis(20))
-                    .unwrap_or_else(|p| p.into_inner());
+                let (g, timeout) =
+                    sh.cv.wait_timeout(st, Duration::from_millis(20)).unwrap_or_else(|p| p.into_inner());
                 st = g;
                 if timeout.timed_out() && st.streams[idx].queue.is_empty() {
                     st.streams[idx].worker = false;
@@ -492,8 +454,7 @@ fn worker(sh: Arc<Shared>, idx: usize) {
                     sh.tag_errors.fetch_add(bad, Ordering::Relaxed);
                 }
                 st = sh.lock();
-                st.inflight
-                    .retain(|x| !(x.stream == idx && x.seq == op.seq));
+                st.inflight.retain(|x| !(x.stream == idx && x.seq == op.seq));
             }
         }
         st.streams[idx].completed = op.seq;
@@ -513,12 +474,7 @@ unsafe fn run_mem(start: u64, end: u64, action: MemAction) -> u64 {
         // size and alignment of u32.
         unsafe { std::slice::from_raw_parts(start as *const AtomicU32, len / 4) }
     };
-    let count_bad = |tag: u32| {
-        words()
-            .iter()
-            .filter(|w| w.load(Ordering::Relaxed) != tag)
-            .count() as u64
-    };
+    let count_bad = |tag: u32| words().iter().filter(|w| w.load(Ordering::Relaxed) != tag).count() as u64;
     match action {
         MemAction::Fill(v) => {
             // SAFETY: as above; AtomicU8 has the layout of u8.
@@ -577,18 +533,14 @@ impl Device for HostDevice {
         match st.regions.get(&ptr) {
             Some(r) if r.len == bytes => {}
             _ => {
-                return Err(Error::Driver {
-                    call: "release",
-                    code: 1,
-                });
+                return Err(Error::Driver { call: "release", code: 1 });
             }
         }
         let end = ptr + bytes as u64;
         let busy = |st: &State| st.inflight.iter().any(|x| x.start < end && ptr < x.end);
         if busy(&st) {
-            st.violations.push(format!(
-                "release of [{ptr:#x}, {end:#x}) while work on it is still in flight"
-            ));
+            st.violations
+                .push(format!("release of [{ptr:#x}, {end:#x}) while work on it is still in flight"));
             while busy(&st) {
                 st = sh.wait(st);
             }
@@ -605,11 +557,7 @@ impl Device for HostDevice {
         // Slots are never reused: a destroyed event's last record may still be queued, and a
         // new event must not be completed by it.
         let n = st.streams.len();
-        st.events.push(SimEvent {
-            recorded: 0,
-            completed: Default::default(),
-            clock: vec![0; n],
-        });
+        st.events.push(SimEvent { recorded: 0, completed: Default::default(), clock: vec![0; n] });
         Ok(Event((st.events.len() - 1) as u64))
     }
 
@@ -621,10 +569,7 @@ impl Device for HostDevice {
         let idx = st.resolve(stream)?;
         let e = event.0 as usize;
         if e >= st.events.len() {
-            return Err(Error::Driver {
-                call: "record_event",
-                code: 400,
-            });
+            return Err(Error::Driver { call: "record_event", code: 400 });
         }
         let seq = st.streams[idx].bump();
         let clock = st.streams[idx].clock.clone();
@@ -632,28 +577,14 @@ impl Device for HostDevice {
         ev.recorded += 1;
         let generation = ev.recorded;
         ev.clock = clock;
-        st.enqueue(
-            sh,
-            idx,
-            Op {
-                seq,
-                delay: Duration::ZERO,
-                kind: OpKind::Record {
-                    event: e,
-                    generation,
-                },
-            },
-        );
+        st.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::Record { event: e, generation } });
         Ok(())
     }
 
     fn query_event(&self, event: Event) -> Result<bool> {
         let st = self.sh().lock();
         if event.0 as usize >= st.events.len() {
-            return Err(Error::Driver {
-                call: "query_event",
-                code: 400,
-            });
+            return Err(Error::Driver { call: "query_event", code: 400 });
         }
         Ok(st.event_done(event.0 as usize))
     }
@@ -662,10 +593,7 @@ impl Device for HostDevice {
         let sh = self.sh();
         let mut st = sh.lock();
         if event.0 as usize >= st.events.len() {
-            return Err(Error::Driver {
-                call: "sync_event",
-                code: 400,
-            });
+            return Err(Error::Driver { call: "sync_event", code: 400 });
         }
         while !st.event_done(event.0 as usize) {
             st = sh.wait(st);
@@ -679,10 +607,7 @@ impl Device for HostDevice {
         let idx = st.resolve(stream)?;
         let e = event.0 as usize;
         if e >= st.events.len() {
-            return Err(Error::Driver {
-                call: "stream_wait_event",
-                code: 400,
-            });
+            return Err(Error::Driver { call: "stream_wait_event", code: 400 });
         }
         let ev_clock = st.events[e].clock.clone();
         let generation = st.events[e].recorded;
@@ -691,18 +616,7 @@ impl Device for HostDevice {
             *mine = (*mine).max(theirs);
         }
         let seq = s.bump();
-        st.enqueue(
-            sh,
-            idx,
-            Op {
-                seq,
-                delay: Duration::ZERO,
-                kind: OpKind::Wait {
-                    event: e,
-                    generation,
-                },
-            },
-        );
+        st.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::Wait { event: e, generation } });
         Ok(())
     }
 
@@ -743,8 +657,7 @@ mod tests {
         let p = d.reserve(1 << 20).unwrap().unwrap();
         let a = d.create_stream();
         let b = d.create_stream();
-        d.hold_and_check(p, 4096, 1, Duration::from_millis(30), a)
-            .unwrap();
+        d.hold_and_check(p, 4096, 1, Duration::from_millis(30), a).unwrap();
         std::thread::sleep(Duration::from_millis(8)); // a has written its tag and holds it
         d.write_tag(p, 4096, 2, b).unwrap();
         d.synchronize();
@@ -759,8 +672,7 @@ mod tests {
         let a = d.create_stream();
         let b = d.create_stream();
         let e = d.create_event().unwrap();
-        d.hold_and_check(p, 4096, 1, Duration::from_millis(5), a)
-            .unwrap();
+        d.hold_and_check(p, 4096, 1, Duration::from_millis(5), a).unwrap();
         d.record_event(e, a).unwrap();
         assert!(!d.query_event(e).unwrap());
         d.stream_wait_event(b, e).unwrap();
@@ -778,18 +690,13 @@ mod tests {
         let p = d.reserve(1 << 20).unwrap().unwrap();
         let (slow, fast, waiter) = (d.create_stream(), d.create_stream(), d.create_stream());
         let e = d.create_event().unwrap();
-        d.hold_and_check(p, 4096, 1, Duration::from_millis(30), slow)
-            .unwrap();
+        d.hold_and_check(p, 4096, 1, Duration::from_millis(30), slow).unwrap();
         d.record_event(e, slow).unwrap();
         d.stream_wait_event(waiter, e).unwrap();
         d.record_event(e, fast).unwrap(); // completes at once, long before the first record
         d.write_tag(p, 4096, 2, waiter).unwrap();
         d.synchronize();
-        assert_eq!(
-            d.tag_errors(),
-            0,
-            "the waiter ran before the record it waited for"
-        );
+        assert_eq!(d.tag_errors(), 0, "the waiter ran before the record it waited for");
         assert!(d.violations().is_empty());
     }
 
@@ -816,10 +723,7 @@ mod tests {
         assert_eq!(l0, d.stream_key(Stream::NULL).unwrap());
         let d2 = d.clone();
         let (k1, l1) = std::thread::spawn(move || {
-            (
-                d2.stream_key(Stream::PER_THREAD).unwrap(),
-                d2.stream_key(Stream::NULL).unwrap(),
-            )
+            (d2.stream_key(Stream::PER_THREAD).unwrap(), d2.stream_key(Stream::NULL).unwrap())
         })
         .join()
         .unwrap();
@@ -844,11 +748,9 @@ mod tests {
     fn out_of_bounds_and_busy_release_are_violations() {
         let d = dev(1000);
         let p = d.reserve(1 << 20).unwrap().unwrap();
-        d.write_tag(p + (1 << 20) - 256, 512, 1, Stream::LEGACY)
-            .unwrap();
+        d.write_tag(p + (1 << 20) - 256, 512, 1, Stream::LEGACY).unwrap();
         assert_eq!(d.violations().len(), 1);
-        d.hold_and_check(p, 256, 1, Duration::from_millis(5), Stream::LEGACY)
-            .unwrap();
+        d.hold_and_check(p, 256, 1, Duration::from_millis(5), Stream::LEGACY).unwrap();
         // SAFETY: the region came from reserve; the simulated release waits for the work.
         unsafe { d.release(p, 1 << 20).unwrap() };
         assert_eq!(d.violations().len(), 2);

@@ -1,0 +1,177 @@
+//! `cargo run --release`: a short multi-threaded benchmark of cuarena against the baselines,
+//! on the GPU if there is one, otherwise on the host-simulated device.
+//!
+//! Usage: cuarena [--quick] [--json] [--secs S] [--threads 1,2,4] [--workloads churn,handoff]
+//!                [--allocators cuarena,cuMemAllocAsync] [--no-touch] [--touch-only]
+
+use std::io::Write;
+
+use cuarena::bench::{Bench, Point, Workload};
+
+struct Args {
+    quick: bool,
+    json: bool,
+    secs: Option<f64>,
+    threads: Option<Vec<usize>>,
+    workloads: Option<Vec<Workload>>,
+    allocators: Option<Vec<String>>,
+    touch: Vec<bool>,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        quick: false,
+        json: false,
+        secs: None,
+        threads: None,
+        workloads: None,
+        allocators: None,
+        touch: vec![false, true],
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut val = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match arg.as_str() {
+            "--quick" => a.quick = true,
+            "--json" => a.json = true,
+            "--no-touch" => a.touch = vec![false],
+            "--touch-only" => a.touch = vec![true],
+            "--secs" => a.secs = Some(val("--secs")?.parse().map_err(|e| format!("--secs: {e}"))?),
+            "--threads" => {
+                let v = val("--threads")?;
+                a.threads = Some(
+                    v.split(',')
+                        .map(|t| t.parse().map_err(|e| format!("--threads: {e}")))
+                        .collect::<Result<_, _>>()?,
+                );
+            }
+            "--workloads" => {
+                let v = val("--workloads")?;
+                a.workloads = Some(
+                    v.split(',')
+                        .map(|w| Workload::parse(w).ok_or(format!("unknown workload {w}")))
+                        .collect::<Result<_, _>>()?,
+                );
+            }
+            "--allocators" => {
+                a.allocators = Some(val("--allocators")?.split(',').map(str::to_string).collect())
+            }
+            "-h" | "--help" => {
+                println!(
+                    "cuarena benchmark: [--quick] [--json] [--secs S] [--threads 1,2,4] [--workloads churn,...] \
+                     [--allocators cuarena,...] [--no-touch] [--touch-only]"
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+fn human(x: f64) -> String {
+    match x {
+        x if x >= 1e9 => format!("{:.2} G", x / 1e9),
+        x if x >= 1e6 => format!("{:.2} M", x / 1e6),
+        x if x >= 1e3 => format!("{:.1} k", x / 1e3),
+        x => format!("{x:.0}"),
+    }
+}
+
+fn main() {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    let bench = Bench::detect();
+    eprintln!("cuarena benchmark on {}", bench.description);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads: Vec<usize> = args.threads.clone().unwrap_or_else(|| {
+        let all = if args.quick { vec![1, 4, 16] } else { vec![1, 2, 4, 8, 16] };
+        let mut v: Vec<usize> = all.into_iter().map(|t| t.min(cores)).collect();
+        v.dedup();
+        v
+    });
+    let workloads = args.workloads.clone().unwrap_or_else(|| Workload::ALL.to_vec());
+    let allocators: Vec<String> = args
+        .allocators
+        .clone()
+        .unwrap_or_else(|| bench.allocator_names().iter().map(|s| s.to_string()).collect());
+    let secs = args.secs.unwrap_or(if args.quick { 0.15 } else { 0.5 });
+    let mut plan = Vec::new();
+    for &w in &workloads {
+        if !bench.supports(w) {
+            eprintln!("skipping {}: needs the GPU's kernels", w.name());
+            continue;
+        }
+        for &touch in &args.touch {
+            let ts: Vec<usize> = if w == Workload::RandomAllocations { vec![1] } else { threads.clone() };
+            for &t in &ts {
+                for a in &allocators {
+                    // cuMemAlloc synchronises the device on every free: a short run says enough.
+                    let s = if a == "cuMemAlloc" { secs.min(0.2) } else { secs };
+                    plan.push((w, touch, t, a.clone(), s));
+                }
+            }
+        }
+    }
+    let mut points: Vec<Point> = Vec::new();
+    let n = plan.len();
+    for (i, (w, touch, t, a, s)) in plan.into_iter().enumerate() {
+        eprint!(
+            "\r[{:>3}/{n}] {:<24} {:>2} threads {:<16}",
+            i + 1,
+            format!("{}{}", w.name(), if touch { "+touch" } else { "" }),
+            t,
+            a
+        );
+        let _ = std::io::stderr().flush();
+        match bench.run(&a, w, touch, t, s) {
+            Ok(p) => {
+                if args.json {
+                    println!("{}", p.json());
+                }
+                points.push(p);
+            }
+            Err(e) => eprintln!("\n{a} {} {t} threads failed: {e}", w.name()),
+        }
+    }
+    eprintln!();
+    if args.json {
+        return;
+    }
+    println!("device: {}", bench.description);
+    println!(
+        "{:<24} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6} {:>10} {:>6} {:>5}",
+        "workload",
+        "thr",
+        "allocator",
+        "pairs/s",
+        "p50 ns",
+        "p99 ns",
+        "peak live",
+        "res/pk",
+        "calls/Mop",
+        "syncs",
+        "conc"
+    );
+    for p in &points {
+        println!(
+            "{:<24} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6.2} {:>10.1} {:>6} {:>5}",
+            p.workload,
+            p.threads,
+            p.allocator,
+            human(p.pairs_per_sec),
+            p.p50_ns,
+            p.p99_ns,
+            human(p.peak_live_bytes as f64) + "B",
+            p.memory_ratio(),
+            p.driver_calls_per_mop,
+            p.host_syncs,
+            p.kernel_concurrency.map_or("-".into(), |c| c.to_string())
+        );
+    }
+}
