@@ -27,7 +27,9 @@ use crate::outbox::Outbox;
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
 use crate::stats::{CounterRegistry, Counters, Stats};
 use crate::stream::{Stream, StreamKey};
-use crate::sync::{Arc, AtomicU64, AtomicUsize, Mutex, Ordering, Weak, downgrade, lock, thread_local};
+use std::sync::{Arc, Weak};
+
+use crate::sync::{AtomicUsize, Mutex, Ordering, lock, next_id, thread_local};
 
 /// A device address. Null is `DevicePtr(0)`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -72,8 +74,6 @@ struct Shells {
     idle: Vec<Arc<ArenaShell>>,
 }
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
 /// One thread's state for one allocator.
 struct Slot {
     id: u64,
@@ -85,7 +85,7 @@ struct Slot {
 }
 
 thread_local! {
-    static SLOTS: RefCell<Vec<Slot>> = const { RefCell::new(Vec::new()) };
+    static SLOTS: RefCell<Vec<Slot>> = RefCell::new(Vec::new());
 }
 
 impl Inner {
@@ -129,7 +129,7 @@ impl Slot {
     fn new(inner: &Arc<Inner>) -> Slot {
         Slot {
             id: inner.id,
-            inner: downgrade(inner),
+            inner: Arc::downgrade(inner),
             arena: None,
             outbox: Outbox::default(),
             counters: inner.counters.register(),
@@ -318,7 +318,7 @@ impl Allocator {
         let total = device.total_memory()?;
         Ok(Allocator {
             inner: Arc::new(Inner {
-                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                id: next_id(),
                 pool: GlobalPool::new(Arc::clone(&device), &config, total),
                 device,
                 cfg: config,
@@ -428,10 +428,20 @@ impl Allocator {
         })
     }
 
-    /// Gives this thread's arena back to the global pool, as thread exit does. The thread may
-    /// go on allocating; it then gets a new arena.
+    /// Does now what thread exit does: sends this thread's remote frees, gives its arena back
+    /// to the global pool and folds its counters. The thread may go on allocating; it then
+    /// gets a new arena.
     pub fn release_thread(&self) -> Result<()> {
-        with_slot(&self.inner, |slot, inner| slot.release_arena(inner))
+        let id = self.inner.id;
+        let slot = SLOTS.try_with(|cell| {
+            let mut v = cell.borrow_mut();
+            v.iter().position(|s| s.id == id).map(|i| v.swap_remove(i))
+        });
+        let Ok(Some(mut slot)) = slot else { return Ok(()) };
+        let r = slot.release_arena(&self.inner);
+        self.inner.counters.retire(&slot.counters);
+        drop(slot); // its drop finds nothing left to do
+        r
     }
 
     /// Releases wholly free chunks to the device. With `blocking`, waits for their pending

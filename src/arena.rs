@@ -40,7 +40,8 @@ use crate::inbox::Inbox;
 use crate::size_class::{GRANULE_SHIFT, block_bytes};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{FREE, PENDING, SbLocal, Superblock, USED};
-use crate::sync::{Arc, Ordering};
+use crate::sync::Ordering;
+use std::sync::Arc;
 
 /// A block freed remotely: its address and the size given to the free.
 #[derive(Clone, Copy, Debug)]
@@ -426,10 +427,15 @@ impl Arena {
                 }
             }
         };
+        // Mutation for the loom model of thread exit: closing first lets a late free reach the
+        // pool before the pool knows its block.
+        #[cfg(cuarena_mutant = "exit_close_first")]
+        let late = self.shell.inbox.close();
         while !self.owned.is_empty() {
             let idx = self.owned.len() - 1;
             self.give_back(env, idx, FenceSet::one(fence.clone()));
         }
+        #[cfg(not(cuarena_mutant = "exit_close_first"))]
         let late = self.shell.inbox.close();
         for batch in late.into_iter().chain(std::mem::take(&mut self.pending)) {
             for fr in batch.blocks {

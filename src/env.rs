@@ -5,7 +5,8 @@ use crate::error::{Error, Result};
 use crate::fence::Fence;
 use crate::global_pool::GlobalPool;
 use crate::stream::{Stream, StreamKey};
-use crate::sync::{Arc, Mutex, lock};
+use crate::sync::{Mutex, lock};
+use std::sync::Arc;
 
 /// Borrowed context of one slow-path operation on one thread.
 pub(crate) struct Env<'a> {

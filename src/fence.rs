@@ -17,7 +17,8 @@ use crate::device::counted::Counted;
 use crate::device::{Device, Event};
 use crate::error::Result;
 use crate::stream::{Stream, StreamKey};
-use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering, lock};
+use crate::sync::{AtomicBool, AtomicU64, Mutex, Ordering, lock};
+use std::sync::Arc;
 
 /// Reusable events (creating one is a driver call).
 pub(crate) struct EventPool {
@@ -89,7 +90,7 @@ impl Fence {
 
     /// True once the work before the fence has completed. Never blocks.
     pub(crate) fn poll(&self, dev: &Counted<'_>) -> Result<bool> {
-        if self.known_done() {
+        if self.known_done() || cfg!(cuarena_mutant = "fence_skip_check") {
             return Ok(true);
         }
         let done = dev.query_fence(self.event)?;

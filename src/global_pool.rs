@@ -34,7 +34,8 @@ use crate::size_class::{GRANULE, block_bytes};
 use crate::stats::{Counters, Stats};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::Superblock;
-use crate::sync::{Arc, Mutex, Ordering, lock};
+use crate::sync::{Mutex, Ordering, lock};
+use std::sync::Arc;
 
 struct FreeExt {
     chunk: u64,
@@ -292,6 +293,10 @@ impl GlobalPool {
         free: &[(u64, usize)],
         fences: FenceSet,
     ) {
+        // Mutation for the loom model of superblock return: clearing the owner before the
+        // pool knows the blocks lets a free reach the pool too early.
+        #[cfg(cuarena_mutant = "owner_cleared_early")]
+        sb.owner.store(std::ptr::null_mut(), Ordering::Release);
         let mut st = lock(&self.state);
         let u = st.used.remove(&sb.base).expect("a lent superblock");
         debug_assert!(u.kind == UsedKind::Superblock);

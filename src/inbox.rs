@@ -3,8 +3,9 @@
 //! ## Protocol
 //! - `head` is null (empty), a node pointer (a list of pushed batches), or [`CLOSED`].
 //! - **push** (any thread): CAS the new node in front of `head` with `Release`, so the batch's
-//!   contents are visible to whoever takes the node. If `head` is `CLOSED`, push fails and hands
-//!   the batch back: the caller then frees the blocks through the global pool.
+//!   contents are visible to whoever takes the node (the failure ordering is `Relaxed`: a failed
+//!   CAS only learns the head to retry with). If `head` is `CLOSED`, push fails and hands the
+//!   batch back: the caller then frees the blocks through the global pool.
 //! - **take** (owner): `swap(null, Acquire)` takes every node pushed so far, pairing with the
 //!   pushes' `Release`.
 //! - **close** (owner, at exit): `swap(CLOSED, Acquire)` takes the rest and refuses later pushes.
@@ -14,11 +15,21 @@
 //! push until the one swap that takes it, and is owned by exactly one thread at a time.
 //! Loom model: `loom-tests/tests/inbox.rs`.
 
-use crate::sync::{AtomicPtr, Ordering};
+use crate::sync::{AtomicPtr, Ordering, UnsafeCell, ordering};
 
 struct Node<T> {
-    value: T,
+    /// Written by the pusher before publication, taken by the owner after (a tracked cell, so
+    /// loom checks the hand-off).
+    value: UnsafeCell<Option<T>>,
     next: *mut Node<T>,
+}
+
+impl<T> Node<T> {
+    fn take(&self) -> T {
+        // SAFETY: only the single thread that owns the node (the pusher before publication, or
+        // the taker after its swap) calls this.
+        self.value.with_mut(|v| unsafe { (*v).take() }).expect("a node's value is taken once")
+    }
 }
 
 /// The marker of a closed inbox. Never dereferenced; no `Box` can have this address.
@@ -46,17 +57,23 @@ impl<T> Default for Inbox<T> {
 impl<T> Inbox<T> {
     /// Pushes `value`, or gives it back if the inbox is closed.
     pub fn push(&self, value: T) -> Result<(), T> {
-        let node = Box::into_raw(Box::new(Node { value, next: std::ptr::null_mut() }));
-        let mut head = self.head.load(Ordering::Relaxed);
+        let node = Box::into_raw(Box::new(Node { value: UnsafeCell::new(None), next: std::ptr::null_mut() }));
+        // SAFETY: the node is ours alone until the CAS below publishes it.
+        unsafe { (*node).value.with_mut(|v| *v = Some(value)) };
+        // Start from an assumed-empty head: the CAS fails with the real head if not. (No
+        // leading load: one atomic on an empty inbox, and nothing that hides this CAS from
+        // loom's conflict tracking; see loom-tests/README.md.)
+        let mut head = std::ptr::null_mut();
         loop {
             if head == closed() {
                 // SAFETY: `node` came from Box::into_raw above and was never shared.
                 let node = unsafe { Box::from_raw(node) };
-                return Err(node.value);
+                return Err(node.take());
             }
             // SAFETY: `node` is still exclusively ours until the CAS publishes it.
             unsafe { (*node).next = head };
-            match self.head.compare_exchange_weak(head, node, Ordering::Release, Ordering::Relaxed) {
+            let publish = ordering!(Ordering::Release, "inbox_push_relaxed" => Ordering::Relaxed);
+            match self.head.compare_exchange(head, node, publish, Ordering::Relaxed) {
                 Ok(_) => return Ok(()),
                 Err(h) => head = h,
             }
@@ -70,14 +87,16 @@ impl<T> Inbox<T> {
     }
 
     /// Takes every value pushed so far (most recent first).
+    /// Does nothing on a closed inbox (it stays closed).
     pub fn take_all(&self) -> Vec<T> {
-        if self.head.load(Ordering::Relaxed).is_null() {
+        // Only the owner closes or reopens, and the owner is here: a head that is not closed
+        // now cannot become closed before the swap; pushes may only add nodes.
+        let h = self.head.load(Ordering::Relaxed);
+        if h.is_null() || h == closed() {
             return Vec::new();
         }
-        let h = self.head.swap(std::ptr::null_mut(), Ordering::Acquire);
-        // A concurrent close cannot happen: only the owner closes, and the owner is here.
-        debug_assert!(h != closed());
-        Self::collect(h)
+        let acquire = ordering!(Ordering::Acquire, "inbox_take_relaxed" => Ordering::Relaxed);
+        Self::collect(self.head.swap(std::ptr::null_mut(), acquire))
     }
 
     /// Closes the inbox and takes what it held. Later pushes fail.
@@ -99,7 +118,7 @@ impl<T> Inbox<T> {
             // Box::into_raw in `push`, and the Acquire swap saw its initialisation.
             let node = unsafe { Box::from_raw(h) };
             h = node.next;
-            out.push(node.value);
+            out.push(node.take());
         }
         out
     }
@@ -128,6 +147,8 @@ mod tests {
         ib.push(3).unwrap();
         assert_eq!(ib.close(), vec![3]);
         assert_eq!(ib.push(4), Err(4));
+        assert!(ib.take_all().is_empty(), "a closed inbox gives nothing");
+        assert_eq!(ib.push(4), Err(4), "and stays closed");
         ib.reopen();
         ib.push(5).unwrap();
         assert_eq!(ib.take_all(), vec![5]);

@@ -16,6 +16,9 @@ mod free_lists;
 mod global_pool;
 #[doc(hidden)]
 pub mod inbox;
+#[cfg(loom)]
+#[doc(hidden)]
+pub mod loom_api;
 mod outbox;
 mod registry;
 pub mod shutdown;

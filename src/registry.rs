@@ -7,7 +7,8 @@
 //! so a reader can never see a freed superblock. Loom model: `loom-tests/tests/registry.rs`.
 
 use crate::superblock::Superblock;
-use crate::sync::{Arc, AtomicPtr, Ordering};
+use crate::sync::{AtomicPtr, Ordering, ordering};
+use std::sync::Arc;
 
 #[cfg(not(loom))]
 const LEVEL_BITS: u32 = 16;
@@ -77,7 +78,7 @@ impl Registry {
         let mut sb = slot.load(Ordering::Acquire);
         if sb.is_null() {
             sb = Arc::into_raw(Arc::new(Superblock::new(base, granules))) as *mut Superblock;
-            slot.store(sb, Ordering::Release);
+            slot.store(sb, ordering!(Ordering::Release, "registry_publish_relaxed" => Ordering::Relaxed));
         }
         // SAFETY: as in `lookup`.
         unsafe { &*sb }

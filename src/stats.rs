@@ -5,7 +5,8 @@
 //! lists the blocks; reading the stats locks the list and sums them. When a thread exits its
 //! block is folded into `retired` and unlisted, so the list does not grow with dead threads.
 
-use crate::sync::{Arc, AtomicU64, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+use std::sync::Arc;
 
 /// One counter. Single-writer unless `Counters::shared` is set.
 #[derive(Default, Debug)]
@@ -82,6 +83,11 @@ impl Counters {
 }
 
 /// A snapshot of an allocator's state.
+///
+/// Counters are kept per thread and summed when read, so reading costs the threads nothing.
+/// A snapshot taken while other threads allocate is not atomic across counters: it may count
+/// an operation in one counter and not yet in another. Every counter is exact once the threads
+/// that change it are quiescent, and none ever counts an exiting thread twice.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Bytes in live blocks (after size-class rounding).
@@ -154,9 +160,17 @@ impl CounterRegistry {
         c
     }
 
-    /// Folds a dead thread's block into `retired`.
+    /// Folds a dead thread's block into `retired`. Under the list lock, so a reader never
+    /// counts the block twice (in `retired` and in the list) or not at all.
     pub(crate) fn retire(&self, c: &Arc<Counters>) {
+        #[cfg(cuarena_mutant = "stats_retire_unlocked")]
+        c.fold_into(&self.retired);
         let mut l = lock(&self.live);
+        #[cfg(cuarena_mutant = "stats_retire_unlocked")]
+        if let Some(i) = l.iter().position(|x| Arc::ptr_eq(x, c)) {
+            l.swap_remove(i);
+            return;
+        }
         if let Some(i) = l.iter().position(|x| Arc::ptr_eq(x, c)) {
             c.fold_into(&self.retired);
             l.swap_remove(i);

@@ -1,48 +1,35 @@
 //! The one place that chooses between `std` and `loom` primitives.
 //!
-//! Every module of the crate takes its atomics, cells, locks and thread-locals from here, so
+//! Every protocol of the crate takes its atomics, cells, locks and thread-locals from here, so
 //! the models in `loom-tests/` (built with `RUSTFLAGS="--cfg loom"`) drive the real code.
+//!
+//! Not chosen here, by design:
+//! - `Arc` is always `std::sync::Arc`. Reference counts are not one of our protocols, and
+//!   `Arc<dyn Device>` needs std's unsized coercion.
+//! - Process-wide id counters ([`next_id`]) use a std atomic: a unique number, nothing ordered
+//!   by it, and loom atomics cannot live in statics.
+//! - The simulated device (`device/host.rs`) is a test fixture with real std threads; it is not
+//!   run under loom (the models use `device/model.rs`).
 
 #[cfg(loom)]
 pub(crate) use loom::{
     cell::UnsafeCell,
     sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Mutex, MutexGuard},
     thread_local,
 };
 
 #[cfg(not(loom))]
 pub(crate) use std::{
     sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering},
-    sync::{Arc, Mutex, MutexGuard, Weak},
+    sync::{Mutex, MutexGuard},
     thread_local,
 };
 
-/// loom's `Arc` has no weak form. Under loom a thread slot holds its allocator strongly,
-/// which only delays the allocator's drop until the model's threads are gone.
-#[cfg(loom)]
-pub(crate) struct Weak<T>(Arc<T>);
-
-#[cfg(loom)]
-impl<T> Weak<T> {
-    pub(crate) fn upgrade(&self) -> Option<Arc<T>> {
-        Some(Arc::clone(&self.0))
-    }
-    pub(crate) fn strong_count(&self) -> usize {
-        1
-    }
-}
-
-/// A weak reference to `a`.
-#[cfg(loom)]
-pub(crate) fn downgrade<T>(a: &Arc<T>) -> Weak<T> {
-    Weak(Arc::clone(a))
-}
-
-/// A weak reference to `a`.
-#[cfg(not(loom))]
-pub(crate) fn downgrade<T>(a: &Arc<T>) -> Weak<T> {
-    Arc::downgrade(a)
+/// A process-wide unique, non-zero id.
+pub(crate) fn next_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// `std`'s `UnsafeCell` with loom's `with`/`with_mut` access style.
@@ -57,7 +44,7 @@ impl<T> UnsafeCell<T> {
     }
 
     #[inline(always)]
-    #[allow(dead_code)] // part of loom's interface; the crate uses `with_mut` today
+    #[allow(dead_code)] // loom's interface; the crate reads through `with_mut` today
     pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
         f(self.0.get())
     }
@@ -76,3 +63,16 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
         Err(poisoned) => poisoned.into_inner(),
     }
 }
+
+/// Chooses an ordering, or its deliberately weakened form in a loom mutation build
+/// (`--cfg cuarena_mutant="NAME"`); see `loom-tests/README.md`. Normal builds get `strong`.
+macro_rules! ordering {
+    ($strong:expr, $mutant:literal => $weak:expr) => {{
+        #[cfg(cuarena_mutant = $mutant)]
+        let o = $weak;
+        #[cfg(not(cuarena_mutant = $mutant))]
+        let o = $strong;
+        o
+    }};
+}
+pub(crate) use ordering;

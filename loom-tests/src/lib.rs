@@ -1,1 +1,62 @@
-//! Loom models of cuarena's lock-free protocols live in `tests/`.
+//! Loom models of cuarena's lock-free protocols. The models are in `tests/`; this crate holds
+//! what they share. Build with `RUSTFLAGS="--cfg loom"`; see `README.md`.
+
+#[cfg(loom)]
+pub mod common {
+    use std::sync::Arc;
+
+    use cuarena::device::model::ModelDevice;
+    use cuarena::{Allocator, Config};
+
+    /// Superblocks of 64 KiB (the smallest allowed), so the registry and the device stay tiny.
+    pub const SB: usize = 64 << 10;
+
+    /// A model device and an allocator over it: 8 superblocks of room, remote frees sent one
+    /// at a time (so every free crosses the inbox at once).
+    pub fn setup(keep_empty: usize, sparse: f64) -> (Arc<ModelDevice>, Allocator) {
+        let dev = Arc::new(ModelDevice::new(SB as u64, 8 * SB as u64));
+        let cfg = Config::builder()
+            .superblock(SB)
+            .small_max(SB / 2)
+            .chunk(SB)
+            .max_bytes(8 * SB)
+            .batch_blocks(1)
+            .keep_empty(keep_empty)
+            .sparse_fraction(sparse)
+            .build()
+            .expect("a valid model config");
+        let a = Allocator::new(dev.clone(), cfg).expect("allocator");
+        (dev, a)
+    }
+
+    /// Every byte back in the pool, nothing refused, invariants intact.
+    pub fn assert_all_returned(a: &Allocator) {
+        a.release_thread().expect("release");
+        a.check_invariants();
+        let s = a.stats();
+        assert_eq!(s.invalid_frees, 0, "a free was lost: {:?}", a.take_deferred_error());
+        assert_eq!(s.live_bytes, 0);
+        assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
+    }
+
+    /// Runs a model. The real allocator takes many more steps per execution than loom's
+    /// default branch limit allows; `LOOM_MAX_PREEMPTIONS` and the other `LOOM_*` variables
+    /// still apply.
+    pub fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut b = loom::model::Builder::new();
+        if std::env::var("LOOM_MAX_BRANCHES").is_err() {
+            b.max_branches = 100_000;
+        }
+        b.check(f);
+    }
+
+    /// Spins (yielding to loom) until `f` returns `Some`.
+    pub fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            loom::thread::yield_now();
+        }
+    }
+}

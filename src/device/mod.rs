@@ -11,6 +11,8 @@ pub(crate) mod counted;
 pub mod cuda;
 pub mod cuda_kernels;
 pub mod host;
+#[doc(hidden)]
+pub mod model;
 
 use crate::error::Result;
 use crate::stream::{Stream, StreamKey};

@@ -1,0 +1,109 @@
+//! Models that drive the real allocator (`Allocator` over the model device): remote frees into
+//! an inbox the owner drains, the fence life cycle, superblock return with remote frees in
+//! flight, thread exit racing a remote free, and statistics read while a thread retires.
+#![cfg(loom)]
+
+use cuarena::DevicePtr;
+use loom::sync::atomic::{AtomicU64, Ordering};
+use loom::thread;
+use loom_tests::common::{SB, assert_all_returned, model, setup, wait_for};
+use std::sync::Arc;
+
+/// Fence life cycle (pending → complete → reusable) with the GPU as a thread. The owner's
+/// superblock is full, so a new allocation can only reuse the remotely freed block, and it may
+/// do so only once the block's fence has completed.
+#[test]
+fn a_remotely_freed_block_is_reused_only_after_its_fence() {
+    model(|| {
+        let (dev, a) = setup(8, 0.9);
+        let half = SB / 2;
+        let p1 = a.allocate_per_thread(half).unwrap();
+        let p2 = a.allocate_per_thread(half).unwrap();
+        let a2 = a.clone();
+        let freer = thread::spawn(move || {
+            a2.deallocate_per_thread(p1, half).unwrap();
+            a2.release_thread().unwrap();
+        });
+        let d2 = dev.clone();
+        let gpu = thread::spawn(move || d2.complete_all());
+        let q = a.allocate_per_thread(half).unwrap();
+        if q == p1 {
+            assert!(dev.all_complete(), "reused before its fence completed");
+        }
+        freer.join().unwrap();
+        gpu.join().unwrap();
+        dev.complete_all();
+        a.deallocate_per_thread(q, half).unwrap();
+        a.deallocate_per_thread(p2, half).unwrap();
+        a.flush().unwrap();
+        assert_all_returned(&a);
+    });
+}
+
+/// Thread exit: the owner gives its arena back while another thread frees one of its blocks.
+/// The free must reach the owner before it closes, or the pool after it knows the block.
+#[test]
+fn a_remote_free_racing_the_owners_exit_is_adopted() {
+    model(|| {
+        let (dev, a) = setup(8, 0.9);
+        let shared = Arc::new(AtomicU64::new(0));
+        let (a2, s2) = (a.clone(), shared.clone());
+        let owner = thread::spawn(move || {
+            let q = a2.allocate_per_thread(4096).unwrap();
+            s2.store(q.0, Ordering::Release);
+            a2.release_thread().unwrap();
+        });
+        let q = wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&q| q != 0));
+        a.deallocate_per_thread(DevicePtr(q), 4096).unwrap();
+        a.release_thread().unwrap();
+        owner.join().unwrap();
+        dev.complete_all();
+        assert_all_returned(&a);
+    });
+}
+
+/// Superblock return: the owner frees its other block, which makes the return rule give the
+/// superblock back (dissolving it around the remote block), while another thread frees the
+/// remote block through the owner's inbox or the pool.
+#[test]
+fn a_superblock_given_back_with_a_remote_free_in_flight_loses_nothing() {
+    model(|| {
+        let (dev, a) = setup(0, 0.5);
+        let b1 = a.allocate_per_thread(SB / 4).unwrap();
+        let b2 = a.allocate_per_thread(SB / 4).unwrap();
+        let a2 = a.clone();
+        let freer = thread::spawn(move || {
+            a2.deallocate_per_thread(b1, SB / 4).unwrap();
+            a2.release_thread().unwrap();
+        });
+        a.deallocate_per_thread(b2, SB / 4).unwrap(); // the return rule gives the superblock back
+        a.flush().unwrap();
+        freer.join().unwrap();
+        dev.complete_all();
+        a.flush().unwrap();
+        assert!(a.stats().superblocks_returned + a.stats().superblocks_dissolved >= 1);
+        assert_all_returned(&a);
+    });
+}
+
+/// Statistics: per-thread single-writer counters folded into `retired` when a thread exits,
+/// read concurrently. A reading never counts a thread twice (each counter stays within its
+/// final value) and, once the thread is done, every counter is exact. (A reading taken while a
+/// thread runs is not atomic across counters: it may see a free and not yet its allocation.)
+#[test]
+fn stats_read_while_a_thread_retires_are_consistent() {
+    model(|| {
+        let (_dev, a) = setup(8, 0.9);
+        let a2 = a.clone();
+        let worker = thread::spawn(move || {
+            let p = a2.allocate_per_thread(4096).unwrap();
+            a2.deallocate_per_thread(p, 4096).unwrap();
+            a2.release_thread().unwrap();
+        });
+        let s = a.stats();
+        assert!(s.allocations <= 1 && s.deallocations <= 1 && s.superblocks_taken <= 1, "{s:?}");
+        worker.join().unwrap();
+        let s = a.stats();
+        assert_eq!((s.allocations, s.deallocations, s.live_bytes), (1, 1, 0));
+    });
+}

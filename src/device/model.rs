@@ -1,0 +1,124 @@
+//! A minimal device for the loom models: fake addresses, no memory, and events that complete
+//! only when the model's "GPU" thread calls [`ModelDevice::complete_all`].
+//!
+//! Every call is a handful of atomic operations (the facade's, so loom sees them), which keeps
+//! the models' state space small. It records whether a stream was made to wait on an event, so
+//! a model can tell "reused after completion" from "reused behind a stream wait".
+
+use crate::device::{Device, DeviceKind, Event};
+use crate::error::{Error, Result};
+use crate::stream::{Stream, StreamKey};
+use crate::sync::{AtomicU64, AtomicUsize, Ordering, thread_local};
+
+const EVENTS: usize = 16;
+
+thread_local! {
+    static THREAD_KEY: std::cell::Cell<u64> = std::cell::Cell::new(0);
+}
+
+/// The model device.
+pub struct ModelDevice {
+    base: u64,
+    capacity: u64,
+    next: AtomicU64,
+    events: Vec<(AtomicU64, AtomicU64)>,
+    made: AtomicUsize,
+    waits: AtomicUsize,
+    keys: AtomicU64,
+}
+
+impl ModelDevice {
+    /// Addresses start at `base` (keep it aligned to the superblock size).
+    pub fn new(base: u64, capacity: u64) -> ModelDevice {
+        ModelDevice {
+            base,
+            capacity,
+            next: AtomicU64::new(base),
+            events: (0..EVENTS).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect(),
+            made: AtomicUsize::new(0),
+            waits: AtomicUsize::new(0),
+            keys: AtomicU64::new(10),
+        }
+    }
+
+    /// The GPU catches up: every event recorded so far completes.
+    pub fn complete_all(&self) {
+        for (recorded, done) in &self.events {
+            done.store(recorded.load(Ordering::Acquire), Ordering::Release);
+        }
+    }
+
+    /// True if every event recorded so far has completed.
+    pub fn all_complete(&self) -> bool {
+        self.events.iter().all(|(r, d)| d.load(Ordering::Acquire) >= r.load(Ordering::Acquire))
+    }
+
+    /// Stream waits issued so far.
+    pub fn waits(&self) -> usize {
+        self.waits.load(Ordering::Acquire)
+    }
+
+    fn event(&self, e: Event) -> Result<&(AtomicU64, AtomicU64)> {
+        self.events.get(e.0 as usize).ok_or(Error::Driver { call: "model event", code: 400 })
+    }
+}
+
+impl Device for ModelDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Host
+    }
+    fn ordinal(&self) -> i32 {
+        0
+    }
+    fn total_memory(&self) -> Result<usize> {
+        Ok(self.capacity as usize)
+    }
+    fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
+        let p = self.next.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok((p + bytes as u64 <= self.base + self.capacity).then_some(p))
+    }
+    unsafe fn release(&self, _ptr: u64, _bytes: usize) -> Result<()> {
+        Ok(())
+    }
+    fn create_event(&self) -> Result<Event> {
+        let i = self.made.fetch_add(1, Ordering::Relaxed);
+        if i >= EVENTS {
+            return Err(Error::Driver { call: "model: out of events", code: 2 });
+        }
+        Ok(Event(i as u64))
+    }
+    fn destroy_event(&self, _event: Event) {}
+    fn record_event(&self, e: Event, _s: Stream) -> Result<()> {
+        self.event(e)?.0.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+    fn query_event(&self, e: Event) -> Result<bool> {
+        let (r, d) = self.event(e)?;
+        Ok(d.load(Ordering::Acquire) >= r.load(Ordering::Acquire))
+    }
+    /// A host wait: the GPU catches up with this event.
+    fn sync_event(&self, e: Event) -> Result<()> {
+        let (r, d) = self.event(e)?;
+        d.fetch_max(r.load(Ordering::Acquire), Ordering::AcqRel);
+        Ok(())
+    }
+    fn stream_wait_event(&self, _s: Stream, e: Event) -> Result<()> {
+        self.event(e)?;
+        self.waits.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+    fn stream_key(&self, s: Stream) -> Result<StreamKey> {
+        if s.is_legacy() {
+            return Ok(StreamKey(1));
+        }
+        if s.is_per_thread() {
+            return Ok(StreamKey(THREAD_KEY.with(|k| {
+                if k.get() == 0 {
+                    k.set(self.keys.fetch_add(1, Ordering::Relaxed));
+                }
+                k.get()
+            })));
+        }
+        Ok(StreamKey(s.as_raw() as u64 + 1_000_000))
+    }
+}
