@@ -85,6 +85,8 @@ struct Slot {
 }
 
 thread_local! {
+    // Not `const { .. }`: loom's `thread_local!` has no such form.
+    #[allow(clippy::missing_const_for_thread_local)]
     static SLOTS: RefCell<Vec<Slot>> = RefCell::new(Vec::new());
 }
 
