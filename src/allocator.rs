@@ -334,8 +334,9 @@ impl Allocator {
 
     /// An allocator for CUDA device `ordinal`. [`Error::NoDriver`] if there is no driver.
     pub fn cuda(ordinal: i32, config: Config) -> Result<Allocator> {
-        crate::shutdown::install_exit_hook();
         let dev = CudaDevice::new(ordinal)?;
+        // After cuInit, so the hook runs before the driver's own exit handlers.
+        crate::shutdown::install_exit_hook();
         Allocator::new(Arc::new(dev), config)
     }
 
@@ -396,6 +397,49 @@ impl Allocator {
             }
             r
         })
+    }
+
+    /// [`Allocator::deallocate`] for a block also used on the streams `used_on` (what
+    /// `record_stream` declares). Each of those streams, if not `stream` itself, gets an event
+    /// that `stream` is made to wait on first, so the free's fence covers their work too. No
+    /// host block.
+    pub fn deallocate_used_on(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+    ) -> Result<()> {
+        if !used_on.is_empty() {
+            with_slot(&self.inner, |slot, inner| -> Result<()> {
+                let env = inner.env(&slot.counters);
+                let key = env.dev.stream_key(stream)?;
+                for &s in used_on {
+                    if env.dev.stream_key(s)? != key
+                        && let Some(f) = env.fence(s, env.dev.stream_key(s)?)?
+                    {
+                        f.order_before(&env.dev, stream, key)?;
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        self.deallocate(ptr, size, stream)
+    }
+
+    /// Caps reserved memory at `bytes`. Memory already reserved above it is kept until freed
+    /// blocks let `trim` release it.
+    pub fn set_limit_bytes(&self, bytes: usize) {
+        self.inner.pool.set_limit(bytes);
+    }
+
+    /// Caps reserved memory at `fraction` (0, 1] of the device's memory.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::Config(format!("memory fraction {fraction} must be in (0, 1]")));
+        }
+        self.inner.pool.set_limit((self.inner.pool.total() as f64 * fraction) as usize);
+        Ok(())
     }
 
     /// [`Allocator::allocate`] on the calling thread's per-thread default stream.

@@ -14,11 +14,13 @@ pub struct DeviceBuffer {
     ptr: DevicePtr,
     len: usize,
     stream: Stream,
+    /// Other streams that used the buffer (`record_stream`); the free fences them too.
+    used_on: Vec<Stream>,
 }
 
 impl DeviceBuffer {
     pub(crate) fn from_parts(alloc: Allocator, ptr: DevicePtr, len: usize, stream: Stream) -> DeviceBuffer {
-        DeviceBuffer { alloc, ptr, len, stream }
+        DeviceBuffer { alloc, ptr, len, stream, used_on: Vec::new() }
     }
 
     /// The device address (null for an empty buffer).
@@ -47,12 +49,20 @@ impl DeviceBuffer {
         self.stream = stream;
     }
 
+    /// Declares that work on `stream` uses the buffer: the free will be fenced after that work
+    /// as well as after the work on the buffer's own stream (like PyTorch's `record_stream`).
+    pub fn record_stream(&mut self, stream: Stream) {
+        if stream != self.stream && !self.used_on.contains(&stream) {
+            self.used_on.push(stream);
+        }
+    }
+
     /// Gives up ownership: the caller must free the block with `deallocate`.
     pub fn into_raw(self) -> (DevicePtr, usize, Stream) {
         let me = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `me` is never dropped, so its allocator handle is moved out exactly once.
-        let alloc = unsafe { std::ptr::read(&me.alloc) };
-        drop(alloc);
+        // SAFETY: `me` is never dropped, so its allocator handle and stream list are moved out
+        // exactly once.
+        drop(unsafe { (std::ptr::read(&me.alloc), std::ptr::read(&me.used_on)) });
         (me.ptr, me.len, me.stream)
     }
 }
@@ -61,7 +71,7 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // A failed free keeps the block (never reused): the error is kept for
         // `take_deferred_error` rather than lost.
-        if let Err(e) = self.alloc.deallocate(self.ptr, self.len, self.stream) {
+        if let Err(e) = self.alloc.deallocate_used_on(self.ptr, self.len, self.stream, &self.used_on) {
             self.alloc.defer_error(e);
         }
     }

@@ -9,7 +9,8 @@
 //!   overlap, and two adjacent extents of the same chunk are always merged.
 //! - `used`: every range handed out: blocks, and superblocks lent to arenas.
 //! - Every byte of every chunk is in exactly one extent of `free` or one entry of `used`.
-//! - `reserved` is the sum of the chunks, `in_use` the sum of `used`; `reserved <= limit`.
+//! - `reserved` is the sum of the chunks, `in_use` the sum of `used`; growth never takes
+//!   `reserved` above `limit` (lowering the limit later releases nothing by itself).
 //! - A free extent carries the fences of every free that produced it; a range is handed out
 //!   only after [`FenceSet::order_before`] for the receiving stream.
 //! - Superblock `owner` fields are written only here, under the lock.
@@ -34,7 +35,7 @@ use crate::size_class::{GRANULE, block_bytes};
 use crate::stats::{Counters, Stats};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::Superblock;
-use crate::sync::{Mutex, Ordering, lock};
+use crate::sync::{AtomicUsize, Mutex, Ordering, lock};
 use std::sync::Arc;
 
 struct FreeExt {
@@ -69,8 +70,10 @@ pub(crate) struct GlobalPool {
     device: Arc<dyn Device>,
     superblock: usize,
     chunk: usize,
-    limit: usize,
+    /// The cap on `reserved`, changeable at run time (`set_limit`); read under the lock.
+    limit: AtomicUsize,
     small_max: usize,
+    total: usize,
     pub(crate) registry: Registry,
     pub(crate) events: Arc<EventPool>,
     state: Mutex<PoolState>,
@@ -81,7 +84,8 @@ impl GlobalPool {
         GlobalPool {
             superblock: cfg.superblock,
             chunk: cfg.chunk,
-            limit: cfg.limit_bytes(total),
+            limit: AtomicUsize::new(cfg.limit_bytes(total)),
+            total,
             small_max: cfg.small_max,
             registry: Registry::new(cfg.superblock),
             events: Arc::new(EventPool::new(Arc::clone(&device))),
@@ -99,7 +103,17 @@ impl GlobalPool {
 
     /// The cap on reserved bytes.
     pub(crate) fn limit(&self) -> usize {
-        self.limit
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Sets the cap on reserved bytes (at least what is reserved now is kept).
+    pub(crate) fn set_limit(&self, bytes: usize) {
+        self.limit.store(bytes, Ordering::Relaxed);
+    }
+
+    /// The device's total memory.
+    pub(crate) fn total(&self) -> usize {
+        self.total
     }
 
     fn oom(&self, st: &PoolState, requested: usize) -> Error {
@@ -108,21 +122,21 @@ impl GlobalPool {
             reserved: st.reserved,
             in_use: st.in_use,
             largest_free: st.free.max_len() as usize,
-            limit: self.limit,
+            limit: self.limit(),
         }
     }
 
     /// Reserves a new chunk of at least `min` bytes (a multiple of the superblock).
     fn grow(&self, st: &mut PoolState, dev: &Counted<'_>, min: usize, requested: usize) -> Result<()> {
-        let room = self.limit.saturating_sub(st.reserved) / self.superblock * self.superblock;
+        let room = self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
         if min > room {
             self.trim_locked(st, dev, false)?;
-            let room = self.limit.saturating_sub(st.reserved) / self.superblock * self.superblock;
+            let room = self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
             if min > room {
                 return Err(self.oom(st, requested));
             }
         }
-        let room = self.limit.saturating_sub(st.reserved) / self.superblock * self.superblock;
+        let room = self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
         let size = self.chunk.max(min).min(room);
         let mut got = dev.reserve(size)?.map(|p| (p, size));
         if got.is_none() {
@@ -385,7 +399,6 @@ impl GlobalPool {
         }
         assert_eq!(st.reserved, st.chunks.values().sum::<usize>());
         assert_eq!(st.in_use, st.used.values().map(|u| u.len).sum::<usize>());
-        assert!(st.reserved <= self.limit);
     }
 
     /// Ranges handed out: `(address, bytes, is_superblock)`.

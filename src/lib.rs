@@ -12,7 +12,10 @@ pub mod device;
 mod env;
 pub mod error;
 mod fence;
+#[cfg(not(loom))]
+pub mod ffi;
 mod free_lists;
+pub mod global;
 mod global_pool;
 #[doc(hidden)]
 pub mod inbox;
@@ -37,5 +40,6 @@ pub use device::cuda::CudaDevice;
 pub use device::host::{HostConfig, HostDevice};
 pub use device::{Device, DeviceKind, Event};
 pub use error::{Error, InvalidFree, Result};
+pub use global::global;
 pub use stats::Stats;
 pub use stream::{Stream, StreamKey};

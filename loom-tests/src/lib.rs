@@ -43,11 +43,18 @@ pub mod common {
     /// default branch limit allows; `LOOM_MAX_PREEMPTIONS` and the other `LOOM_*` variables
     /// still apply.
     pub fn model(f: impl Fn() + Sync + Send + 'static) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
         let mut b = loom::model::Builder::new();
         if std::env::var("LOOM_MAX_BRANCHES").is_err() {
             b.max_branches = 100_000;
         }
-        b.check(f);
+        let runs = std::sync::Arc::new(AtomicUsize::new(0));
+        let r = runs.clone();
+        b.check(move || {
+            r.fetch_add(1, Ordering::Relaxed);
+            f()
+        });
+        eprintln!("explored {} executions", runs.load(Ordering::Relaxed));
     }
 
     /// Spins (yielding to loom) until `f` returns `Some`.

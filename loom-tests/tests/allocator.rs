@@ -9,11 +9,35 @@ use loom::thread;
 use loom_tests::common::{SB, assert_all_returned, model, setup, wait_for};
 use std::sync::Arc;
 
-/// Fence life cycle (pending → complete → reusable) with the GPU as a thread. The owner's
-/// superblock is full, so a new allocation can only reuse the remotely freed block, and it may
-/// do so only once the block's fence has completed.
+/// Fence life cycle, pending: while no GPU work completes, a remotely freed block must not be
+/// handed out again. The owner's superblock is full, so a new allocation could only reuse it.
 #[test]
-fn a_remotely_freed_block_is_reused_only_after_its_fence() {
+fn a_remotely_freed_block_is_not_reused_while_its_fence_is_pending() {
+    model(|| {
+        let (dev, a) = setup(8, 0.9);
+        let half = SB / 2;
+        let p1 = a.allocate_per_thread(half).unwrap();
+        let p2 = a.allocate_per_thread(half).unwrap();
+        let a2 = a.clone();
+        let freer = thread::spawn(move || {
+            a2.deallocate_per_thread(p1, half).unwrap();
+            a2.release_thread().unwrap();
+        });
+        let q = a.allocate_per_thread(half).unwrap();
+        assert_ne!(q, p1, "reused while its fence was pending");
+        freer.join().unwrap();
+        dev.complete_all();
+        for p in [q, p2] {
+            a.deallocate_per_thread(p, half).unwrap();
+        }
+        assert_all_returned(&a);
+    });
+}
+
+/// Fence life cycle, pending → complete → reusable, with the GPU as a thread: once the GPU has
+/// completed the fence, the owner takes the block back and can hand it out again.
+#[test]
+fn a_remotely_freed_block_becomes_reusable_once_its_fence_completes() {
     model(|| {
         let (dev, a) = setup(8, 0.9);
         let half = SB / 2;
@@ -26,16 +50,16 @@ fn a_remotely_freed_block_is_reused_only_after_its_fence() {
         });
         let d2 = dev.clone();
         let gpu = thread::spawn(move || d2.complete_all());
-        let q = a.allocate_per_thread(half).unwrap();
-        if q == p1 {
-            assert!(dev.all_complete(), "reused before its fence completed");
-        }
+        a.flush().unwrap(); // may or may not see the free or its completion
         freer.join().unwrap();
         gpu.join().unwrap();
-        dev.complete_all();
-        a.deallocate_per_thread(q, half).unwrap();
-        a.deallocate_per_thread(p2, half).unwrap();
-        a.flush().unwrap();
+        dev.complete_all(); // the GPU may have run before the free recorded its fence
+        a.flush().unwrap(); // now the owner must take the block back
+        let q = a.allocate_per_thread(half).unwrap();
+        assert_eq!(q, p1, "the completed block is reused first (the superblock is otherwise full)");
+        for p in [q, p2] {
+            a.deallocate_per_thread(p, half).unwrap();
+        }
         assert_all_returned(&a);
     });
 }
@@ -64,24 +88,28 @@ fn a_remote_free_racing_the_owners_exit_is_adopted() {
 
 /// Superblock return: the owner frees its other block, which makes the return rule give the
 /// superblock back (dissolving it around the remote block), while another thread frees the
-/// remote block through the owner's inbox or the pool.
+/// remote block through the owner's inbox or the pool. The freer is the main thread so that
+/// loom's first schedule runs it first (see loom-tests/README.md).
 #[test]
 fn a_superblock_given_back_with_a_remote_free_in_flight_loses_nothing() {
     model(|| {
         let (dev, a) = setup(0, 0.5);
-        let b1 = a.allocate_per_thread(SB / 4).unwrap();
-        let b2 = a.allocate_per_thread(SB / 4).unwrap();
-        let a2 = a.clone();
-        let freer = thread::spawn(move || {
-            a2.deallocate_per_thread(b1, SB / 4).unwrap();
+        let shared = Arc::new(AtomicU64::new(0));
+        let (a2, s2) = (a.clone(), shared.clone());
+        let owner = thread::spawn(move || {
+            let b1 = a2.allocate_per_thread(SB / 4).unwrap();
+            let b2 = a2.allocate_per_thread(SB / 4).unwrap();
+            s2.store(b1.0, Ordering::Release);
+            a2.deallocate_per_thread(b2, SB / 4).unwrap(); // the return rule gives the superblock back
+            let s = a2.stats();
+            assert!(s.superblocks_returned + s.superblocks_dissolved >= 1, "{s:?}");
             a2.release_thread().unwrap();
         });
-        a.deallocate_per_thread(b2, SB / 4).unwrap(); // the return rule gives the superblock back
-        a.flush().unwrap();
-        freer.join().unwrap();
+        let b1 = wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&b| b != 0));
+        a.deallocate_per_thread(DevicePtr(b1), SB / 4).unwrap();
+        a.release_thread().unwrap();
+        owner.join().unwrap();
         dev.complete_all();
-        a.flush().unwrap();
-        assert!(a.stats().superblocks_returned + a.stats().superblocks_dissolved >= 1);
         assert_all_returned(&a);
     });
 }

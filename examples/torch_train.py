@@ -1,0 +1,51 @@
+"""Trains a small transformer encoder on random data with fixed seeds and prints one JSON line:
+losses, mean step time and peak memory. Run it once with --allocator native and once with
+--allocator cuarena (separate processes: the allocator is chosen before the first CUDA
+allocation) and compare the losses."""
+import argparse, json, os, sys, time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+p = argparse.ArgumentParser()
+p.add_argument("--allocator", choices=["native", "cuarena"], required=True)
+p.add_argument("--steps", type=int, default=300)
+args = p.parse_args()
+
+import torch
+
+if args.allocator == "cuarena":
+    import cuarena
+    cuarena.install_torch()
+
+torch.manual_seed(0)
+torch.backends.cudnn.deterministic = True
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.use_deterministic_algorithms(True, warn_only=True)
+dev = torch.device("cuda")
+layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=8, dim_feedforward=1024, dropout=0.0, batch_first=True)
+model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=4), torch.nn.Linear(256, 10)).to(dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+g = torch.Generator(device="cpu").manual_seed(1)
+losses, times = [], []
+for step in range(args.steps):
+    seq = 16 + (step * 7) % 48          # varying shapes exercise many block sizes
+    batch = 8 + (step * 5) % 24
+    x = torch.randn(batch, seq, 256, generator=g).to(dev)
+    y = torch.randint(0, 10, (batch,), generator=g).to(dev)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model(x).mean(dim=1)
+    loss = torch.nn.functional.cross_entropy(out, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    times.append(time.perf_counter() - t0)
+if args.allocator == "cuarena":
+    import cuarena
+    s = cuarena.stats()
+    peak, reserved = s["peak_live_bytes"], s["peak_reserved_bytes"]
+else:
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+steady = times[10:]
+print(json.dumps({"allocator": args.allocator, "losses": losses, "step_ms": 1000 * sum(steady) / len(steady),
+                  "peak_live_bytes": peak, "peak_reserved_bytes": reserved}))

@@ -1,0 +1,99 @@
+/*
+ * cuarena.h: the C ABI of cuarena, a multi-threaded CUDA device-memory allocator.
+ *
+ * Link with -lcuarena (target/release/libcuarena.so). One allocator per device is created on
+ * first use, configured by the environment variable CUARENA_CONF
+ * (e.g. "small_max=1MiB,superblock=2MiB,max=80%").
+ *
+ * STREAM CONTRACT (as cudaMallocAsync / cudaFreeAsync)
+ *  - cuarena_malloc(size, device, stream) returns memory ready for use on `stream`, aligned to
+ *    256 bytes. Any stream works: the legacy NULL stream, cudaStreamLegacy (0x1),
+ *    cudaStreamPerThread (0x2) and user streams. Streams are identified by cuStreamGetId, so a
+ *    destroyed stream whose handle CUDA gives to a new stream is never confused with it.
+ *  - cuarena_free(ptr, size, device, stream) promises that every earlier use of the block is
+ *    ordered before later work on `stream`. The block is handed to another stream only after a
+ *    CUDA event recorded at the free has completed, or after that stream has been made to wait
+ *    on it. The host is never blocked.
+ *  - cuarena_record_stream(ptr, stream) declares that work on another `stream` uses the block;
+ *    its free is then fenced after that work too (PyTorch's record_stream).
+ *
+ * OWNERSHIP AND ERRORS
+ *  - A block belongs to the caller from cuarena_malloc until cuarena_free; free it once, with
+ *    the size it was allocated with and the device it came from.
+ *  - size == 0 returns NULL, and freeing NULL with size 0 does nothing (torch.empty(0)).
+ *  - No call aborts or lets a panic escape. A failed cuarena_malloc returns NULL; a refused
+ *    free (unknown pointer, double free, wrong size) changes nothing. Either way the reason is
+ *    in cuarena_last_error(). A free of a block allocated on another thread is checked by that
+ *    thread later; if found invalid it is counted in cuarena_stats.invalid_frees.
+ *  - Out of memory reports the requested, reserved, in-use and largest-free figures in
+ *    cuarena_last_error(). No CUDA driver on the machine is an error, not a crash.
+ *  - Once process exit has begun, cuarena makes no CUDA call: frees do nothing and
+ *    allocations return NULL.
+ *
+ * THREADS: every function may be called from any thread at any time.
+ */
+#ifndef CUARENA_H
+#define CUARENA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if !defined(__CUDA_RUNTIME_H__) && !defined(CUDA_RUNTIME_API_H)
+/* The same type as CUstream and cudaStream_t. */
+typedef struct CUstream_st *cudaStream_t;
+#endif
+
+/* Statistics of one device's allocator. Counters are kept per thread and summed when read. */
+typedef struct cuarena_stats {
+    uint64_t live_bytes;            /* bytes in live blocks (after size-class rounding) */
+    uint64_t peak_live_bytes;       /* largest live_bytes sampled (a lower bound) */
+    uint64_t reserved_bytes;        /* bytes reserved from the driver */
+    uint64_t peak_reserved_bytes;   /* largest reserved_bytes (exact) */
+    uint64_t pool_in_use_bytes;     /* pool bytes handed out: large blocks and superblocks */
+    uint64_t largest_free_block;    /* largest free block in the pool */
+    uint64_t free_extents;          /* free blocks in the pool (fragmentation) */
+    uint64_t allocations;
+    uint64_t deallocations;
+    uint64_t cross_thread_frees;    /* small blocks freed by a thread other than their owner */
+    uint64_t cross_stream_frees;    /* own small blocks freed on another stream */
+    uint64_t fences_recorded;       /* CUDA events recorded as fences */
+    uint64_t fence_waits;           /* cuStreamWaitEvent calls */
+    uint64_t fence_polls;           /* cuEventQuery calls */
+    uint64_t driver_calls;          /* CUDA driver calls of every kind */
+    uint64_t host_syncs;            /* host-blocking synchronisations (empty_cache only) */
+    uint64_t invalid_frees;         /* refused frees */
+    uint64_t superblocks_taken;
+    uint64_t superblocks_returned;  /* empty superblocks given back by arenas */
+    uint64_t superblocks_dissolved; /* partly used superblocks given back */
+    uint64_t arena_held_bytes;      /* superblock bytes held by per-thread arenas now */
+    uint64_t arenas;                /* live per-thread arenas */
+} cuarena_stats;
+
+/* PyTorch CUDAPluggableAllocator: alloc and free. */
+void *cuarena_malloc(size_t size, int device, cudaStream_t stream);
+void cuarena_free(void *ptr, size_t size, int device, cudaStream_t stream);
+/* PyTorch set_record_stream_fn. */
+void cuarena_record_stream(void *ptr, cudaStream_t stream);
+/* PyTorch set_reset_fn (torch.cuda.empty_cache): sends this thread's pending remote frees and
+ * releases every wholly free chunk to the driver, waiting for pending fences (host sync). */
+void cuarena_empty_cache(void);
+/* PyTorch set_memory_fraction_fn: caps the device's reserved memory at fraction (0, 1]. */
+void cuarena_set_memory_fraction(double fraction, int device);
+/* CuPy CFunctionAllocator. CuPy passes no stream: blocks are for the legacy default stream
+ * (which orders all blocking streams); CuPy work on non-blocking streams is not tracked. */
+void *cuarena_cupy_malloc(void *param, size_t size, int device);
+void cuarena_cupy_free(void *param, void *ptr, int device);
+/* Fills *out; returns 0 on success, -1 on failure (see cuarena_last_error). */
+int cuarena_get_stats(int device, cuarena_stats *out);
+/* This thread's last error message, or NULL if no call has failed on this thread. Valid until
+ * the next failing call on this thread. */
+const char *cuarena_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CUARENA_H */

@@ -1,0 +1,41 @@
+//! Process-wide allocators, one per CUDA device, created on first use with `CUARENA_CONF`.
+//!
+//! They are never dropped: a process-wide allocator lives until the process ends, and once exit
+//! has begun (see `shutdown.rs`) cuarena makes no further CUDA call, so threads that outlive
+//! `main` and late destructors cannot crash in a torn-down driver.
+
+use std::sync::{Mutex, OnceLock};
+
+use crate::allocator::Allocator;
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// Devices a process may use through [`global`].
+pub const MAX_DEVICES: usize = 64;
+
+static ALLOCATORS: [OnceLock<Allocator>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+static CREATING: Mutex<()> = Mutex::new(());
+
+/// The process-wide allocator of CUDA device `device`, created on first use.
+pub fn global(device: i32) -> Result<&'static Allocator> {
+    let slot = usize::try_from(device)
+        .ok()
+        .and_then(|d| ALLOCATORS.get(d))
+        .ok_or(Error::NoDevice { ordinal: device, count: MAX_DEVICES as i32 })?;
+    if let Some(a) = slot.get() {
+        return Ok(a);
+    }
+    // Creation can fail (no driver, bad ordinal, bad CUARENA_CONF): keep trying on later calls
+    // rather than caching the failure, and never create two.
+    let _g = CREATING.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(a) = slot.get() {
+        return Ok(a);
+    }
+    let a = Allocator::cuda(device, Config::from_env()?)?;
+    Ok(slot.get_or_init(|| a))
+}
+
+/// The process-wide allocators created so far.
+pub fn created() -> impl Iterator<Item = (i32, &'static Allocator)> {
+    ALLOCATORS.iter().enumerate().filter_map(|(i, s)| s.get().map(|a| (i as i32, a)))
+}
