@@ -8,6 +8,8 @@ mod arena;
 pub mod bench;
 mod buffer;
 pub mod config;
+#[cfg(not(loom))]
+pub mod cudarc_interop;
 pub mod device;
 mod env;
 pub mod error;
@@ -35,6 +37,8 @@ pub mod testkit;
 
 pub use allocator::{Allocator, DevicePtr};
 pub use buffer::DeviceBuffer;
+#[cfg(not(loom))]
+pub use cudarc_interop::CudaBuffer;
 pub use config::{Config, ConfigBuilder, Limit};
 pub use device::cuda::CudaDevice;
 pub use device::host::{HostConfig, HostDevice};

@@ -156,3 +156,33 @@ fn gpu_memset_and_copy_through_buffers() {
     hs.into_iter().for_each(|h| h.join().unwrap());
     assert_all_returned(&a);
 }
+
+/// cudarc's copies and kernel launches accept cuarena buffers.
+#[test]
+fn gpu_cudarc_copies_and_launches_take_cuarena_buffers() {
+    let Some(dev) = gpu() else { return };
+    use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+    use cudarc::nvrtc::Ptx;
+    let a = Allocator::new(dev, Config::default()).unwrap();
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let n = 1 << 16;
+    let host: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+    let mut buf = a.cuda_buffer::<u32>(n, &stream).unwrap();
+    stream.memcpy_htod(&host, &mut buf).unwrap();
+    assert_eq!(stream.clone_dtoh(&buf).unwrap(), host, "a round trip through a cuarena buffer");
+    // A kernel over a cuarena buffer: write a tag with the test kernel, then check it.
+    let module = ctx.load_module(Ptx::from_src(include_str!("../src/device/kernels/kernels.ptx"))).unwrap();
+    let f = module.load_function("tag_hold_check").unwrap();
+    let errors = stream.alloc_zeros::<u64>(1).unwrap();
+    let (words, tag, hold) = (n as u64, 0xC0FFEEu32, 0u64);
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&buf).arg(&words).arg(&tag).arg(&hold).arg(&errors);
+    // SAFETY: tag_hold_check(u32*, u64, u32, u64, u64*) with a buffer of `n` words.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)).unwrap() };
+    assert_eq!(stream.clone_dtoh(&buf).unwrap(), vec![tag; n]);
+    assert_eq!(stream.clone_dtoh(&errors).unwrap(), vec![0]);
+    drop(buf);
+    stream.synchronize().unwrap();
+    assert_eq!(a.stats().live_bytes, 0);
+}

@@ -28,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")"
 export CUARENA_REQUIRE_GPU=1
 status=0
-for t in ${@:-test-gpu test-host test-cuarena}; do
+for t in ${@:-test-gpu test-ffi test-host test-cuarena}; do
   echo "== $t"
   ./$t --test-threads=1 2>&1 || status=1
 done

@@ -1,0 +1,118 @@
+//! Interop with cudarc: a typed buffer that cudarc's copies and kernel launches accept.
+//!
+//! [`CudaBuffer<T>`] is a cuarena block on a cudarc [`CudaStream`]. It implements cudarc's
+//! `DeviceSlice`, `DevicePtr` and `DevicePtrMut` (so `memcpy_htod`, `memcpy_dtov` and friends
+//! take it) and `PushKernelArg` (so `launch_builder(..).arg(&buf)` takes it). Copies on another
+//! stream are remembered and fenced at the free, like `record_stream`. Kernel launches cannot
+//! report their stream through cudarc's API: for a launch on another stream, call
+//! [`CudaBuffer::record_stream`].
+
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaStream, DevicePtr as CudarcDevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop, sys};
+
+use crate::allocator::{Allocator, DevicePtr};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+/// `len` values of `T` in cuarena memory, on a cudarc stream; freed on that stream on drop.
+pub struct CudaBuffer<T> {
+    alloc: Allocator,
+    ptr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+    used_on: Mutex<Vec<Stream>>,
+    _t: PhantomData<T>,
+}
+
+// SAFETY: the buffer is a device address plus handles that may be used from any thread; `T`
+// values live on the device, never on the host.
+unsafe impl<T> Send for CudaBuffer<T> {}
+// SAFETY: as above; the only interior mutability is the mutex.
+unsafe impl<T> Sync for CudaBuffer<T> {}
+
+impl Allocator {
+    /// A buffer of `len` values of `T` for `stream`.
+    pub fn cuda_buffer<T>(&self, len: usize, stream: &Arc<CudaStream>) -> Result<CudaBuffer<T>> {
+        let bytes = len.checked_mul(size_of::<T>()).ok_or(Error::OutOfMemory {
+            requested: usize::MAX,
+            reserved: 0,
+            in_use: 0,
+            largest_free: 0,
+            limit: 0,
+        })?;
+        let ptr = self.allocate(bytes, Stream::from_raw(stream.cu_stream() as usize))?;
+        Ok(CudaBuffer { alloc: self.clone(), ptr: ptr.0, len, stream: Arc::clone(stream), used_on: Mutex::new(Vec::new()), _t: PhantomData })
+    }
+}
+
+impl<T> CudaBuffer<T> {
+    fn own(&self) -> Stream {
+        Stream::from_raw(self.stream.cu_stream() as usize)
+    }
+
+    /// Declares that work on `stream` uses the buffer: the free is fenced after it too.
+    pub fn record_stream(&self, stream: &CudaStream) {
+        let s = Stream::from_raw(stream.cu_stream() as usize);
+        if s != self.own() {
+            let mut v = self.used_on.lock().unwrap_or_else(|p| p.into_inner());
+            if !v.contains(&s) {
+                v.push(s);
+            }
+        }
+    }
+
+    /// The device address.
+    pub fn device_address(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl<T> DeviceSlice<T> for CudaBuffer<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> CudarcDevicePtr<T> for CudaBuffer<T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.record_stream(stream);
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for CudaBuffer<T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.record_stream(stream);
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+// SAFETY: pushes a pointer to the buffer's device address, which lives as long as the borrow;
+// the kernel receives a `T*` into a live allocation of `len` values.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b CudaBuffer<T>> for LaunchArgs<'a> {
+    fn arg(&mut self, arg: &'b CudaBuffer<T>) -> &mut Self {
+        self.arg(&arg.ptr)
+    }
+}
+
+// SAFETY: as above.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut CudaBuffer<T>> for LaunchArgs<'a> {
+    fn arg(&mut self, arg: &'b mut CudaBuffer<T>) -> &mut Self {
+        self.arg(&arg.ptr)
+    }
+}
+
+impl<T> Drop for CudaBuffer<T> {
+    fn drop(&mut self) {
+        let used = std::mem::take(&mut *self.used_on.lock().unwrap_or_else(|p| p.into_inner()));
+        let bytes = self.len * size_of::<T>();
+        if let Err(e) = self.alloc.deallocate_used_on(DevicePtr(self.ptr), bytes, self.own(), &used) {
+            self.alloc.defer_error(e);
+        }
+    }
+}

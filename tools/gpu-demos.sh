@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, after tools/gpu-bundle.sh built gpu-bundle/:
+#   bash tools/gpu-demos.sh [OUTDIR]
+# The GPU tests (required), PyTorch training (native vs cuarena), PyTorch threaded inference,
+# CuPy, and the C program. Prints a summary; writes logs to OUTDIR (default /tmp/cuarena-demos).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-/tmp/cuarena-demos}"
+mkdir -p "$out"
+export CUARENA_LIB="$PWD/gpu-bundle/libcuarena.so" PYTHONUNBUFFERED=1
+status=0
+step() { echo "== $1"; }
+fail() { echo "FAILED: $1"; status=1; }
+
+step "GPU tests (CUARENA_REQUIRE_GPU=1)"
+bash gpu-bundle/run.sh test-gpu test-ffi test-host >"$out/tests.log" 2>&1 || fail tests
+grep -E "^== |test result" "$out/tests.log"
+
+step "C: include/cuarena.h from 8 threads on several streams"
+cuda_inc=$(dirname "$(command -v nvcc)")/../include
+if cc -O2 -I include -I "$cuda_inc" examples/c/threads.c -L gpu-bundle -lcuarena -lcuda -lpthread -o "$out/threads" 2>"$out/c-build.log"; then
+  LD_LIBRARY_PATH=gpu-bundle "$out/threads" >"$out/c.log" 2>&1 || fail c
+  tail -3 "$out/c.log"
+else
+  fail c-build; tail -5 "$out/c-build.log"
+fi
+
+step "PyTorch training: native vs cuarena"
+python3 examples/torch_train.py --allocator native >"$out/train-native.json" 2>"$out/train-native.err" || fail train-native
+python3 examples/torch_train.py --allocator cuarena >"$out/train-cuarena.json" 2>"$out/train-cuarena.err" || fail train-cuarena
+python3 - "$out" <<'PY' || status=1
+import json, sys
+d = sys.argv[1]
+n = json.loads(open(f"{d}/train-native.json").read().strip().splitlines()[-1])
+c = json.loads(open(f"{d}/train-cuarena.json").read().strip().splitlines()[-1])
+same = n["losses"] == c["losses"]
+maxdiff = max(abs(a - b) for a, b in zip(n["losses"], c["losses"]))
+print(f"steps {len(n['losses'])}; losses identical: {same} (max |diff| {maxdiff:.3g}); final loss {n['losses'][-1]:.6f} vs {c['losses'][-1]:.6f}")
+for r in (n, c):
+    print(f"  {r['allocator']:8s} step {r['step_ms']:.2f} ms, peak live {r['peak_live_bytes']/2**20:.1f} MiB, peak reserved {r['peak_reserved_bytes']/2**20:.1f} MiB")
+sys.exit(0 if same else 1)
+PY
+
+step "PyTorch threaded inference with record_stream"
+python3 examples/torch_threads.py >"$out/threads.log" 2>&1 || fail torch-threads
+tail -2 "$out/threads.log"
+
+step "CuPy: cuarena vs CuPy's pool"
+python3 examples/cupy_check.py --both >"$out/cupy.log" 2>&1 || fail cupy
+tail -2 "$out/cupy.log"
+exit $status
