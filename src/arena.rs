@@ -6,6 +6,14 @@
 //! no atomic read-modify-write. Blocks are split on allocation and merged with free
 //! neighbours on free, in O(1) (see `free_lists.rs` and `superblock.rs`).
 //!
+//! ## The block cache
+//! In front of the lists sits a small LIFO cache per size class, for classes up to
+//! [`CACHED_CLASSES`] (32 KiB) and [`CACHE_DEPTH`] blocks each, so at most about 2 MiB per thread.
+//! A local free of such a block pushes it there without merging, and an allocation of its class
+//! pops it: no list is touched. A cached block's head tag reads `PENDING` (so a second free of
+//! it is refused) and it counts as free in `live`. The cache is emptied into the lists before
+//! any superblock goes back, at exit, and before taking a new superblock.
+//!
 //! ## Remote frees
 //! A free by another thread, or on another stream, does not touch this arena: the freeing
 //! thread batches it (`outbox.rs`) and pushes the batch, with one fence, into this arena's
@@ -37,7 +45,7 @@ use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{Fence, FenceSet};
 use crate::free_lists::{FreeBlock, FreeLists};
 use crate::inbox::Inbox;
-use crate::size_class::{GRANULE_SHIFT, block_bytes};
+use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{FREE, PENDING, SbLocal, Superblock, USED};
 use crate::sync::Ordering;
@@ -78,10 +86,16 @@ pub(crate) struct Arena {
     /// Granules in used or pending blocks.
     live: usize,
     pending: VecDeque<Batch>,
+    /// Per-class LIFO of freed blocks not yet merged: `(superblock, first granule)`.
+    cache: [Vec<(*const Superblock, u32)>; CACHED_CLASSES],
 }
 
 /// Pending batches polled per slow path at most (one event query each).
 const MAX_POLLS: usize = 16;
+/// Size classes served by the block cache: classes up to 32 KiB.
+pub(crate) const CACHED_CLASSES: usize = 40;
+/// Blocks cached per class at most.
+pub(crate) const CACHE_DEPTH: usize = 8;
 
 impl Arena {
     pub(crate) fn new(
@@ -101,6 +115,7 @@ impl Arena {
             owned: Vec::new(),
             live: 0,
             pending: VecDeque::new(),
+            cache: std::array::from_fn(|_| Vec::with_capacity(CACHE_DEPTH)),
         }
     }
 
@@ -117,6 +132,19 @@ impl Arena {
     /// Fast path: a block of `g` granules (class `class`), or `None` if no free block fits.
     #[inline]
     pub(crate) fn alloc(&mut self, class: usize, g: usize) -> Option<u64> {
+        if let Some((sbp, first)) = self.cache.get_mut(class).and_then(Vec::pop) {
+            // SAFETY: cached blocks lie in superblocks we own (the cache is emptied before any
+            // superblock leaves); no other `with_local` on it is active.
+            let sb = unsafe { &*sbp };
+            unsafe {
+                sb.with_local(|l| {
+                    l.restate(first as usize, USED);
+                    l.live += g;
+                })
+            };
+            self.live += g;
+            return Some(sb.base + ((first as u64) << GRANULE_SHIFT));
+        }
         let b = self.lists.take_fit(class)?;
         // SAFETY: every block in our free lists lies in a superblock we own.
         let sb = unsafe { &*b.sb };
@@ -180,11 +208,20 @@ impl Arena {
     pub(crate) fn free_local(&mut self, env: &Env<'_>, sb: &Superblock, ptr: u64, size: usize) -> Result<()> {
         let g = block_bytes(size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
         let lists = &mut self.lists;
+        let class = if g == 0 { usize::MAX } else { class_floor(g) };
+        let cache = self.cache.get_mut(class).filter(|c| c.len() < CACHE_DEPTH);
         // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
         let r = unsafe {
             sb.with_local(|l| {
                 let first = Self::validate(l, sb, ptr, size, g)?;
-                Self::merge_free(lists, l, sb, first, g);
+                match cache {
+                    Some(c) => {
+                        l.restate(first, PENDING);
+                        l.live -= g;
+                        c.push((sb as *const Superblock, first as u32));
+                    }
+                    None => Self::merge_free(lists, l, sb, first, g),
+                }
                 Ok(())
             })
         };
@@ -203,8 +240,30 @@ impl Arena {
         u + self.keep_empty * s < a && (u as f64) < (1.0 - self.sparse) * a as f64
     }
 
+    /// Merges every cached block into the free lists.
+    fn flush_cache(&mut self) {
+        for (class, c) in self.cache.iter_mut().enumerate() {
+            let g = class_granules(class);
+            for (sbp, first) in c.drain(..) {
+                // SAFETY: cached blocks lie in superblocks we own.
+                let sb = unsafe { &*sbp };
+                let lists = &mut self.lists;
+                // SAFETY: as above.
+                unsafe {
+                    sb.with_local(|l| {
+                        debug_assert_eq!(l.head(first as usize), Some((PENDING, g)));
+                        l.restate(first as usize, USED);
+                        l.live += g;
+                        Self::merge_free(lists, l, sbp, first as usize, g);
+                    })
+                };
+            }
+        }
+    }
+
     /// Gives superblocks back until the return rule holds.
     fn shrink(&mut self, env: &Env<'_>) {
+        self.flush_cache();
         while self.over_held() {
             let idx = (0..self.owned.len())
                 // SAFETY: we own every superblock in `owned`.
@@ -380,6 +439,11 @@ impl Arena {
                 return Ok(p);
             }
         }
+        // Cached blocks may merge into a fit before a new superblock is taken.
+        self.flush_cache();
+        if let Some(p) = self.alloc(class, g) {
+            return Ok(p);
+        }
         match self.grow(env) {
             Ok(()) => {}
             Err(e @ Error::OutOfMemory { .. }) if !self.pending.is_empty() => {
@@ -414,6 +478,7 @@ impl Arena {
     /// be recorded: then the superblocks stay with the dead shell (never reused unfenced, freed
     /// when the allocator drops) and the shell must not be reused.
     pub(crate) fn exit(mut self, env: &Env<'_>) -> Option<Arc<ArenaShell>> {
+        self.flush_cache();
         self.drain(env);
         self.poll(env);
         let fence = if self.owned.is_empty() {

@@ -10,7 +10,10 @@
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaStream, DevicePtr as CudarcDevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop, sys};
+use cudarc::driver::{
+    CudaStream, DevicePtr as CudarcDevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg,
+    SyncOnDrop, sys,
+};
 
 use crate::allocator::{Allocator, DevicePtr};
 use crate::error::{Error, Result};
@@ -43,7 +46,14 @@ impl Allocator {
             limit: 0,
         })?;
         let ptr = self.allocate(bytes, Stream::from_raw(stream.cu_stream() as usize))?;
-        Ok(CudaBuffer { alloc: self.clone(), ptr: ptr.0, len, stream: Arc::clone(stream), used_on: Mutex::new(Vec::new()), _t: PhantomData })
+        Ok(CudaBuffer {
+            alloc: self.clone(),
+            ptr: ptr.0,
+            len,
+            stream: Arc::clone(stream),
+            used_on: Mutex::new(Vec::new()),
+            _t: PhantomData,
+        })
     }
 }
 

@@ -37,9 +37,9 @@ pub mod testkit;
 
 pub use allocator::{Allocator, DevicePtr};
 pub use buffer::DeviceBuffer;
+pub use config::{Config, ConfigBuilder, Limit};
 #[cfg(not(loom))]
 pub use cudarc_interop::CudaBuffer;
-pub use config::{Config, ConfigBuilder, Limit};
 pub use device::cuda::CudaDevice;
 pub use device::host::{HostConfig, HostDevice};
 pub use device::{Device, DeviceKind, Event};

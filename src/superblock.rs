@@ -56,6 +56,15 @@ impl SbLocal {
         self.tags[first] = state | HEAD | payload as u32;
     }
 
+    /// Changes the state of the block starting at `first`, keeping its payload. For a cached
+    /// block only the head changes: its tail still reads as not free, so no neighbour merges
+    /// into it.
+    #[inline]
+    pub(crate) fn restate(&mut self, first: usize, state: u32) {
+        let t = &mut self.tags[first];
+        *t = (*t & !STATE) | state;
+    }
+
     /// Clears the boundary tags of `[first, first+len)` (it is being merged away).
     #[inline]
     pub(crate) fn clear(&mut self, first: usize, len: usize) {
