@@ -40,6 +40,7 @@ fn without_a_driver_every_call_fails_cleanly() {
 }
 
 #[test]
+#[allow(clippy::manual_dangling_ptr)] // 0x1 and 0x2 are CUDA's legacy and per-thread stream handles
 fn on_a_gpu_the_abi_allocates_fences_and_refuses_bad_frees() {
     if !gpu_present() {
         eprintln!("skipped: no CUDA driver");
@@ -70,7 +71,7 @@ fn on_a_gpu_the_abi_allocates_fences_and_refuses_bad_frees() {
     assert!(last_error().unwrap().contains("invalid free"));
     // SAFETY: as above.
     assert_eq!(unsafe { cuarena_get_stats(0, &mut st) }, 0);
-    assert!(st.invalid_frees >= before + 1, "{st:?}");
+    assert!(st.invalid_frees > before, "{st:?}");
     let c = cuarena_cupy_malloc(std::ptr::null_mut(), 12345, 0);
     assert!(!c.is_null());
     cuarena_cupy_free(std::ptr::null_mut(), c, 0);
