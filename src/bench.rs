@@ -309,6 +309,10 @@ pub struct Point {
     pub driver_calls_per_mop: f64,
     pub host_syncs: u64,
     pub kernel_concurrency: Option<u32>,
+    /// Seconds to create the allocator and fill every thread's slots.
+    pub setup_secs: f64,
+    /// Seconds from the end of the measurement to the allocator's drop.
+    pub teardown_secs: f64,
 }
 
 impl Point {
@@ -322,7 +326,8 @@ impl Point {
         format!(
             "{{\"allocator\":\"{}\",\"device\":\"{}\",\"workload\":\"{}\",\"threads\":{},\"pairs\":{},\"secs\":{:.3},\
              \"pairs_per_sec\":{:.0},\"p50_ns\":{},\"p99_ns\":{},\"peak_live_bytes\":{},\"reserved_bytes\":{},\
-             \"memory_ratio\":{:.3},\"driver_calls\":{},\"driver_calls_per_mop\":{:.1},\"host_syncs\":{},\"kernel_concurrency\":{}}}",
+             \"memory_ratio\":{:.3},\"driver_calls\":{},\"driver_calls_per_mop\":{:.1},\"host_syncs\":{},\"kernel_concurrency\":{},\
+             \"setup_secs\":{:.3},\"teardown_secs\":{:.3}}}",
             self.allocator,
             self.device,
             self.workload,
@@ -338,7 +343,9 @@ impl Point {
             self.driver_calls,
             self.driver_calls_per_mop,
             self.host_syncs,
-            self.kernel_concurrency.map_or("null".to_string(), |c| c.to_string())
+            self.kernel_concurrency.map_or("null".to_string(), |c| c.to_string()),
+            self.setup_secs,
+            self.teardown_secs
         )
     }
 }
@@ -485,6 +492,7 @@ impl Bench {
         threads: usize,
         secs: f64,
     ) -> Result<Point> {
+        let t_start = Instant::now();
         let alloc: Arc<dyn BenchAlloc> = Arc::from(self.make(alloc_name)?);
         let threads = if w == Workload::RandomAllocations { 1 } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
@@ -496,10 +504,13 @@ impl Bench {
         let run = Run { bench: self, alloc: &*alloc, w, touch, threads, shared: &shared, barrier: &barrier };
         let mut start_counts = Counts::default();
         let mut elapsed = 0.0;
+        let mut setup = 0.0;
+        let mut t_stop = Instant::now();
         let results: Vec<Result<Worker>> = std::thread::scope(|s| {
             let h = s.spawn(|| pool.broadcast(|ctx| run.worker(ctx.index())));
             barrier.wait(); // every thread has filled its slots
             start_counts = alloc.counts();
+            setup = t_start.elapsed().as_secs_f64();
             let t0 = Instant::now();
             shared.go.store(true, Ordering::Release);
             while t0.elapsed().as_secs_f64() < secs {
@@ -508,6 +519,7 @@ impl Bench {
             }
             shared.stop.store(true, Ordering::Release);
             elapsed = t0.elapsed().as_secs_f64();
+            t_stop = Instant::now();
             let end_counts = alloc.counts();
             start_counts.driver_calls = end_counts.driver_calls - start_counts.driver_calls;
             start_counts.host_syncs = end_counts.host_syncs - start_counts.host_syncs;
@@ -531,8 +543,15 @@ impl Bench {
         } else {
             None
         };
+        let name = alloc.name().to_string();
+        drop(run);
+        drop(alloc);
+        drop(pool);
+        let teardown = t_stop.elapsed().as_secs_f64();
         Ok(Point {
-            allocator: alloc.name().to_string(),
+            setup_secs: setup,
+            teardown_secs: teardown,
+            allocator: name,
             device: self.kind().name(),
             workload: format!("{}{}", w.name(), if touch { "+touch" } else { "" }),
             threads,

@@ -2,7 +2,7 @@
 //! on the GPU if there is one, otherwise on the host-simulated device.
 //!
 //! Usage: cuarena [--quick] [--json] [--secs S] [--threads 1,2,4] [--workloads churn,handoff]
-//!                [--allocators cuarena,cuMemAllocAsync] [--no-touch] [--touch-only]
+//!                [--allocators cuarena,cuMemAllocAsync] [--baseline-threads 1,16] [--no-touch] [--touch-only]
 
 use std::io::Write;
 
@@ -16,6 +16,9 @@ struct Args {
     workloads: Option<Vec<Workload>>,
     allocators: Option<Vec<String>>,
     touch: Vec<bool>,
+    /// Thread counts at which `cuMemAlloc` runs (it synchronises the device on every free, so
+    /// filling and draining thousands of blocks takes seconds); no touch variants for it.
+    baseline_threads: Option<Vec<usize>>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -27,6 +30,7 @@ fn parse() -> Result<Args, String> {
         workloads: None,
         allocators: None,
         touch: vec![false, true],
+        baseline_threads: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -56,10 +60,18 @@ fn parse() -> Result<Args, String> {
             "--allocators" => {
                 a.allocators = Some(val("--allocators")?.split(',').map(str::to_string).collect())
             }
+            "--baseline-threads" => {
+                let v = val("--baseline-threads")?;
+                a.baseline_threads = Some(
+                    v.split(',')
+                        .map(|t| t.parse().map_err(|e| format!("--baseline-threads: {e}")))
+                        .collect::<Result<_, _>>()?,
+                );
+            }
             "-h" | "--help" => {
                 println!(
                     "cuarena benchmark: [--quick] [--json] [--secs S] [--threads 1,2,4] [--workloads churn,...] \
-                     [--allocators cuarena,...] [--no-touch] [--touch-only]"
+                     [--allocators cuarena,...] [--baseline-threads 1,16] [--no-touch] [--touch-only]"
                 );
                 std::process::exit(0);
             }
@@ -113,6 +125,12 @@ fn main() {
                 for a in &allocators {
                     // cuMemAlloc synchronises the device on every free: a short run says enough.
                     let s = if a == "cuMemAlloc" { secs.min(0.2) } else { secs };
+                    if a == "cuMemAlloc"
+                        && let Some(bt) = &args.baseline_threads
+                        && (touch || !bt.contains(&t))
+                    {
+                        continue;
+                    }
                     plan.push((w, touch, t, a.clone(), s));
                 }
             }

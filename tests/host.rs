@@ -338,3 +338,58 @@ fn a_free_on_a_destroyed_stream_is_refused_and_the_block_stays_live() {
     a.release_thread().unwrap();
     assert_all_returned(&a);
 }
+
+/// The C example's pattern (examples/c/threads.c) on the simulated device: per-thread and user
+/// streams, blocks handed to the next thread through a slot that may be overwritten (the
+/// overwritten block is freed by its allocator on its user stream), frees after event waits.
+#[test]
+fn the_c_example_pattern_keeps_memory_consistent() {
+    use std::sync::Mutex;
+    let dev = device(0);
+    let a = Allocator::host(dev.clone(), Config::default()).unwrap();
+    const T: usize = 8;
+    type Handed = Option<(DevicePtr, usize, cuarena::Event)>;
+    let slots: Arc<Vec<Mutex<Handed>>> = Arc::new((0..T).map(|_| Mutex::new(None)).collect());
+    let hs: Vec<_> = (0..T)
+        .map(|t| {
+            let (a, dev, slots) = (a.clone(), dev.clone(), slots.clone());
+            std::thread::spawn(move || {
+                let s = dev.create_stream();
+                for i in 0..1500usize {
+                    let size = 256 + (i * 7919 + t * 104_729) % (1 << 20);
+                    let st = if i % 2 == 1 { s } else { Stream::PER_THREAD };
+                    let p = a.allocate(size, st).unwrap();
+                    dev.fill(p.0, size.min(4096), i as u8, st).unwrap();
+                    if i % 3 == 0 {
+                        let ev = a.device().create_event().unwrap();
+                        a.device().record_event(ev, st).unwrap();
+                        let old = slots[(t + 1) % T].lock().unwrap().replace((p, size, ev));
+                        if let Some((q, qs, qe)) = old {
+                            a.device().stream_wait_event(s, qe).unwrap();
+                            a.deallocate(q, qs, s).unwrap();
+                        }
+                    } else {
+                        a.deallocate(p, size, st).unwrap();
+                    }
+                    let mine = slots[t].lock().unwrap().take();
+                    if let Some((q, qs, qe)) = mine {
+                        a.device().stream_wait_event(s, qe).unwrap();
+                        a.deallocate(q, qs, s).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    hs.into_iter().for_each(|h| h.join().unwrap());
+    for slot in slots.iter() {
+        if let Some((q, qs, _)) = slot.lock().unwrap().take() {
+            a.deallocate(q, qs, Stream::LEGACY).unwrap();
+        }
+    }
+    dev.synchronize();
+    a.flush().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", &dev.violations()[..dev.violations().len().min(3)]);
+    assert_eq!(a.stats().invalid_frees, 0, "{:?}", a.take_deferred_error());
+    a.release_thread().unwrap();
+    assert_all_returned(&a);
+}

@@ -25,7 +25,7 @@ static void *worker(void *arg) {
     CHECK(cuCtxSetCurrent(ctx));
     CUstream s;
     CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
-    unsigned char *host = malloc(1 << 20);
+    unsigned char *host = malloc((1 << 20) + 256); /* sizes reach 1 MiB + 255 */
     for (int i = 0; i < ITERS; i++) {
         size_t size = 256 + ((size_t)(i * 7919 + t * 104729) % (1 << 20));
         cudaStream_t st = (i % 2) ? (cudaStream_t)s : (cudaStream_t)0x2;
