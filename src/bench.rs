@@ -544,7 +544,6 @@ impl Bench {
             None
         };
         let name = alloc.name().to_string();
-        drop(run);
         drop(alloc);
         drop(pool);
         let teardown = t_stop.elapsed().as_secs_f64();
