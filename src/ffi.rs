@@ -169,63 +169,12 @@ pub extern "C" fn cuarena_cupy_free(_param: *mut c_void, ptr: *mut c_void, devic
     })
 }
 
-/// Statistics of one device's allocator (`include/cuarena.h` documents each field).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+/// Statistics of one device's allocator: [`Stats`], whose layout is C's
+/// (`include/cuarena.h` documents each field).
 #[allow(non_camel_case_types)]
-pub struct cuarena_stats {
-    pub live_bytes: u64,
-    pub peak_live_bytes: u64,
-    pub reserved_bytes: u64,
-    pub peak_reserved_bytes: u64,
-    pub pool_in_use_bytes: u64,
-    pub largest_free_block: u64,
-    pub free_extents: u64,
-    pub allocations: u64,
-    pub deallocations: u64,
-    pub cross_thread_frees: u64,
-    pub cross_stream_frees: u64,
-    pub fences_recorded: u64,
-    pub fence_waits: u64,
-    pub fence_polls: u64,
-    pub driver_calls: u64,
-    pub host_syncs: u64,
-    pub invalid_frees: u64,
-    pub superblocks_taken: u64,
-    pub superblocks_returned: u64,
-    pub superblocks_dissolved: u64,
-    pub arena_held_bytes: u64,
-    pub arenas: u64,
-}
+pub type cuarena_stats = Stats;
 
-impl From<Stats> for cuarena_stats {
-    fn from(s: Stats) -> Self {
-        cuarena_stats {
-            live_bytes: s.live_bytes,
-            peak_live_bytes: s.peak_live_bytes,
-            reserved_bytes: s.reserved_bytes,
-            peak_reserved_bytes: s.peak_reserved_bytes,
-            pool_in_use_bytes: s.pool_in_use_bytes,
-            largest_free_block: s.largest_free_block,
-            free_extents: s.free_extents,
-            allocations: s.allocations,
-            deallocations: s.deallocations,
-            cross_thread_frees: s.cross_thread_frees,
-            cross_stream_frees: s.cross_stream_frees,
-            fences_recorded: s.fences_recorded,
-            fence_waits: s.fence_waits,
-            fence_polls: s.fence_polls,
-            driver_calls: s.driver_calls,
-            host_syncs: s.host_syncs,
-            invalid_frees: s.invalid_frees,
-            superblocks_taken: s.superblocks_taken,
-            superblocks_returned: s.superblocks_returned,
-            superblocks_dissolved: s.superblocks_dissolved,
-            arena_held_bytes: s.arena_held_bytes,
-            arenas: s.arenas,
-        }
-    }
-}
+const _: () = assert!(size_of::<cuarena_stats>() == 22 * 8, "cuarena_stats must match include/cuarena.h");
 
 /// Fills `*out` with `device`'s statistics. 0 on success, -1 on failure.
 ///
@@ -239,7 +188,7 @@ pub unsafe extern "C" fn cuarena_get_stats(device: c_int, out: *mut cuarena_stat
         }
         let a = global(device).map_err(|e| e.to_string())?;
         // SAFETY: the caller guarantees `out` points to a writable cuarena_stats.
-        unsafe { out.write(a.stats().into()) };
+        unsafe { out.write(a.stats()) };
         Ok(0)
     })
 }

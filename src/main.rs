@@ -41,14 +41,7 @@ fn parse() -> Result<Args, String> {
             "--no-touch" => a.touch = vec![false],
             "--touch-only" => a.touch = vec![true],
             "--secs" => a.secs = Some(val("--secs")?.parse().map_err(|e| format!("--secs: {e}"))?),
-            "--threads" => {
-                let v = val("--threads")?;
-                a.threads = Some(
-                    v.split(',')
-                        .map(|t| t.parse().map_err(|e| format!("--threads: {e}")))
-                        .collect::<Result<_, _>>()?,
-                );
-            }
+            "--threads" => a.threads = Some(parse_list("--threads", &val("--threads")?)?),
             "--workloads" => {
                 let v = val("--workloads")?;
                 a.workloads = Some(
@@ -61,12 +54,7 @@ fn parse() -> Result<Args, String> {
                 a.allocators = Some(val("--allocators")?.split(',').map(str::to_string).collect())
             }
             "--baseline-threads" => {
-                let v = val("--baseline-threads")?;
-                a.baseline_threads = Some(
-                    v.split(',')
-                        .map(|t| t.parse().map_err(|e| format!("--baseline-threads: {e}")))
-                        .collect::<Result<_, _>>()?,
-                );
+                a.baseline_threads = Some(parse_list("--baseline-threads", &val("--baseline-threads")?)?)
             }
             "-h" | "--help" => {
                 println!(
@@ -79,6 +67,11 @@ fn parse() -> Result<Args, String> {
         }
     }
     Ok(a)
+}
+
+/// Parses a comma-separated list of thread counts.
+fn parse_list(flag: &str, v: &str) -> Result<Vec<usize>, String> {
+    v.split(',').map(|t| t.parse().map_err(|e| format!("{flag}: {e}"))).collect()
 }
 
 fn human(x: f64) -> String {

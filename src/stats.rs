@@ -88,7 +88,11 @@ impl Counters {
 /// A snapshot taken while other threads allocate is not atomic across counters: it may count
 /// an operation in one counter and not yet in another. Every counter is exact once the threads
 /// that change it are quiescent, and none ever counts an exiting thread twice.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+///
+/// The layout is C's (`#[repr(C)]`, 22 `u64`s in this order): it is also `cuarena_stats` in
+/// `include/cuarena.h`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Bytes in live blocks (after size-class rounding).
     pub live_bytes: u64,

@@ -3,11 +3,24 @@
 //! flight, thread exit racing a remote free, and statistics read while a thread retires.
 #![cfg(loom)]
 
-use cuarena::DevicePtr;
+use cuarena::{Allocator, DevicePtr};
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::thread;
 use loom_tests::common::{SB, assert_all_returned, model, setup, wait_for};
 use std::sync::Arc;
+
+/// Fills the owner's superblock with two half blocks and frees the first from another thread.
+fn fill_and_free_remotely(a: &Allocator) -> (usize, DevicePtr, DevicePtr, thread::JoinHandle<()>) {
+    let half = SB / 2;
+    let p1 = a.allocate_per_thread(half).unwrap();
+    let p2 = a.allocate_per_thread(half).unwrap();
+    let a2 = a.clone();
+    let freer = thread::spawn(move || {
+        a2.deallocate_per_thread(p1, half).unwrap();
+        a2.release_thread().unwrap();
+    });
+    (half, p1, p2, freer)
+}
 
 /// Fence life cycle, pending: while no GPU work completes, a remotely freed block must not be
 /// handed out again. The owner's superblock is full, so a new allocation could only reuse it.
@@ -15,14 +28,7 @@ use std::sync::Arc;
 fn a_remotely_freed_block_is_not_reused_while_its_fence_is_pending() {
     model(|| {
         let (dev, a) = setup(8, 0.9);
-        let half = SB / 2;
-        let p1 = a.allocate_per_thread(half).unwrap();
-        let p2 = a.allocate_per_thread(half).unwrap();
-        let a2 = a.clone();
-        let freer = thread::spawn(move || {
-            a2.deallocate_per_thread(p1, half).unwrap();
-            a2.release_thread().unwrap();
-        });
+        let (half, p1, p2, freer) = fill_and_free_remotely(&a);
         let q = a.allocate_per_thread(half).unwrap();
         assert_ne!(q, p1, "reused while its fence was pending");
         freer.join().unwrap();
@@ -40,14 +46,7 @@ fn a_remotely_freed_block_is_not_reused_while_its_fence_is_pending() {
 fn a_remotely_freed_block_becomes_reusable_once_its_fence_completes() {
     model(|| {
         let (dev, a) = setup(8, 0.9);
-        let half = SB / 2;
-        let p1 = a.allocate_per_thread(half).unwrap();
-        let p2 = a.allocate_per_thread(half).unwrap();
-        let a2 = a.clone();
-        let freer = thread::spawn(move || {
-            a2.deallocate_per_thread(p1, half).unwrap();
-            a2.release_thread().unwrap();
-        });
+        let (half, p1, p2, freer) = fill_and_free_remotely(&a);
         let d2 = dev.clone();
         let gpu = thread::spawn(move || d2.complete_all());
         a.flush().unwrap(); // may or may not see the free or its completion
