@@ -16,8 +16,7 @@ struct Args {
     workloads: Option<Vec<Workload>>,
     allocators: Option<Vec<String>>,
     touch: Vec<bool>,
-    /// Thread counts at which `cuMemAlloc` runs (it synchronises the device on every free, so
-    /// filling and draining thousands of blocks takes seconds); no touch variants for it.
+    /// Thread counts at which `cuMemAlloc` runs (default: 1 and the most); never with touch.
     baseline_threads: Option<Vec<usize>>,
 }
 
@@ -106,6 +105,10 @@ fn main() {
         .clone()
         .unwrap_or_else(|| bench.allocator_names().iter().map(|s| s.to_string()).collect());
     let secs = args.secs.unwrap_or(if args.quick { 0.15 } else { 0.5 });
+    // cuMemAlloc synchronises the device on every free: by default it runs only at 1 thread and
+    // the most threads, and without touch variants, so a default run stays short on a GPU.
+    let baseline_threads =
+        args.baseline_threads.clone().unwrap_or_else(|| vec![1, threads.iter().copied().max().unwrap_or(1)]);
     let mut plan = Vec::new();
     for &w in &workloads {
         if !bench.supports(w) {
@@ -118,10 +121,7 @@ fn main() {
                 for a in &allocators {
                     // cuMemAlloc synchronises the device on every free: a short run says enough.
                     let s = if a == "cuMemAlloc" { secs.min(0.2) } else { secs };
-                    if a == "cuMemAlloc"
-                        && let Some(bt) = &args.baseline_threads
-                        && (touch || !bt.contains(&t))
-                    {
+                    if a == "cuMemAlloc" && (touch || !baseline_threads.contains(&t)) {
                         continue;
                     }
                     plan.push((w, touch, t, a.clone(), s));
