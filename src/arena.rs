@@ -286,9 +286,26 @@ impl Arena {
         }
         // SAFETY: we own `sbp` until `take_back` clears its owner.
         let sb = unsafe { &*sbp };
+        let granules = self.granules;
+        // Blocks freed remotely and waiting for their fence are free, not live: they go to the
+        // pool as free ranges guarded by their own fence, and leave `pending`, so a second
+        // (invalid) free of one is refused by the pool, and no stale entry can later touch this
+        // superblock if it is lent to us again.
+        let end = sb.base + ((granules as u64) << GRANULE_SHIFT);
+        let mut fenced: Vec<(u64, usize, FenceSet)> = Vec::new();
+        for batch in &mut self.pending {
+            batch.blocks.retain(|fr| {
+                let inside = (sb.base..end).contains(&fr.ptr);
+                if inside {
+                    let bytes = block_bytes(fr.size, env.small_max).unwrap_or(0);
+                    fenced.push((fr.ptr, bytes, FenceSet::one(batch.fence.clone())));
+                }
+                !inside
+            });
+        }
+        self.pending.retain(|b| !b.blocks.is_empty());
         let (mut used, mut free) = (Vec::new(), Vec::new());
         let lists = &mut self.lists;
-        let granules = self.granules;
         // SAFETY: as above.
         let live = unsafe {
             sb.with_local(|l| {
@@ -300,6 +317,13 @@ impl Arena {
                             let b = lists.remove(id);
                             free.push((addr, b.len << GRANULE_SHIFT));
                             g += b.len;
+                        }
+                        Some((PENDING, len)) => {
+                            debug_assert!(
+                                fenced.iter().any(|f| f.0 == addr),
+                                "a pending block without its batch"
+                            );
+                            g += len;
                         }
                         Some((_, len)) => {
                             used.push((addr, len << GRANULE_SHIFT));
@@ -317,7 +341,7 @@ impl Arena {
         let c = env.dev.counters;
         c.bump(if used.is_empty() { &c.superblocks_returned } else { &c.superblocks_dissolved }, 1);
         c.bump(&c.arena_bytes, ((granules as u64) << GRANULE_SHIFT).wrapping_neg());
-        env.pool.take_back(sb, &used, &free, fences);
+        env.pool.take_back(sb, &used, &free, fences, fenced);
     }
 
     /// Takes a superblock from the pool.
@@ -398,9 +422,13 @@ impl Arena {
                     };
                     self.live -= g;
                 }
-                // Its superblock was given back meanwhile: the pool holds it as a live block.
-                // (Its fence may only be ordered before our stream, not complete: keep it.)
-                _ => env.pool_free_remote(fr.ptr, fr.size, fence.clone()),
+                // `give_back` takes a superblock's pending blocks out of `pending`, so every
+                // entry here is in a superblock we own.
+                // (Defensively, in release builds: free it through the pool, still fenced.)
+                _ => {
+                    debug_assert!(false, "a pending block outside our superblocks");
+                    env.pool_free_remote(fr.ptr, fr.size, fence.clone());
+                }
             }
         }
     }
@@ -502,7 +530,8 @@ impl Arena {
         }
         #[cfg(not(cuarena_mutant = "exit_close_first"))]
         let late = self.shell.inbox.close();
-        for batch in late.into_iter().chain(std::mem::take(&mut self.pending)) {
+        debug_assert!(self.pending.is_empty(), "give_back took every pending block");
+        for batch in late {
             for fr in batch.blocks {
                 env.pool_free_remote(fr.ptr, fr.size, batch.fence.clone());
             }

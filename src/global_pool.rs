@@ -292,20 +292,23 @@ impl GlobalPool {
             (sb, fences)
         };
         if !skip_fences && let Err(e) = fences.order_before(dev, Stream::PER_THREAD, key) {
-            self.take_back(sb, &[], &[(sb.base, s)], fences);
+            self.take_back(sb, &[], &[(sb.base, s)], fences, Vec::new());
             return Err(e);
         }
         Ok(sb)
     }
 
     /// Takes a superblock back from its arena: `used` ranges stay live as pool blocks (their
-    /// frees come here from now on), `free` ranges become free extents guarded by `fences`.
+    /// frees come here from now on), `free` ranges become free extents guarded by `fences`, and
+    /// each `fenced` range (a block freed remotely, its fence pending) a free extent guarded by
+    /// its own fences.
     pub(crate) fn take_back(
         &self,
         sb: &Superblock,
         used: &[(u64, usize)],
         free: &[(u64, usize)],
         fences: FenceSet,
+        fenced: Vec<(u64, usize, FenceSet)>,
     ) {
         // Mutation for the loom model of superblock return: clearing the owner before the
         // pool knows the blocks lets a free reach the pool too early.
@@ -321,6 +324,9 @@ impl GlobalPool {
         }
         for &(a, l) in free {
             Self::insert_free(&mut st, a, l, u.chunk, fences.clone());
+        }
+        for (a, l, f) in fenced {
+            Self::insert_free(&mut st, a, l, u.chunk, f);
         }
         // Cleared under the lock, after the ranges are registered: a free that sees no owner
         // and then takes this lock finds its block in `used`.

@@ -393,3 +393,39 @@ fn the_c_example_pattern_keeps_memory_consistent() {
     a.release_thread().unwrap();
     assert_all_returned(&a);
 }
+
+/// A block freed remotely and still waiting for its fence when its superblock is given back
+/// goes to the pool as a fenced free range: a second free of it is refused, not accepted.
+#[test]
+fn a_double_free_of_a_pending_block_across_a_dissolved_superblock_is_refused() {
+    let dev = device(0);
+    let cfg = small_config().keep_empty(0).sparse_fraction(0.5).build().unwrap();
+    let a = Allocator::host(dev.clone(), cfg).unwrap();
+    let blocks: Vec<_> = (0..4).map(|_| a.allocate_per_thread(16 << 10).unwrap()).collect();
+    // Hold the per-thread stream of the freeing thread busy, so the fence of its free is pending.
+    let (a2, d2, p) = (a.clone(), dev.clone(), blocks[0]);
+    std::thread::spawn(move || {
+        d2.hold_and_check(p.0, 4096, 7, Duration::from_millis(300), Stream::PER_THREAD).unwrap();
+        a2.deallocate_per_thread(p, 16 << 10).unwrap();
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    a.flush().unwrap(); // drains the free: the block is pending behind its fence
+    for &q in &blocks[1..] {
+        a.deallocate_per_thread(q, 16 << 10).unwrap(); // the return rule gives the superblock back
+    }
+    assert!(a.stats().superblocks_dissolved + a.stats().superblocks_returned >= 1);
+    // A second free of the pending block, from another thread: refused (double free).
+    let a3 = a.clone();
+    std::thread::spawn(move || {
+        a3.deallocate_per_thread(p, 16 << 10).unwrap_err();
+    })
+    .join()
+    .unwrap();
+    dev.synchronize();
+    a.flush().unwrap();
+    a.release_thread().unwrap();
+    assert_all_returned(&a);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
