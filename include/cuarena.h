@@ -24,7 +24,9 @@
  *  - No call aborts or lets a panic escape. A failed cuarena_malloc returns NULL; a refused
  *    free (unknown pointer, double free, wrong size) changes nothing. Either way the reason is
  *    in cuarena_last_error(). A free of a block allocated on another thread is checked by that
- *    thread later; if found invalid it is counted in cuarena_stats.invalid_frees.
+ *    thread later; if found invalid it is counted in cuarena_stats.invalid_frees. A double
+ *    free is caught while the block has not been handed out again (after that, as with
+ *    cudaFree, a stale free of the same address and size looks like a valid one).
  *  - Out of memory reports the requested, reserved, in-use and largest-free figures in
  *    cuarena_last_error(). No CUDA driver on the machine is an error, not a crash.
  *  - Once process exit has begun, cuarena makes no CUDA call: frees do nothing and

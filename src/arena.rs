@@ -21,13 +21,16 @@
 //! against its tags (refusing double and foreign frees), marks it `PENDING`, and keeps the batch
 //! until its fence completes; only then are the blocks merged into the free lists. A pending
 //! block is never handed out. If the pool is out of memory, the owner instead makes its stream
-//! wait on the pending fences (still no host block) and reuses the blocks at once.
+//! wait on the pending fences (still no host block) and reuses the blocks at once. When a
+//! superblock goes back to the pool, its pending blocks go with it as free ranges guarded by
+//! their own fences, and leave the pending list.
 //!
 //! ## Superblock return rule (Hoard's emptiness rule)
 //! With `u` the granules in used or pending blocks, `a` the granules of the superblocks held,
 //! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
 //! `u < a - K·S` and `u < (1 - f)·a`, the emptiest superblock goes back to the pool
-//! (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks).
+//! (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks;
+//! cached blocks count as free and are merged first).
 //! Such a superblock exists by pigeonhole. Hence after every free
 //! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
 //! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
