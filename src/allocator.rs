@@ -415,8 +415,9 @@ impl Allocator {
                 let env = inner.env(&slot.counters);
                 let key = env.dev.stream_key(stream)?;
                 for &s in used_on {
-                    if env.dev.stream_key(s)? != key
-                        && let Some(f) = env.fence(s, env.dev.stream_key(s)?)?
+                    let ks = env.dev.stream_key(s)?;
+                    if ks != key
+                        && let Some(f) = env.fence(s, ks)?
                     {
                         f.order_before(&env.dev, stream, key)?;
                     }
