@@ -1,7 +1,7 @@
 //! An arena's inbox: a lock-free multi-producer stack of batches that the owner takes whole.
 //!
 //! ## Protocol
-//! - `head` is null (empty), a node pointer (a list of pushed batches), or [`CLOSED`].
+//! - `head` is null (empty), a node pointer (a list of pushed batches), or the `closed()` marker.
 //! - **push** (any thread): CAS the new node in front of `head` with `Release`, so the batch's
 //!   contents are visible to whoever takes the node (the failure ordering is `Relaxed`: a failed
 //!   CAS only learns the head to retry with). If `head` is `CLOSED`, push fails and hands the

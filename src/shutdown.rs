@@ -1,7 +1,7 @@
 //! Process-exit detection: once exit has begun, cuarena makes no CUDA call.
 //!
 //! The CUDA driver tears itself down during `exit`, so calls from late destructors
-//! (thread-local arenas, statics) can crash. [`mark_exiting`] is registered with `atexit` the
+//! (thread-local arenas, statics) can crash. `mark_exiting` is registered with `atexit` the
 //! first time a CUDA allocator is created; from then on the release paths skip driver calls and
 //! leave the memory to the process teardown.
 

@@ -1,7 +1,7 @@
 //! Statistics that cost nothing under many threads.
 //!
-//! Each thread has its own [`Counters`] block per allocator, written only by that thread with
-//! plain load + store (no read-modify-write, no shared cache line). [`CounterRegistry`]
+//! Each thread has its own `Counters` block per allocator, written only by that thread with
+//! plain load + store (no read-modify-write, no shared cache line). `CounterRegistry`
 //! lists the blocks; reading the stats locks the list and sums them. When a thread exits its
 //! block is folded into `retired` and unlisted, so the list does not grow with dead threads.
 
