@@ -429,3 +429,29 @@ fn a_double_free_of_a_pending_block_across_a_dissolved_superblock_is_refused() {
     assert_all_returned(&a);
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
+
+/// A block of one device freed into another device's allocator is refused as foreign, on the
+/// arena path and the pool path, and stays live where it belongs.
+#[test]
+fn a_free_on_the_wrong_device_is_refused() {
+    let (d0, d1) = (device(0), device(0));
+    let a0 = Allocator::host(d0, small_config().build().unwrap()).unwrap();
+    let a1 = Allocator::host(d1, small_config().build().unwrap()).unwrap();
+    let warm = a1.allocate_per_thread(4096).unwrap(); // a1 has an arena and a pool of its own
+    let small = a0.allocate_per_thread(4096).unwrap();
+    let large = a0.allocate(300 << 10, Stream::LEGACY).unwrap();
+    for (p, s, st) in [(small, 4096, Stream::PER_THREAD), (large, 300 << 10, Stream::LEGACY)] {
+        match a1.deallocate(p, s, st) {
+            Err(Error::InvalidFree { reason: InvalidFree::UnknownPointer, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(a0.stats().live_bytes, 4096 + (300 << 10));
+    a0.deallocate_per_thread(small, 4096).unwrap();
+    a0.deallocate(large, 300 << 10, Stream::LEGACY).unwrap();
+    a1.deallocate_per_thread(warm, 4096).unwrap();
+    for a in [&a0, &a1] {
+        a.release_thread().unwrap();
+        assert_all_returned(a);
+    }
+}
