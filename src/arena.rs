@@ -8,7 +8,7 @@
 //!
 //! ## The block cache
 //! In front of the lists sits a small LIFO cache per size class, for classes up to
-//! [`CACHED_CLASSES`] (32 KiB) and [`CACHE_DEPTH`] blocks each, so at most about 2 MiB per thread.
+//! [`CACHED_CLASSES`] (32 KiB) and [`CACHE_DEPTH`] blocks each, so at most 3 MiB per thread.
 //! A local free of such a block pushes it there without merging, and an allocation of its class
 //! pops it: no list is touched. A cached block's head tag reads `PENDING` (so a second free of
 //! it is refused) and it counts as free in `live`. The cache is emptied into the lists before
@@ -26,7 +26,7 @@
 //! their own fences, and leave the pending list.
 //!
 //! ## Superblock return rule (Hoard's emptiness rule)
-//! With `u` the granules in used or pending blocks, `a` the granules of the superblocks held,
+//! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
 //! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
 //! `u < a - K·S` and `u < (1 - f)·a`, the emptiest superblock goes back to the pool
 //! (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks;
