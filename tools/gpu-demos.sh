@@ -25,6 +25,14 @@ else
   fail c-build; tail -5 "$out/c-build.log"
 fi
 
+step "C: threads that outlive main (5 runs, each must exit 0)"
+if cc -O2 -I include -I "$cuda_inc" examples/c/exit_race.c -L gpu-bundle -lcuarena -lcuda -lpthread -o "$out/exit_race" 2>>"$out/c-build.log"; then
+  for i in 1 2 3 4 5; do LD_LIBRARY_PATH=gpu-bundle timeout 30 "$out/exit_race" >>"$out/exit.log" 2>&1 || fail "exit-race run $i"; done
+  echo "exit race: $(grep -c 'main returns' "$out/exit.log") clean runs"
+else
+  fail exit-race-build
+fi
+
 step "PyTorch training: native vs cuarena"
 python3 examples/torch_train.py --allocator native >"$out/train-native.json" 2>"$out/train-native.err" || fail train-native
 python3 examples/torch_train.py --allocator cuarena >"$out/train-cuarena.json" 2>"$out/train-cuarena.err" || fail train-cuarena
