@@ -139,13 +139,29 @@ impl Slot {
         }
     }
 
-    fn ptds_key(&mut self, env: &Env<'_>) -> Result<StreamKey> {
-        if let Some(k) = self.ptds {
+    /// The identity of this thread's per-thread stream, asked of the device once. A function of
+    /// the `ptds` field alone, so callers can hold an `Env` borrowing `counters` meanwhile.
+    fn ptds_key(ptds: &mut Option<StreamKey>, env: &Env<'_>) -> Result<StreamKey> {
+        if let Some(k) = *ptds {
             return Ok(k);
         }
         let k = env.dev.stream_key(Stream::PER_THREAD)?;
-        self.ptds = Some(k);
+        *ptds = Some(k);
         Ok(k)
+    }
+
+    /// The identity of `stream` as seen from this thread.
+    fn key_of(ptds: &mut Option<StreamKey>, env: &Env<'_>, stream: Stream) -> Result<StreamKey> {
+        if stream.is_per_thread() { Self::ptds_key(ptds, env) } else { env.dev.stream_key(stream) }
+    }
+
+    /// Sends the gathered remote frees, if any.
+    fn flush_outbox(outbox: &mut Outbox, ptds: &mut Option<StreamKey>, env: &Env<'_>) -> Result<()> {
+        if outbox.is_empty() {
+            return Ok(());
+        }
+        let k = Self::ptds_key(ptds, env)?;
+        outbox.flush(env, k)
     }
 
     #[inline]
@@ -163,9 +179,8 @@ impl Slot {
     }
 
     fn alloc_small_slow(&mut self, inner: &Inner, class: usize, g: usize) -> Result<u64> {
-        let counters = Arc::clone(&self.counters);
-        let env = inner.env(&counters);
-        let ptds = self.ptds_key(&env)?;
+        let env = inner.env(&self.counters);
+        let ptds = Self::ptds_key(&mut self.ptds, &env)?;
         if let Err(e) = self.outbox.flush(&env, ptds) {
             env.defer(e);
         }
@@ -189,9 +204,8 @@ impl Slot {
     }
 
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
-        let counters = Arc::clone(&self.counters);
-        let env = inner.env(&counters);
-        let key = if stream.is_per_thread() { self.ptds_key(&env)? } else { env.dev.stream_key(stream)? };
+        let env = inner.env(&self.counters);
+        let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let p = inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?;
         self.counted_alloc(bytes);
         inner.counters.sample();
@@ -220,17 +234,15 @@ impl Slot {
                 if !ptr.is_multiple_of(GRANULE as u64) {
                     return Err(invalid(InvalidFree::UnknownPointer));
                 }
-                let counters = Arc::clone(&self.counters);
-                let env = inner.env(&counters);
                 let fr = Freed { ptr, size };
                 if Outbox::batchable(stream) {
-                    let ptds = self.ptds_key(&env)?;
+                    let ptds = Self::ptds_key(&mut self.ptds, &env)?;
                     let limits = (inner.cfg.batch_blocks, inner.cfg.batch_bytes);
                     self.outbox.push(&env, ptds, owner, fr, stream, limits)?;
                 } else {
                     crate::outbox::send_now(&env, owner, fr, stream)?;
                 }
-                let c = &*counters;
+                let c = &*self.counters;
                 c.bump(if mine { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);
                 self.counted_free(bytes);
                 return Ok(());
@@ -239,9 +251,8 @@ impl Slot {
         let Some(bytes) = bytes else {
             return Err(invalid(InvalidFree::UnknownPointer));
         };
-        let counters = Arc::clone(&self.counters);
-        let env = inner.env(&counters);
-        let key = if stream.is_per_thread() { self.ptds_key(&env)? } else { env.dev.stream_key(stream)? };
+        let env = inner.env(&self.counters);
+        let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let fence = env.fence(stream, key)?;
         inner.pool.free(ptr, size, fence)?;
         self.counted_free(bytes);
@@ -250,13 +261,8 @@ impl Slot {
 
     /// Sends remote frees and gives the arena back (what thread exit does).
     fn release_arena(&mut self, inner: &Inner) -> Result<()> {
-        let counters = Arc::clone(&self.counters);
-        let env = inner.env(&counters);
-        let flushed = match self.ptds {
-            Some(k) => self.outbox.flush(&env, k),
-            None if self.outbox.is_empty() => Ok(()),
-            None => self.ptds_key(&env).and_then(|k| self.outbox.flush(&env, k)),
-        };
+        let env = inner.env(&self.counters);
+        let flushed = Self::flush_outbox(&mut self.outbox, &mut self.ptds, &env);
         if let Some(arena) = self.arena.take() {
             inner.arenas.fetch_sub(1, Ordering::Relaxed);
             if let Some(shell) = arena.exit(&env) {
@@ -462,12 +468,8 @@ impl Allocator {
     /// Sends this thread's gathered remote frees and takes back frees sent to it.
     pub fn flush(&self) -> Result<()> {
         with_slot(&self.inner, |slot, inner| {
-            let counters = Arc::clone(&slot.counters);
-            let env = inner.env(&counters);
-            if !slot.outbox.is_empty() {
-                let k = slot.ptds_key(&env)?;
-                slot.outbox.flush(&env, k)?;
-            }
+            let env = inner.env(&slot.counters);
+            Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, &env)?;
             if let Some(a) = &mut slot.arena {
                 a.tidy(&env);
             }
