@@ -343,7 +343,7 @@ impl Arena {
         self.live -= live;
         let c = env.dev.counters;
         c.bump(if used.is_empty() { &c.superblocks_returned } else { &c.superblocks_dissolved }, 1);
-        c.bump(&c.arena_bytes, ((granules as u64) << GRANULE_SHIFT).wrapping_neg());
+        c.bump(&c.arena_held_bytes, ((granules as u64) << GRANULE_SHIFT).wrapping_neg());
         env.pool.take_back(sb, &used, &free, fences, fenced);
     }
 
@@ -366,7 +366,7 @@ impl Arena {
         self.owned.push(sbp);
         let c = env.dev.counters;
         c.bump(&c.superblocks_taken, 1);
-        c.bump(&c.arena_bytes, (granules as u64) << GRANULE_SHIFT);
+        c.bump(&c.arena_held_bytes, (granules as u64) << GRANULE_SHIFT);
         Ok(())
     }
 

@@ -42,13 +42,11 @@ macro_rules! counters {
             fn fold_into(&self, to: &Counters) {
                 $(to.$name.add(self.$name.get(), true);)*
             }
-            fn sum_into(&self, s: &mut Sums) {
+            /// Adds this block into the [`Stats`] field of the same name.
+            fn sum_into(&self, s: &mut Stats) {
                 $(s.$name = s.$name.wrapping_add(self.$name.get());)*
             }
         }
-
-        #[derive(Default)]
-        struct Sums { $($name: u64,)* }
     };
 }
 
@@ -67,7 +65,7 @@ counters!(
     superblocks_taken,
     superblocks_returned,
     superblocks_dissolved,
-    arena_bytes,
+    arena_held_bytes,
 );
 
 impl Counters {
@@ -181,30 +179,15 @@ impl CounterRegistry {
         }
     }
 
-    /// Sums every block into `s` and updates the sampled peak.
+    /// Every thread's counters summed into `s` (its other fields untouched), and the sampled
+    /// peak updated.
     pub(crate) fn fill(&self, s: &mut Stats) {
-        let mut sums = Sums::default();
         {
             let l = lock(&self.live);
-            self.retired.sum_into(&mut sums);
-            l.iter().for_each(|c| c.sum_into(&mut sums));
+            self.retired.sum_into(s);
+            l.iter().for_each(|c| c.sum_into(s));
         }
-        s.live_bytes = sums.live_bytes;
-        s.allocations = sums.allocations;
-        s.deallocations = sums.deallocations;
-        s.cross_thread_frees = sums.cross_thread_frees;
-        s.cross_stream_frees = sums.cross_stream_frees;
-        s.fences_recorded = sums.fences_recorded;
-        s.fence_waits = sums.fence_waits;
-        s.fence_polls = sums.fence_polls;
-        s.driver_calls = sums.driver_calls;
-        s.host_syncs = sums.host_syncs;
-        s.invalid_frees = sums.invalid_frees;
-        s.superblocks_taken = sums.superblocks_taken;
-        s.superblocks_returned = sums.superblocks_returned;
-        s.superblocks_dissolved = sums.superblocks_dissolved;
-        s.arena_held_bytes = sums.arena_bytes;
-        s.peak_live_bytes = self.sample_peak(sums.live_bytes);
+        s.peak_live_bytes = self.sample_peak(s.live_bytes);
     }
 
     /// Raises the peak to `live` if higher and returns the peak.
@@ -217,14 +200,8 @@ impl CounterRegistry {
         self.peak_live.fetch_max(live, Ordering::Relaxed).max(live)
     }
 
-    /// The live-byte sum now (slow paths call this to sample the peak).
+    /// Samples the peak from the live-byte sum now (slow paths call this now and then).
     pub(crate) fn sample(&self) {
-        let mut sums = Sums::default();
-        {
-            let l = lock(&self.live);
-            self.retired.sum_into(&mut sums);
-            l.iter().for_each(|c| c.sum_into(&mut sums));
-        }
-        self.sample_peak(sums.live_bytes);
+        self.fill(&mut Stats::default());
     }
 }
