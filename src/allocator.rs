@@ -82,7 +82,14 @@ struct Slot {
     outbox: Outbox,
     counters: Arc<Counters>,
     ptds: Option<StreamKey>,
+    /// Slow paths taken; every [`PEAK_SAMPLE_EVERY`]th samples the live-byte peak.
+    slow_paths: u32,
 }
+
+/// How often a thread's slow path samples the peak of live bytes. Sampling locks the counter
+/// list and sums every thread, so it is kept off most slow paths (the peak is a documented
+/// lower bound; `stats()` samples too).
+const PEAK_SAMPLE_EVERY: u32 = 64;
 
 thread_local! {
     // Not `const { .. }`: loom's `thread_local!` has no such form.
@@ -136,6 +143,7 @@ impl Slot {
             outbox: Outbox::default(),
             counters: inner.counters.register(),
             ptds: None,
+            slow_paths: 0,
         }
     }
 
@@ -162,6 +170,14 @@ impl Slot {
         }
         let k = Self::ptds_key(ptds, env)?;
         outbox.flush(env, k)
+    }
+
+    /// Counts a slow path and now and then samples the peak of live bytes.
+    fn sample_peak(&mut self, inner: &Inner) {
+        self.slow_paths = self.slow_paths.wrapping_add(1);
+        if self.slow_paths % PEAK_SAMPLE_EVERY == 1 {
+            inner.counters.sample();
+        }
     }
 
     #[inline]
@@ -199,7 +215,7 @@ impl Slot {
             }
         };
         let p = arena.alloc_slow(&env, class, g)?;
-        inner.counters.sample();
+        self.sample_peak(inner);
         Ok(p)
     }
 
@@ -208,7 +224,7 @@ impl Slot {
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let p = inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?;
         self.counted_alloc(bytes);
-        inner.counters.sample();
+        self.sample_peak(inner);
         Ok(p)
     }
 

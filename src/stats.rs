@@ -94,8 +94,9 @@ impl Counters {
 pub struct Stats {
     /// Bytes in live blocks (after size-class rounding).
     pub live_bytes: u64,
-    /// The largest `live_bytes` seen. Sampled on slow paths and in `stats()`, so a peak reached
-    /// and left between two samples on fast paths alone can be missed: a lower bound.
+    /// The largest `live_bytes` seen. Sampled on one slow path in 64 per thread and in every
+    /// `stats()` call, so a peak reached and left between two samples can be missed: a lower
+    /// bound.
     pub peak_live_bytes: u64,
     /// Bytes reserved from the device.
     pub reserved_bytes: u64,
