@@ -243,7 +243,7 @@ impl Slot {
                 let mine = self.arena.as_ref().is_some_and(|a| std::ptr::eq(Arc::as_ptr(&a.shell), owner));
                 if mine && stream.is_per_thread() {
                     let arena = self.arena.as_mut().expect("checked");
-                    arena.free_local(&env, sb, ptr, size)?;
+                    arena.free_local(&env, sb, ptr, size, bytes)?;
                     self.counted_free(bytes);
                     return Ok(());
                 }

@@ -208,10 +208,18 @@ impl Arena {
 
     /// Fast path: frees a block of this arena on the owner's per-thread stream.
     #[inline]
-    pub(crate) fn free_local(&mut self, env: &Env<'_>, sb: &Superblock, ptr: u64, size: usize) -> Result<()> {
-        let g = block_bytes(size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
+    /// `bytes` is `block_bytes(size)`, which the caller has computed already.
+    pub(crate) fn free_local(
+        &mut self,
+        env: &Env<'_>,
+        sb: &Superblock,
+        ptr: u64,
+        size: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        let g = bytes >> GRANULE_SHIFT;
         let lists = &mut self.lists;
-        let class = if g == 0 { usize::MAX } else { class_floor(g) };
+        let class = class_floor(g);
         let cache = self.cache.get_mut(class).filter(|c| c.len() < CACHE_DEPTH);
         // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
         let r = unsafe {
