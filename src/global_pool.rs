@@ -128,16 +128,16 @@ impl GlobalPool {
 
     /// Reserves a new chunk of at least `min` bytes (a multiple of the superblock).
     fn grow(&self, st: &mut PoolState, dev: &Counted<'_>, min: usize, requested: usize) -> Result<()> {
-        let room = self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
-        if min > room {
+        // Bytes the cap still allows, in whole superblocks.
+        let room =
+            |st: &PoolState| self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
+        if min > room(st) {
             self.trim_locked(st, dev, false)?;
-            let room = self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
-            if min > room {
+            if min > room(st) {
                 return Err(self.oom(st, requested));
             }
         }
-        let room = self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
-        let size = self.chunk.max(min).min(room);
+        let size = self.chunk.max(min).min(room(st));
         let mut got = dev.reserve(size)?.map(|p| (p, size));
         if got.is_none() {
             // The device is full (other processes, or our own cache): give back what we can.
