@@ -22,11 +22,12 @@ use crate::device::host::HostDevice;
 use crate::device::{Device, DeviceKind};
 use crate::env::Env;
 use crate::error::{Error, InvalidFree, Result};
-use crate::global_pool::GlobalPool;
+use crate::global_pool::{GlobalPool, Origin};
 use crate::outbox::Outbox;
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
 use crate::stats::{CounterRegistry, Counters, Stats};
 use crate::stream::{Stream, StreamKey};
+use crate::superblock::Superblock;
 use std::sync::{Arc, Weak};
 
 use crate::sync::{AtomicUsize, Mutex, Ordering, lock, next_id, thread_local};
@@ -78,12 +79,57 @@ struct Shells {
 struct Slot {
     id: u64,
     inner: Weak<Inner>,
-    arena: Option<Arena>,
+    arena: Option<OwnedArena>,
     outbox: Outbox,
     counters: Arc<Counters>,
     ptds: Option<StreamKey>,
     /// Slow paths taken; every [`PEAK_SAMPLE_EVERY`]th samples the live-byte peak.
     slow_paths: u32,
+}
+
+/// The owning thread's handle on its arena. The arena is on the heap, its address published in
+/// its shell (`ArenaShell::arena`), so that a reclaimer holding the shell's claim can work on it
+/// while the owner is idle (see `claim.rs`). The owner touches it only inside its own claim,
+/// through [`OwnedArena::with`].
+struct OwnedArena {
+    ptr: std::ptr::NonNull<Arena>,
+    shell: Arc<ArenaShell>,
+}
+
+impl OwnedArena {
+    fn new(arena: Arena) -> OwnedArena {
+        let shell = Arc::clone(&arena.shell);
+        let ptr = std::ptr::NonNull::from(Box::leak(Box::new(arena)));
+        // Release: a reclaimer that loads the pointer (Acquire, under the claim) sees the arena
+        // whole.
+        shell.arena.store(ptr.as_ptr(), Ordering::Release);
+        OwnedArena { ptr, shell }
+    }
+
+    /// Runs `f` on the arena inside the owner's claim; `None` if a reclaimer holds it now.
+    #[inline]
+    fn with<R>(&mut self, f: impl FnOnce(&mut Arena) -> R) -> Option<R> {
+        if !self.shell.claim.enter() {
+            return None;
+        }
+        // SAFETY: the arena lives until `exit` below consumes it; inside our claim no
+        // reclaimer touches it, and `&mut self` makes this the only owner-side reference.
+        let r = f(unsafe { self.ptr.as_mut() });
+        self.shell.claim.leave();
+        Some(r)
+    }
+
+    /// Thread exit: waits out any reclaimer, unpublishes the arena and gives it back.
+    fn exit(self, env: &Env<'_>) -> Option<Arc<ArenaShell>> {
+        self.shell.claim.enter_waiting();
+        self.shell.arena.store(std::ptr::null_mut(), Ordering::Relaxed);
+        // SAFETY: the pointer came from `Box::leak` in `new` and is reclaimed once, here; it is
+        // unpublished and we hold the claim, so no reclaimer can reach it any more.
+        let arena = unsafe { Box::from_raw(self.ptr.as_ptr()) };
+        let r = arena.exit(env);
+        self.shell.claim.leave();
+        r
+    }
 }
 
 /// How often a thread's slow path samples the peak of live bytes. Sampling locks the counter
@@ -119,6 +165,37 @@ impl Inner {
         let sh = Arc::new(ArenaShell::default());
         s.all.push(Arc::clone(&sh));
         sh
+    }
+
+    /// Takes memory back from other threads' arenas whose owners are idle, without their
+    /// help (see `claim.rs`): each gives back its superblocks that hold no used block (with
+    /// `dissolve`, all with free or pending space). Arenas whose owner is inside an allocator
+    /// call are skipped: they drain on their own. `own` is the caller's shell, skipped. Free
+    /// ranges go back behind a fence on the legacy stream, which follows the owners' earlier
+    /// per-thread-stream work. Returns the bytes given back. Never blocks on the device.
+    #[cold]
+    fn reclaim_others(&self, env: &Env<'_>, own: Option<&Arc<ArenaShell>>, dissolve: bool) -> usize {
+        let shells: Vec<Arc<ArenaShell>> = lock(&self.shells).all.clone();
+        let mut bytes = 0;
+        for sh in shells {
+            if own.is_some_and(|o| Arc::ptr_eq(o, &sh)) || sh.arena.load(Ordering::Relaxed).is_null() {
+                continue;
+            }
+            let Some(_held) = sh.claim.try_claim() else { continue };
+            let p = sh.arena.load(Ordering::Acquire);
+            if p.is_null() {
+                continue; // its owner exited meanwhile
+            }
+            // SAFETY: we hold the shell's claim, so the owner does not touch its arena, and the
+            // arena outlives the claim (its owner unpublishes it, inside its claim, before
+            // freeing it).
+            let arena = unsafe { &mut *p };
+            bytes += arena.reclaim(env, dissolve, || {
+                let k = env.dev.stream_key(Stream::LEGACY)?;
+                env.fence(Stream::LEGACY, k)
+            });
+        }
+        bytes
     }
 
     fn oom(&self, requested: usize) -> Error {
@@ -194,38 +271,86 @@ impl Slot {
         c.bump(&c.live_bytes, (bytes as u64).wrapping_neg());
     }
 
+    /// The arena path's slow path: drains and grows the arena. If a reclaimer holds the
+    /// arena at this moment, the request is served by the pool instead (no waiting).
+    #[cold]
+    #[inline(never)]
     fn alloc_small_slow(&mut self, inner: &Inner, class: usize, g: usize) -> Result<u64> {
         let env = inner.env(&self.counters);
         let ptds = Self::ptds_key(&mut self.ptds, &env)?;
         if let Err(e) = self.outbox.flush(&env, ptds) {
             env.defer(e);
         }
-        let arena = match &mut self.arena {
+        let owned = match &mut self.arena {
             Some(a) => a,
             None => {
                 let sb = inner.cfg.superblock / GRANULE;
                 inner.arenas.fetch_add(1, Ordering::Relaxed);
-                self.arena.insert(Arena::new(
-                    inner.take_shell(),
-                    ptds,
-                    sb,
-                    inner.cfg.keep_empty,
-                    inner.cfg.sparse,
-                ))
+                let arena = Arena::new(inner.take_shell(), ptds, sb, inner.cfg.keep_empty, inner.cfg.sparse);
+                self.arena.insert(OwnedArena::new(arena))
             }
         };
-        let p = arena.alloc_slow(&env, class, g)?;
+        let shell = Arc::clone(&owned.shell);
+        let r = owned.with(|arena| match arena.alloc_slow(&env, class, g) {
+            Err(Error::OutOfMemory { .. }) => {
+                // Memory freed into other threads' arenas may be idle there: take it back, and
+                // try once more.
+                inner.reclaim_others(&env, Some(&shell), true);
+                arena.alloc_slow(&env, class, g)
+            }
+            r => r,
+        });
+        let p = match r {
+            Some(r) => r?,
+            None => inner.pool.alloc(&env.dev, g * GRANULE, Stream::PER_THREAD, ptds, env.skip_fences)?,
+        };
         self.sample_peak(inner);
         Ok(p)
     }
 
+    #[cold]
+    #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
         let env = inner.env(&self.counters);
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
-        let p = inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?;
+        let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
+            Err(Error::OutOfMemory { .. }) => {
+                Self::reclaim(&mut self.arena, &mut self.outbox, &mut self.ptds, inner, &env, true);
+                inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?
+            }
+            r => r?,
+        };
         self.counted_alloc(bytes);
         self.sample_peak(inner);
         Ok(p)
+    }
+
+    /// Takes back memory held without live blocks: this thread's gathered remote frees are
+    /// sent, and its own arena and every idle arena give back their superblocks that hold no
+    /// used block (with `dissolve`, every superblock with free or pending space). Returns the
+    /// bytes given back. Never blocks on the device.
+    #[cold]
+    fn reclaim(
+        arena: &mut Option<OwnedArena>,
+        outbox: &mut Outbox,
+        ptds: &mut Option<StreamKey>,
+        inner: &Inner,
+        env: &Env<'_>,
+        dissolve: bool,
+    ) -> usize {
+        if let Err(e) = Self::flush_outbox(outbox, ptds, env) {
+            env.defer(e);
+        }
+        let mut bytes = 0;
+        if let Some(owned) = arena {
+            bytes += owned
+                .with(|a| {
+                    let key = a.key;
+                    a.reclaim(env, dissolve, || env.fence(Stream::PER_THREAD, key))
+                })
+                .unwrap_or(0);
+        }
+        bytes + inner.reclaim_others(env, arena.as_ref().map(|a| &a.shell), dissolve)
     }
 
     fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
@@ -238,39 +363,77 @@ impl Slot {
         {
             let owner = sb.owner.load(Ordering::Acquire);
             if !owner.is_null() {
-                let bytes = bytes.ok_or(invalid(InvalidFree::UnknownPointer))?;
-                let env = inner.env(&self.counters);
-                let mine = self.arena.as_ref().is_some_and(|a| std::ptr::eq(Arc::as_ptr(&a.shell), owner));
-                if mine && stream.is_per_thread() {
-                    let arena = self.arena.as_mut().expect("checked");
-                    arena.free_local(&env, sb, ptr, size, bytes)?;
-                    self.counted_free(bytes);
-                    return Ok(());
-                }
-                if !ptr.is_multiple_of(GRANULE as u64) {
-                    return Err(invalid(InvalidFree::UnknownPointer));
-                }
-                let fr = Freed { ptr, size };
-                if Outbox::batchable(stream) {
-                    let ptds = Self::ptds_key(&mut self.ptds, &env)?;
-                    let limits = (inner.cfg.batch_blocks, inner.cfg.batch_bytes);
-                    self.outbox.push(&env, ptds, owner, fr, stream, limits)?;
-                } else {
-                    crate::outbox::send_now(&env, owner, fr, stream)?;
-                }
-                let c = &*self.counters;
-                c.bump(if mine { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);
-                self.counted_free(bytes);
-                return Ok(());
+                return self.free_arena_block(inner, sb, owner, ptr, size, stream);
             }
         }
         let Some(bytes) = bytes else {
             return Err(invalid(InvalidFree::UnknownPointer));
         };
         let env = inner.env(&self.counters);
+        // Validate before recording the fence: a bad free costs no event.
+        inner.pool.check_free(ptr, size)?;
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let fence = env.fence(stream, key)?;
-        inner.pool.free(ptr, size, fence)?;
+        inner.pool.free(ptr, size, fence, Origin::Caller)?;
+        self.counted_free(bytes);
+        Ok(())
+    }
+
+    /// Frees a small block of an arena's superblock (`owner` is that arena's shell): on the
+    /// owner's fast path if this thread owns it and frees on its per-thread stream, otherwise
+    /// marked in transit (see `superblock.rs`) and sent, fenced, towards the owner.
+    #[inline]
+    fn free_arena_block(
+        &mut self,
+        inner: &Inner,
+        sb: &Superblock,
+        owner: *mut ArenaShell,
+        ptr: u64,
+        size: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let invalid = |reason| Error::InvalidFree { ptr, size, reason };
+        let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
+        let env = inner.env(&self.counters);
+        let mine = self.arena.as_ref().is_some_and(|a| std::ptr::eq(Arc::as_ptr(&a.shell), owner));
+        if mine
+            && stream.is_per_thread()
+            && let Some(r) =
+                self.arena.as_mut().and_then(|a| a.with(|a| a.free_local(&env, sb, ptr, size, bytes)))
+        {
+            r?;
+            self.counted_free(bytes);
+            return Ok(());
+        }
+        let g = sb.granule_of(ptr).ok_or(invalid(InvalidFree::UnknownPointer))?;
+        if !sb.mark_transit(g) {
+            return Err(invalid(InvalidFree::DoubleFree));
+        }
+        let fr = Freed { ptr, size };
+        if Outbox::batchable(stream) {
+            let ptds = match Self::ptds_key(&mut self.ptds, &env) {
+                Ok(k) => k,
+                Err(e) => {
+                    sb.clear_transit(g);
+                    return Err(e);
+                }
+            };
+            if let Err(e) = self.outbox.push(&env, ptds, owner, fr, stream) {
+                sb.clear_transit(g); // not taken: nothing changed
+                return Err(e);
+            }
+            if self.outbox.is_full(inner.cfg.batch_blocks, inner.cfg.batch_bytes)
+                && let Err(e) = self.outbox.flush(&env, ptds)
+            {
+                // This free was accepted; the batch it joined is lost, never reused.
+                env.defer(e);
+            }
+        } else if let Err(e) = crate::outbox::send_now(&env, owner, fr, stream) {
+            sb.clear_transit(g); // nothing changed
+            return Err(e);
+        }
+        let c = &*self.counters;
+        c.bump(if mine { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);
         self.counted_free(bytes);
         Ok(())
     }
@@ -380,7 +543,7 @@ impl Allocator {
             let gc = class_granules(class);
             return with_slot(inner, |slot, inner| {
                 if let Some(a) = slot.arena.as_mut()
-                    && let Some(p) = a.alloc(class, gc)
+                    && let Some(Some(p)) = a.with(|a| a.alloc(class, gc))
                 {
                     slot.counted_alloc(gc * GRANULE);
                     return Ok(DevicePtr(p));
@@ -487,7 +650,7 @@ impl Allocator {
             let env = inner.env(&slot.counters);
             Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, &env)?;
             if let Some(a) = &mut slot.arena {
-                a.tidy(&env);
+                a.with(|a| a.tidy(&env));
             }
             Ok(())
         })
@@ -509,11 +672,17 @@ impl Allocator {
         r
     }
 
-    /// Releases wholly free chunks to the device. With `blocking`, waits for their pending
-    /// fences (a host synchronisation); otherwise releases only chunks whose fences are done.
-    /// Returns the bytes released.
+    /// Gives memory back to the device: first every superblock that holds no used block
+    /// goes back to the pool from this thread's arena and from every idle thread's arena (its
+    /// owner's help not needed), then every wholly free chunk is released. With `blocking`,
+    /// waits for the chunks' pending fences (a host synchronisation); otherwise releases only
+    /// chunks whose fences are done. Returns the bytes released to the device.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
-        with_slot(&self.inner, |slot, inner| inner.pool.trim(&inner.env(&slot.counters).dev, blocking))
+        with_slot(&self.inner, |slot, inner| {
+            let env = inner.env(&slot.counters);
+            Slot::reclaim(&mut slot.arena, &mut slot.outbox, &mut slot.ptds, inner, &env, false);
+            inner.pool.trim(&env.dev, blocking)
+        })
     }
 
     /// The latest error found after the call that caused it (an invalid remote free, a

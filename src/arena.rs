@@ -43,6 +43,7 @@
 
 use std::collections::VecDeque;
 
+use crate::claim::Claim;
 use crate::env::Env;
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{Fence, FenceSet};
@@ -51,7 +52,7 @@ use crate::inbox::Inbox;
 use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{FREE, PENDING, SbLocal, Superblock, USED};
-use crate::sync::Ordering;
+use crate::sync::{AtomicPtr, Ordering};
 use std::sync::Arc;
 
 /// A block freed remotely: its address and the size given to the free.
@@ -67,12 +68,16 @@ pub(crate) struct Batch {
     pub(crate) blocks: Vec<Freed>,
 }
 
-/// The part of an arena other threads may touch: its inbox. Shells live as long as the
-/// allocator and are reused by later arenas, so a raw pointer to one (a superblock's `owner`)
-/// never dangles.
+/// The part of an arena other threads may touch: its inbox, and the claim through which a
+/// reclaimer may take the arena from an idle owner. Shells live as long as the allocator and
+/// are reused by later arenas, so a raw pointer to one (a superblock's `owner`) never dangles.
 #[derive(Default)]
 pub(crate) struct ArenaShell {
     pub(crate) inbox: Inbox<Batch>,
+    pub(crate) claim: Claim,
+    /// The arena using this shell, or null. Written by the owner inside `claim` (set when the
+    /// arena is made, cleared at exit); read by a reclaimer only while it holds the claim.
+    pub(crate) arena: AtomicPtr<Arena>,
 }
 
 /// The owner-only arena.
@@ -137,8 +142,10 @@ impl Arena {
     pub(crate) fn alloc(&mut self, class: usize, g: usize) -> Option<u64> {
         if let Some((sbp, first)) = self.cache.get_mut(class).and_then(Vec::pop) {
             // SAFETY: cached blocks lie in superblocks we own (the cache is emptied before any
-            // superblock leaves); no other `with_local` on it is active.
+            // superblock leaves), and superblocks live as long as the registry.
             let sb = unsafe { &*sbp };
+            // SAFETY: we own `sb` (the caller holds the owner's claim) and no other
+            // `with_local` on it is active.
             unsafe {
                 sb.with_local(|l| {
                     l.restate(first as usize, USED);
@@ -225,6 +232,10 @@ impl Arena {
         let r = unsafe {
             sb.with_local(|l| {
                 let first = Self::validate(l, sb, ptr, size, g)?;
+                if sb.in_transit(first) {
+                    // Its first free, made on another stream or thread, is still on its way.
+                    return Err(InvalidFree::DoubleFree);
+                }
                 match cache {
                     Some(c) => {
                         l.restate(first, PENDING);
@@ -310,6 +321,9 @@ impl Arena {
                 if inside {
                     let bytes = block_bytes(fr.size, env.small_max).unwrap_or(0);
                     fenced.push((fr.ptr, bytes, FenceSet::one(batch.fence.clone())));
+                    if let Some(g) = sb.granule_of(fr.ptr) {
+                        sb.clear_transit(g); // applied: the pool now holds it as free
+                    }
                 }
                 !inside
             });
@@ -355,9 +369,9 @@ impl Arena {
         env.pool.take_back(sb, &used, &free, fences, fenced);
     }
 
-    /// Takes a superblock from the pool.
-    fn grow(&mut self, env: &Env<'_>) -> Result<()> {
-        let sb = env.pool.lend(&env.dev, self.shell_ptr(), self.key, env.skip_fences)?;
+    /// Takes a superblock from the pool, for a request of `requested` bytes.
+    fn grow(&mut self, env: &Env<'_>, requested: usize) -> Result<()> {
+        let sb = env.pool.lend(&env.dev, self.shell_ptr(), self.key, env.skip_fences, requested)?;
         let sbp: *const Superblock = sb;
         let slot = self.owned.len();
         let lists = &mut self.lists;
@@ -399,10 +413,16 @@ impl Arena {
                         };
                         match r {
                             Ok(()) => mine.push(fr),
-                            Err(reason) => env.refuse_remote(
-                                Error::InvalidFree { ptr: fr.ptr, size: fr.size, reason },
-                                fr.size,
-                            ),
+                            Err(reason) => {
+                                // This free set the bit (see `superblock.rs`); it is dropped.
+                                if let Some(g) = sb.granule_of(fr.ptr) {
+                                    sb.clear_transit(g);
+                                }
+                                env.refuse_remote(
+                                    Error::InvalidFree { ptr: fr.ptr, size: fr.size, reason },
+                                    fr.size,
+                                )
+                            }
                         }
                     }
                     // Not ours (any more): the pool has it, or it is invalid.
@@ -431,6 +451,7 @@ impl Arena {
                             Self::merge_free(lists, l, sb, first, g)
                         })
                     };
+                    sb.clear_transit(first);
                     self.live -= g;
                 }
                 // `give_back` takes a superblock's pending blocks out of `pending`, so every
@@ -483,7 +504,7 @@ impl Arena {
         if let Some(p) = self.alloc(class, g) {
             return Ok(p);
         }
-        match self.grow(env) {
+        match self.grow(env, g << GRANULE_SHIFT) {
             Ok(()) => {}
             Err(e @ Error::OutOfMemory { .. }) if !self.pending.is_empty() => {
                 while let Some(b) = self.pending.pop_front() {
@@ -501,6 +522,62 @@ impl Arena {
             Err(e) => return Err(e),
         }
         Ok(self.alloc(class, g).expect("a fresh superblock fits every small class"))
+    }
+
+    /// Gives back to the pool every superblock that holds no used block (with `dissolve`,
+    /// every superblock that holds any free or pending space, its used blocks becoming pool
+    /// blocks), after taking in the remote frees waiting in the inbox. Returns the bytes given
+    /// back. Called by the owner, or by a reclaimer that holds this arena's claim: the free
+    /// ranges are guarded by one fence from `fence`, recorded only if something goes back, on
+    /// a stream ordered after the owner's local frees (the owner's per-thread stream, or the
+    /// legacy stream, which every per-thread stream's earlier work precedes). Pending blocks go
+    /// with their own fences. No host block: nothing here waits for the device.
+    #[cold]
+    pub(crate) fn reclaim(
+        &mut self,
+        env: &Env<'_>,
+        dissolve: bool,
+        fence: impl FnOnce() -> Result<Option<Arc<Fence>>>,
+    ) -> usize {
+        self.flush_cache();
+        self.drain(env);
+        // Granules of pending blocks per superblock: the rest of `live` is used.
+        let mut pending: Vec<(*const Superblock, usize)> = Vec::new();
+        for fr in self.pending.iter().flat_map(|b| b.blocks.iter()) {
+            if let Some(sb) = env.pool.registry.lookup(fr.ptr) {
+                let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
+                match pending.iter_mut().find(|(p, _)| std::ptr::eq(*p, sb)) {
+                    Some((_, n)) => *n += g,
+                    None => pending.push((sb, g)),
+                }
+            }
+        }
+        let granules = self.granules;
+        let picks: Vec<usize> = (0..self.owned.len())
+            .filter(|&i| {
+                let sbp = self.owned[i];
+                // SAFETY: we own every superblock in `owned` (or hold the owner's claim).
+                let live = unsafe { (*sbp).with_local(|l| l.live) };
+                let pend = pending.iter().find(|(p, _)| std::ptr::eq(*p, sbp)).map_or(0, |p| p.1);
+                let used = live - pend;
+                used == 0 || (dissolve && live < granules)
+            })
+            .collect();
+        if picks.is_empty() {
+            return 0;
+        }
+        let fence = match fence() {
+            Ok(f) => f,
+            Err(e) => {
+                env.defer(e);
+                return 0;
+            }
+        };
+        // Highest index first: `give_back` swap-removes, which then moves only unpicked ones.
+        for &idx in picks.iter().rev() {
+            self.give_back(env, idx, FenceSet::one(fence.clone()));
+        }
+        picks.len() * (granules << GRANULE_SHIFT)
     }
 
     /// Drains, polls and returns what the return rule allows (an explicit flush).

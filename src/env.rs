@@ -3,7 +3,7 @@
 use crate::device::counted::Counted;
 use crate::error::{Error, Result};
 use crate::fence::Fence;
-use crate::global_pool::GlobalPool;
+use crate::global_pool::{GlobalPool, Origin};
 use crate::stream::{Stream, StreamKey};
 use crate::sync::{Mutex, lock};
 use std::sync::Arc;
@@ -44,9 +44,10 @@ impl Env<'_> {
         self.defer(e);
     }
 
-    /// Frees a remotely freed block through the pool, refusing it if invalid.
+    /// Frees through the pool a block freed towards an arena that no longer holds it (the
+    /// free was on its way: see `superblock.rs`), refusing it if invalid.
     pub(crate) fn pool_free_remote(&self, ptr: u64, size: usize, fence: Option<Arc<Fence>>) {
-        if let Err(e) = self.pool.free(ptr, size, fence) {
+        if let Err(e) = self.pool.free(ptr, size, fence, Origin::Transit) {
             self.refuse_remote(e, size);
         }
     }

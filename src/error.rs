@@ -41,6 +41,8 @@ pub enum Error {
     Config(String),
     /// The allocator has been shut down (process exit has begun).
     ShutDown,
+    /// The device did something cuarena cannot work with (the message says what).
+    Unsupported(String),
 }
 
 impl fmt::Display for Error {
@@ -72,6 +74,7 @@ impl fmt::Display for Error {
             }
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
             Error::ShutDown => write!(f, "the allocator has shut down"),
+            Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
         }
     }
 }

@@ -17,14 +17,15 @@ use crate::device::counted::Counted;
 use crate::device::{Device, Event};
 use crate::error::Result;
 use crate::stream::{Stream, StreamKey};
-use crate::sync::{AtomicBool, AtomicU64, Mutex, Ordering, lock};
+use crate::sync::{AtomicBool, AtomicU64, Mutex, Ordering, lock, thread_id};
 use std::sync::Arc;
 
 /// Reusable events (creating one is a driver call).
 pub(crate) struct EventPool {
     device: Arc<dyn Device>,
     free: Mutex<Vec<Event>>,
-    /// Order of records: a fence with a higher `seq` on the same stream was recorded later.
+    /// Numbers the records. Taken after the record was issued, so it orders the records of
+    /// **one thread** (program order), and nothing across threads.
     next_seq: AtomicU64,
 }
 
@@ -58,8 +59,13 @@ impl Drop for EventPool {
 pub(crate) struct Fence {
     event: Event,
     stream: StreamKey,
-    /// Taken after the record was issued: among fences of one stream, the highest was
-    /// recorded last, so its completion implies the others'.
+    /// The thread that recorded it ([`thread_id`]).
+    recorder: u64,
+    /// Taken after the record was issued. Among fences of one stream **recorded by one
+    /// thread**, the highest was recorded last (the thread issued them in that order), so its
+    /// completion implies the others'. Across threads it says nothing: two threads recording on
+    /// one shared stream (the legacy stream, a shared user stream) can take their numbers in
+    /// the opposite order to their records.
     seq: u64,
     /// Set once a query has seen the event complete; never cleared.
     done: AtomicBool,
@@ -80,7 +86,14 @@ impl Fence {
             return Err(e);
         }
         let seq = pool.next_seq.fetch_add(1, Ordering::Relaxed);
-        Ok(Arc::new(Fence { event, stream: key, seq, done: AtomicBool::new(false), pool: Arc::clone(pool) }))
+        Ok(Arc::new(Fence {
+            event,
+            stream: key,
+            recorder: thread_id(),
+            seq,
+            done: AtomicBool::new(false),
+            pool: Arc::clone(pool),
+        }))
     }
 
     /// True if a query has already seen the event complete (no driver call).
@@ -126,9 +139,12 @@ impl Drop for Fence {
 
 /// The fences guarding one free extent: all must be satisfied before it is reused.
 ///
-/// Invariant: at most one fence per stream (the latest recorded), none known complete. Work
-/// on one stream completes in order, so the latest fence of a stream implies the earlier ones;
-/// the set is bounded by the number of streams that freed into the extent.
+/// Invariant: at most one fence per (stream, recording thread), the one that thread recorded
+/// last, and none known complete. Work on one stream completes in the order it was queued, and
+/// one thread queues its records in program order, so that thread's latest fence on a stream
+/// implies its earlier ones there. Fences of *different* threads on one stream are all kept:
+/// which of them was queued last is not known (see [`Fence::seq`]). The set is bounded by the
+/// (stream, thread) pairs that freed into the extent and whose fences are not yet known done.
 #[derive(Default, Clone)]
 pub(crate) struct FenceSet(Vec<Arc<Fence>>);
 
@@ -144,7 +160,7 @@ impl FenceSet {
             if f.known_done() {
                 continue;
             }
-            match self.0.iter_mut().find(|g| g.stream == f.stream) {
+            match self.0.iter_mut().find(|g| g.stream == f.stream && g.recorder == f.recorder) {
                 Some(g) if g.seq >= f.seq => {}
                 Some(g) => *g = f,
                 None => self.0.push(f),

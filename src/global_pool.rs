@@ -38,6 +38,15 @@ use crate::superblock::Superblock;
 use crate::sync::{AtomicUsize, Mutex, Ordering, lock};
 use std::sync::Arc;
 
+/// Where a free comes from, for the transit bits of blocks left by dissolved superblocks.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Origin {
+    /// A caller's free that found no owner for the block: refused while one is on its way.
+    Caller,
+    /// A free made towards an arena, arriving after the superblock left it: the one on its way.
+    Transit,
+}
+
 struct FreeExt {
     chunk: u64,
     fences: FenceSet,
@@ -224,15 +233,21 @@ impl GlobalPool {
         Ok(addr)
     }
 
-    /// Frees a block handed out by [`GlobalPool::alloc`] or left by a dissolved superblock.
-    /// `fence` guards its reuse. A refused free changes nothing.
-    pub(crate) fn free(&self, ptr: u64, size: usize, fence: Option<Arc<Fence>>) -> Result<()> {
+    /// Checks a free of `[ptr, ptr + size)` as [`GlobalPool::free`] would, changing nothing:
+    /// the caller validates before it records the free's fence, so a bad free costs no event.
+    pub(crate) fn check_free(&self, ptr: u64, size: usize) -> Result<()> {
+        let st = lock(&self.state);
+        self.validate(&st, ptr, size, Origin::Caller).map(|_| ())
+    }
+
+    /// The used block a free of `ptr` with `size` releases, or why the free is refused.
+    fn validate(&self, st: &PoolState, ptr: u64, size: usize, origin: Origin) -> Result<Used> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
-        let mut st = lock(&self.state);
         let u = match st.used.get(&ptr) {
             Some(u) if u.kind == UsedKind::Block => *u,
             _ => {
-                let inside_free = st.free.below(ptr + 1).is_some_and(|(k, l, _)| ptr < k + l);
+                let inside_free =
+                    st.free.below(ptr.saturating_add(1)).is_some_and(|(k, l, _)| ptr < k.saturating_add(l));
                 return Err(invalid(if inside_free {
                     InvalidFree::DoubleFree
                 } else {
@@ -240,9 +255,39 @@ impl GlobalPool {
                 }));
             }
         };
+        // A block left by a dissolved superblock whose first free is still on its way (see
+        // `superblock.rs`): a second free.
+        if origin == Origin::Caller
+            && let Some(sb) = self.registry.lookup(ptr)
+            && sb.granule_of(ptr).is_some_and(|g| sb.in_transit(g))
+        {
+            return Err(invalid(InvalidFree::DoubleFree));
+        }
         if block_bytes(size, self.small_max) != Some(u.len) {
             return Err(invalid(InvalidFree::SizeMismatch { allocated: u.len, given: size }));
         }
+        Ok(u)
+    }
+
+    /// Frees a block handed out by [`GlobalPool::alloc`] or left by a dissolved superblock.
+    /// `fence` guards its reuse. A refused free changes nothing, except that a refused free
+    /// in transit drops its transit bit (it set it).
+    pub(crate) fn free(
+        &self,
+        ptr: u64,
+        size: usize,
+        fence: Option<Arc<Fence>>,
+        origin: Origin,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        if origin == Origin::Transit
+            && let Some(sb) = self.registry.lookup(ptr)
+            && let Some(g) = sb.granule_of(ptr)
+        {
+            // Applied or refused now, under the lock: before the block can be handed out again.
+            sb.clear_transit(g);
+        }
+        let u = self.validate(&st, ptr, size, origin)?;
         st.used.remove(&ptr);
         st.in_use -= u.len;
         Self::insert_free(&mut st, ptr, u.len, u.chunk, FenceSet::one(fence));
@@ -250,12 +295,14 @@ impl GlobalPool {
     }
 
     /// Lends a superblock to the arena `shell`, ordered for that thread's per-thread stream.
+    /// `requested` is the arena's request that needed it (reported if out of memory).
     pub(crate) fn lend(
         &self,
         dev: &Counted<'_>,
         shell: *mut ArenaShell,
         key: StreamKey,
         skip_fences: bool,
+        requested: usize,
     ) -> Result<&Superblock> {
         let s = self.superblock;
         let (sb, fences) = {
@@ -263,12 +310,12 @@ impl GlobalPool {
             let ext = match st.free.first_fit_aligned(s as u64) {
                 Some(a) => a,
                 None => {
-                    self.grow(&mut st, dev, s, s)?;
+                    self.grow(&mut st, dev, s, requested)?;
                     match st.free.first_fit_aligned(s as u64) {
                         Some(a) => a,
                         // The device returned a chunk not aligned to the superblock size.
                         None => {
-                            self.grow(&mut st, dev, 2 * s, s)?;
+                            self.grow(&mut st, dev, 2 * s, requested)?;
                             st.free
                                 .first_fit_aligned(s as u64)
                                 .expect("a chunk of two superblocks holds an aligned one")
@@ -278,16 +325,16 @@ impl GlobalPool {
             };
             let base = ext.next_multiple_of(s as u64);
             if !self.registry.covers(base) {
-                return Err(Error::Driver {
-                    call: "superblock address beyond the registry's range",
-                    code: 0,
-                });
+                return Err(Error::Unsupported(format!(
+                    "the device gave an address ({base:#x}) beyond what the superblock registry covers"
+                )));
             }
             let (chunk, fences) = Self::carve(&mut st, ext, base, s);
             st.used.insert(base, Used { len: s, kind: UsedKind::Superblock, chunk });
             st.in_use += s;
             let sb = self.registry.get_or_insert(base, s / GRANULE);
             debug_assert!(sb.owner.load(Ordering::Relaxed).is_null());
+            sb.clear_all_transit();
             sb.owner.store(shell, Ordering::Release);
             (sb, fences)
         };

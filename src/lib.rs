@@ -7,6 +7,7 @@ mod arena;
 #[doc(hidden)]
 pub mod bench;
 mod buffer;
+mod claim;
 pub mod config;
 #[cfg(not(loom))]
 pub mod cudarc_interop;

@@ -43,3 +43,54 @@ impl RegistryModel {
         self.granules
     }
 }
+
+/// The claim protocol of `claim.rs` over a tracked cell standing for an arena's owner-only
+/// state: the owner and a reclaimer must never both be inside.
+pub struct ClaimModel {
+    claim: crate::claim::Claim,
+    state: crate::sync::UnsafeCell<u64>,
+}
+
+// SAFETY: `state` is written only inside the claim (owner) or a held claim (reclaimer), which
+// the protocol makes exclusive; loom checks exactly that on every access of the tracked cell.
+unsafe impl Sync for ClaimModel {}
+
+impl ClaimModel {
+    /// A fresh arena: no owner inside, no reclaimer.
+    pub fn new() -> Arc<ClaimModel> {
+        Arc::new(ClaimModel { claim: crate::claim::Claim::default(), state: crate::sync::UnsafeCell::new(0) })
+    }
+
+    /// The owner's operation: inside its claim, bumps the state. False if a reclaimer held it.
+    pub fn owner_op(&self) -> bool {
+        if !self.claim.enter() {
+            return false;
+        }
+        // SAFETY: inside the owner's claim (the property under test).
+        self.state.with_mut(|p| unsafe { *p += 1 });
+        self.claim.leave();
+        true
+    }
+
+    /// A reclaimer's operation: if it can take the claim, bumps the state. False if not.
+    pub fn reclaim_op(&self) -> bool {
+        let Some(_held) = self.claim.try_claim() else { return false };
+        // SAFETY: inside a held claim (the property under test).
+        self.state.with_mut(|p| unsafe { *p += 100 });
+        true
+    }
+
+    /// The owner at exit: waits out a reclaimer, then bumps the state.
+    pub fn owner_exit(&self) {
+        self.claim.enter_waiting();
+        // SAFETY: inside the owner's claim.
+        self.state.with_mut(|p| unsafe { *p += 1 });
+        self.claim.leave();
+    }
+
+    /// The state (read after every thread joined).
+    pub fn state(&self) -> u64 {
+        // SAFETY: called after all threads are joined.
+        self.state.with_mut(|p| unsafe { *p })
+    }
+}

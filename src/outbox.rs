@@ -31,7 +31,9 @@ impl Outbox {
         stream.is_per_thread() || stream.is_legacy()
     }
 
-    /// Adds a free of a block owned by `dest`, made on a [`Outbox::batchable`] stream. May flush.
+    /// Adds a free of a block owned by `dest`, made on a [`Outbox::batchable`] stream. If the
+    /// stream differs from the gathered frees', those are flushed first; if that fails, `fr`
+    /// is not taken and the error is returned. The caller flushes when [`Outbox::is_full`].
     pub(crate) fn push(
         &mut self,
         env: &Env<'_>,
@@ -39,7 +41,6 @@ impl Outbox {
         dest: *const ArenaShell,
         fr: Freed,
         stream: Stream,
-        limits: (usize, usize),
     ) -> Result<()> {
         if self.stream.is_some_and(|s| s != stream) {
             self.flush(env, ptds)?;
@@ -51,10 +52,12 @@ impl Outbox {
         }
         self.count += 1;
         self.bytes += fr.size;
-        if self.count >= limits.0 || self.bytes >= limits.1 {
-            self.flush(env, ptds)?;
-        }
         Ok(())
+    }
+
+    /// True once `blocks` frees or `bytes` bytes are gathered: time to flush.
+    pub(crate) fn is_full(&self, blocks: usize, bytes: usize) -> bool {
+        self.count >= blocks || self.bytes >= bytes
     }
 
     /// True if nothing waits.

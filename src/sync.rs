@@ -16,6 +16,7 @@ pub(crate) use loom::{
     cell::UnsafeCell,
     sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering},
     sync::{Mutex, MutexGuard},
+    thread::yield_now,
     thread_local,
 };
 
@@ -23,13 +24,116 @@ pub(crate) use loom::{
 pub(crate) use std::{
     sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering},
     sync::{Mutex, MutexGuard},
+    thread::yield_now,
     thread_local,
 };
+
+/// The cheap half of an asymmetric barrier pair (`claim.rs`): orders the calling thread's
+/// earlier stores before its later loads, given that the other side calls [`heavy_barrier`].
+/// A compiler fence where `membarrier` works, else a full fence. Under loom, `fence(SeqCst)`
+/// (the mutation `claim_no_light_barrier` drops it, and the loom model must then fail).
+#[inline(always)]
+pub(crate) fn light_barrier() {
+    #[cfg(loom)]
+    {
+        #[cfg(not(cuarena_mutant = "claim_no_light_barrier"))]
+        loom::sync::atomic::fence(Ordering::SeqCst);
+    }
+    #[cfg(not(loom))]
+    {
+        if membarrier::available() {
+            std::sync::atomic::compiler_fence(Ordering::SeqCst);
+        } else {
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
+    }
+}
+
+/// The expensive half: after it returns, every thread that called [`light_barrier`] has either
+/// made its earlier stores visible to us or will see our earlier stores in its later loads.
+/// False if it could not be done (then the caller must not rely on it).
+pub(crate) fn heavy_barrier() -> bool {
+    #[cfg(loom)]
+    {
+        loom::sync::atomic::fence(Ordering::SeqCst);
+        true
+    }
+    #[cfg(not(loom))]
+    {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        !membarrier::available() || membarrier::all_threads()
+    }
+}
+
+#[cfg(not(loom))]
+mod membarrier {
+    //! `membarrier(2)`, registered once per process. If registration fails, [`available`] is
+    //! false for good and both barrier halves are full fences. The answer is fixed the first
+    //! time either half asks, before it acts on it, so the two halves always agree.
+
+    use std::sync::OnceLock;
+
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+
+    #[inline(always)]
+    pub(super) fn available() -> bool {
+        *AVAILABLE.get_or_init(register)
+    }
+
+    #[cfg(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
+    mod sys {
+        #[cfg(target_arch = "x86_64")]
+        pub(super) const NR_MEMBARRIER: i64 = 324;
+        #[cfg(target_arch = "aarch64")]
+        pub(super) const NR_MEMBARRIER: i64 = 283;
+        pub(super) const CMD_PRIVATE_EXPEDITED: i32 = 1 << 3;
+        pub(super) const CMD_REGISTER_PRIVATE_EXPEDITED: i32 = 1 << 4;
+        unsafe extern "C" {
+            pub(super) fn syscall(num: i64, ...) -> i64;
+        }
+    }
+
+    #[cfg(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
+    fn register() -> bool {
+        // SAFETY: membarrier takes (cmd, flags, cpu_id) integers and touches no memory of ours.
+        unsafe { sys::syscall(sys::NR_MEMBARRIER, sys::CMD_REGISTER_PRIVATE_EXPEDITED, 0i32, 0i32) == 0 }
+    }
+
+    #[cfg(not(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64"))))]
+    fn register() -> bool {
+        false
+    }
+
+    /// Every running thread of the process executes a full memory barrier before this returns.
+    #[cfg(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
+    pub(super) fn all_threads() -> bool {
+        // SAFETY: as in `register`; the process registered for this command.
+        unsafe { sys::syscall(sys::NR_MEMBARRIER, sys::CMD_PRIVATE_EXPEDITED, 0i32, 0i32) == 0 }
+    }
+
+    #[cfg(not(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64"))))]
+    pub(super) fn all_threads() -> bool {
+        false
+    }
+}
 
 /// A process-wide unique, non-zero id.
 pub(crate) fn next_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+thread_local! {
+    // Not `const { .. }`: loom's `thread_local!` has no such form.
+    #[allow(clippy::missing_const_for_thread_local)]
+    static THREAD_ID: u64 = next_id();
+}
+
+/// A number naming the calling thread, never reused in the process (unlike OS thread ids). In
+/// a thread's late destructors, where its thread-locals are gone, a fresh number: callers use
+/// it only to tell threads apart, and naming one thread twice is always safe for them.
+pub(crate) fn thread_id() -> u64 {
+    THREAD_ID.try_with(|id| *id).unwrap_or_else(|_| next_id())
 }
 
 /// `std`'s `UnsafeCell` with loom's `with`/`with_mut` access style.

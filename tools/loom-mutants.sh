@@ -28,5 +28,8 @@ fence_skip_check         allocator  a_remotely_freed_block_is_not_reused_while_i
 exit_close_first         allocator  a_remote_free_racing_the_owners_exit_is_adopted
 owner_cleared_early      allocator  a_superblock_given_back_with_a_remote_free_in_flight_loses_nothing
 stats_retire_unlocked    allocator  stats_read_while_a_thread_retires_are_consistent
+claim_no_light_barrier   claim      an_owner_and_a_reclaimer_are_never_inside_at_once
+claim_no_light_barrier   allocator  a_reclaim_racing_the_owner_loses_nothing
+transit_unmarked         allocator  a_second_free_while_the_first_waits_in_an_outbox_is_refused
 LIST
 exit $missed

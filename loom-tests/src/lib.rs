@@ -14,13 +14,18 @@ pub mod common {
     /// A model device and an allocator over it: 8 superblocks of room, remote frees sent one
     /// at a time (so every free crosses the inbox at once).
     pub fn setup(keep_empty: usize, sparse: f64) -> (Arc<ModelDevice>, Allocator) {
+        setup_batched(keep_empty, sparse, 1)
+    }
+
+    /// [`setup`] with remote frees gathered `batch` at a time (so a free can wait in an outbox).
+    pub fn setup_batched(keep_empty: usize, sparse: f64, batch: usize) -> (Arc<ModelDevice>, Allocator) {
         let dev = Arc::new(ModelDevice::new(SB as u64, 8 * SB as u64));
         let cfg = Config::builder()
             .superblock(SB)
             .small_max(SB / 2)
             .chunk(SB)
             .max_bytes(8 * SB)
-            .batch_blocks(1)
+            .batch_blocks(batch)
             .keep_empty(keep_empty)
             .sparse_fraction(sparse)
             .build()

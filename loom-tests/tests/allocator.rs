@@ -134,3 +134,66 @@ fn stats_read_while_a_thread_retires_are_consistent() {
         assert_eq!((s.allocations, s.deallocations, s.live_bytes), (1, 1, 0));
     });
 }
+
+/// Reclaim from an idle arena (`claim.rs`, `Arena::reclaim`): the main thread frees the owner's
+/// block and calls `trim`, which takes superblocks with no used block back from the owner's
+/// arena without its help, while the owner allocates and frees again. Owner and reclaimer never
+/// touch the arena at once (the superblocks' owner-only state is a tracked cell), and nothing
+/// is lost or handed out twice.
+#[test]
+fn a_reclaim_racing_the_owner_loses_nothing() {
+    model(|| {
+        let (dev, a) = setup(8, 0.9);
+        let shared = Arc::new(AtomicU64::new(0));
+        let (a2, s2) = (a.clone(), shared.clone());
+        let owner = thread::spawn(move || {
+            let p = a2.allocate_per_thread(SB / 2).unwrap();
+            s2.store(p.0, Ordering::Release);
+            let q = a2.allocate_per_thread(SB / 4).unwrap();
+            assert_ne!(q, p);
+            a2.deallocate_per_thread(q, SB / 4).unwrap();
+            a2.release_thread().unwrap();
+        });
+        let p = wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&p| p != 0));
+        a.deallocate_per_thread(DevicePtr(p), SB / 2).unwrap();
+        a.trim(false).unwrap();
+        owner.join().unwrap();
+        dev.complete_all();
+        assert_all_returned(&a);
+    });
+}
+
+/// Transit bits (`superblock.rs`): a free waiting in this thread's outbox while the owner exits
+/// (its superblock dissolving around the block), then a second free of the same block. The
+/// second must be refused, and the block never handed out twice.
+#[test]
+fn a_second_free_while_the_first_waits_in_an_outbox_is_refused() {
+    model(|| {
+        let (dev, a) = setup_batched(8, 0.9, 4);
+        let shared = Arc::new(AtomicU64::new(0));
+        let (a2, s2) = (a.clone(), shared.clone());
+        let owner = thread::spawn(move || {
+            let b = a2.allocate_per_thread(4096).unwrap();
+            s2.store(b.0, Ordering::Release);
+            a2.release_thread().unwrap();
+        });
+        let b = DevicePtr(wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&b| b != 0)));
+        a.deallocate_per_thread(b, 4096).unwrap(); // waits in the outbox (batch of 4)
+        let second = a.deallocate_per_thread(b, 4096);
+        assert!(second.is_err(), "a double free was accepted");
+        owner.join().unwrap();
+        let c = a.allocate(4096, cuarena::Stream::LEGACY).unwrap();
+        a.flush().unwrap();
+        dev.complete_all();
+        let d = a.allocate(4096, cuarena::Stream::LEGACY).unwrap();
+        assert_ne!(c, d, "a live block handed out twice");
+        for p in [c, d] {
+            a.deallocate(p, 4096, cuarena::Stream::LEGACY).unwrap();
+        }
+        a.release_thread().unwrap();
+        a.check_invariants();
+        let s = a.stats();
+        assert_eq!((s.invalid_frees, s.live_bytes), (1, 0), "{:?}", a.take_deferred_error());
+        assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
+    });
+}

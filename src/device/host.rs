@@ -9,6 +9,11 @@
 //!   makes later work on a stream wait for them, without blocking the host.
 //! - Stream handles: NULL and `0x1` are one legacy stream; `0x2` is a different stream in every
 //!   host thread; handles of destroyed streams are reused, like CUDA does.
+//! - Implicit synchronisation, as CUDA's: work on the legacy stream waits for all work queued
+//!   before it on every per-thread stream, and work on a per-thread stream waits for all work
+//!   queued before it on the legacy stream. User streams are non-blocking (they synchronise
+//!   with neither), the case of PyTorch's and CuPy's streams and the strictest for the
+//!   allocator.
 //!
 //! ## The race checker
 //! Each stream keeps a vector clock: its own count of submitted operations, joined with the
@@ -95,9 +100,23 @@ enum MemAction {
 }
 
 enum OpKind {
-    Mem { start: u64, end: u64, action: MemAction },
-    Record { event: usize, generation: u64 },
-    Wait { event: usize, generation: u64 },
+    Mem {
+        start: u64,
+        end: u64,
+        action: MemAction,
+    },
+    /// Implicit synchronisation: waits until each `(stream, op)` has completed.
+    After {
+        deps: Vec<(usize, u64)>,
+    },
+    Record {
+        event: usize,
+        generation: u64,
+    },
+    Wait {
+        event: usize,
+        generation: u64,
+    },
 }
 
 struct Op {
@@ -116,6 +135,8 @@ struct SimStream {
     queue: VecDeque<Op>,
     worker: bool,
     rng: u64,
+    /// A per-thread default stream (synchronises with the legacy stream).
+    per_thread: bool,
 }
 
 /// An event. Each record is a generation; a wait captures one generation and is released only
@@ -289,6 +310,7 @@ impl HostDevice {
                 .push(format!("stream {idx}: access to [{ptr:#x}, {end:#x}) outside reserved memory"));
             return Ok(());
         }
+        st.sync_implicitly(sh, idx);
         let seq = st.streams[idx].bump();
         let clock = &st.streams[idx].clock;
         let races: Vec<String> = st
@@ -360,8 +382,37 @@ impl State {
             queue: VecDeque::new(),
             worker: false,
             rng: seed | 1,
+            per_thread: false,
         });
         idx
+    }
+
+    /// Orders the next op on stream `idx` after the work CUDA's implicit synchronisation puts
+    /// before it (see the module comment): joins the clocks and queues a wait if any of that
+    /// work is unfinished.
+    fn sync_implicitly(&mut self, sh: &Arc<Shared>, idx: usize) {
+        let before: Vec<usize> = if idx == LEGACY {
+            (0..self.streams.len()).filter(|&j| self.streams[j].per_thread).collect()
+        } else if self.streams[idx].per_thread {
+            vec![LEGACY]
+        } else {
+            return;
+        };
+        let mut deps = Vec::new();
+        for j in before {
+            let (submitted, completed) = (self.streams[j].submitted(), self.streams[j].completed);
+            let theirs = self.streams[j].clock.clone();
+            for (mine, t) in self.streams[idx].clock.iter_mut().zip(theirs) {
+                *mine = (*mine).max(t);
+            }
+            if completed < submitted {
+                deps.push((j, submitted));
+            }
+        }
+        if !deps.is_empty() {
+            let seq = self.streams[idx].bump();
+            self.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::After { deps } });
+        }
     }
 
     /// The stream a handle names for the calling thread.
@@ -376,6 +427,7 @@ impl State {
             }
             let seed = 0x5851_f42d_4c95_7f2d ^ self.next_key.wrapping_mul(0x9e37_79b9);
             let i = self.new_stream(seed);
+            self.streams[i].per_thread = true;
             self.ptds.insert(tid, i);
             return Ok(i);
         }
@@ -433,6 +485,11 @@ fn worker(sh: Arc<Shared>, idx: usize) {
         match op.kind {
             OpKind::Wait { event, generation } => {
                 while !st.events[event].is_done(generation) {
+                    st = sh.wait(st);
+                }
+            }
+            OpKind::After { deps } => {
+                while deps.iter().any(|&(j, seq)| st.streams[j].completed < seq) {
                     st = sh.wait(st);
                 }
             }
@@ -571,6 +628,7 @@ impl Device for HostDevice {
         if e >= st.events.len() {
             return Err(Error::Driver { call: "record_event", code: 400 });
         }
+        st.sync_implicitly(sh, idx);
         let seq = st.streams[idx].bump();
         let clock = st.streams[idx].clock.clone();
         let ev = &mut st.events[e];
@@ -609,6 +667,7 @@ impl Device for HostDevice {
         if e >= st.events.len() {
             return Err(Error::Driver { call: "stream_wait_event", code: 400 });
         }
+        st.sync_implicitly(sh, idx);
         let ev_clock = st.events[e].clock.clone();
         let generation = st.events[e].recorded;
         let s = &mut st.streams[idx];
@@ -713,6 +772,30 @@ mod tests {
         d.write_tag(p, 512, 8, b).unwrap();
         d.synchronize();
         assert!(d.violations().is_empty());
+    }
+
+    #[test]
+    fn legacy_work_follows_per_thread_work_and_the_reverse() {
+        let d = dev(0);
+        let p = d.reserve(1 << 20).unwrap().unwrap();
+        // Per-thread work, then legacy work on the same bytes: ordered, no wait needed.
+        d.hold_and_check(p, 4096, 1, Duration::from_millis(20), Stream::PER_THREAD).unwrap();
+        d.write_tag(p, 4096, 2, Stream::LEGACY).unwrap();
+        // Legacy work, then another thread's per-thread work: ordered too.
+        d.hold_and_check(p + 4096, 4096, 3, Duration::from_millis(20), Stream::LEGACY).unwrap();
+        let d2 = d.clone();
+        std::thread::spawn(move || d2.write_tag(p + 4096, 4096, 4, Stream::PER_THREAD).unwrap())
+            .join()
+            .unwrap();
+        // A user stream is non-blocking: unordered.
+        let u = d.create_stream();
+        d.hold_and_check(p + 8192, 4096, 5, Duration::from_millis(20), Stream::LEGACY).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        d.write_tag(p + 8192, 4096, 6, u).unwrap();
+        d.synchronize();
+        let v = d.violations();
+        assert_eq!(v.len(), 1, "only the user stream's write races: {v:?}");
+        assert!(v[0].contains(&format!("{:#x}", p + 8192)), "{v:?}");
     }
 
     #[test]

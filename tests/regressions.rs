@@ -1,0 +1,211 @@
+//! Regression tests for four ways a block was handed out wrongly or stranded (issue 8, bugs A,
+//! B and C; D is CuPy's and is checked on the GPU by `examples/cupy_stream_check.py`). Each
+//! failed on the code before its fix.
+
+use std::cell::Cell;
+use std::sync::mpsc;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use cuarena::{
+    Allocator, Config, Device, DeviceKind, DevicePtr, Error, Event, HostConfig, HostDevice, InvalidFree,
+    Stream, StreamKey,
+};
+
+fn host(max_delay_us: u64) -> HostDevice {
+    HostDevice::new(HostConfig {
+        capacity: 1 << 30,
+        min_delay: Duration::ZERO,
+        max_delay: Duration::from_micros(max_delay_us),
+        ..HostConfig::default()
+    })
+}
+
+thread_local! {
+    /// Set on a thread whose next event record stalls after the event is queued.
+    static STALL_RECORD: Cell<Option<Duration>> = const { Cell::new(None) };
+}
+
+/// A simulated device whose `record_event` can stall after queueing the record, as a thread
+/// preempted between the record and whatever the allocator does next.
+struct StallingDevice(HostDevice);
+
+impl Device for StallingDevice {
+    fn kind(&self) -> DeviceKind {
+        self.0.kind()
+    }
+    fn ordinal(&self) -> i32 {
+        self.0.ordinal()
+    }
+    fn total_memory(&self) -> cuarena::Result<usize> {
+        self.0.total_memory()
+    }
+    fn reserve(&self, bytes: usize) -> cuarena::Result<Option<u64>> {
+        self.0.reserve(bytes)
+    }
+    unsafe fn release(&self, ptr: u64, bytes: usize) -> cuarena::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.release(ptr, bytes) }
+    }
+    fn create_event(&self) -> cuarena::Result<Event> {
+        self.0.create_event()
+    }
+    fn destroy_event(&self, event: Event) {
+        self.0.destroy_event(event)
+    }
+    fn record_event(&self, event: Event, stream: Stream) -> cuarena::Result<()> {
+        let r = self.0.record_event(event, stream);
+        if let Some(d) = STALL_RECORD.with(|s| s.take()) {
+            std::thread::sleep(d);
+        }
+        r
+    }
+    fn query_event(&self, event: Event) -> cuarena::Result<bool> {
+        self.0.query_event(event)
+    }
+    fn sync_event(&self, event: Event) -> cuarena::Result<()> {
+        self.0.sync_event(event)
+    }
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> cuarena::Result<()> {
+        self.0.stream_wait_event(stream, event)
+    }
+    fn stream_key(&self, stream: Stream) -> cuarena::Result<StreamKey> {
+        self.0.stream_key(stream)
+    }
+}
+
+/// Bug A: two threads free neighbouring pool blocks on the shared legacy stream. X's record is
+/// queued first but X is preempted before it numbers its fence; Y's free (behind 400 ms of work)
+/// is numbered first. The coalesced extent must keep both fences (their order on the stream is
+/// not known), so a later allocation on another stream waits for Y's work.
+#[test]
+fn a_later_fence_on_a_shared_stream_is_not_dropped() {
+    let sim = host(0);
+    let dev = Arc::new(StallingDevice(sim.clone()));
+    let cfg = Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20).build().unwrap();
+    let a = Allocator::new(dev, cfg).unwrap();
+    let kib128 = 128 << 10;
+    let p1 = a.allocate(kib128, Stream::LEGACY).unwrap();
+    let p2 = a.allocate(kib128, Stream::LEGACY).unwrap();
+    assert_eq!(p2.0, p1.0 + kib128 as u64, "first fit gives neighbours");
+    let start = Arc::new(Barrier::new(2));
+    let (ax, sx) = (a.clone(), start.clone());
+    let x = std::thread::spawn(move || {
+        STALL_RECORD.with(|s| s.set(Some(Duration::from_millis(200))));
+        sx.wait();
+        ax.deallocate(p1, kib128, Stream::LEGACY).unwrap();
+    });
+    let (ay, simy) = (a.clone(), sim.clone());
+    let y = std::thread::spawn(move || {
+        start.wait();
+        std::thread::sleep(Duration::from_millis(50)); // X has queued its record and stalls
+        simy.hold_and_check(p2.0, kib128, 0xabcd, Duration::from_millis(400), Stream::LEGACY).unwrap();
+        ay.deallocate(p2, kib128, Stream::LEGACY).unwrap();
+    });
+    x.join().unwrap();
+    y.join().unwrap();
+    let user = sim.create_stream();
+    let q = a.allocate(2 * kib128, user).unwrap();
+    assert_eq!(q, p1, "the coalesced extent is reused");
+    sim.write_tag(q.0, 2 * kib128, 0x1234, user).unwrap();
+    sim.synchronize();
+    assert!(sim.violations().is_empty(), "reused before Y's fence: {:?}", sim.violations());
+    assert_eq!(sim.tag_errors(), 0);
+    a.deallocate(q, 2 * kib128, user).unwrap();
+    a.trim(true).unwrap();
+    assert_eq!(a.stats().live_bytes, 0);
+}
+
+/// Bug B: a free parked in another thread's outbox, then the owner exits (its superblock
+/// dissolves), then the same thread frees the block again. The second free must be refused, and
+/// the block never handed out twice.
+#[test]
+fn a_double_free_parked_in_an_outbox_is_refused_and_nothing_is_handed_out_twice() {
+    let sim = host(0);
+    let cfg = Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20).batch_blocks(64);
+    let a = Allocator::host(sim.clone(), cfg.build().unwrap()).unwrap();
+    let (to_owner, owner_rx) = mpsc::channel::<()>();
+    let (b_tx, b_rx) = mpsc::channel();
+    let ao = a.clone();
+    let owner = std::thread::spawn(move || {
+        let b = ao.allocate_per_thread(4096).unwrap();
+        b_tx.send(b).unwrap();
+        owner_rx.recv().unwrap(); // stays alive until told to exit
+    });
+    let b: DevicePtr = b_rx.recv().unwrap();
+    a.deallocate_per_thread(b, 4096).unwrap(); // parked: the batch is not full
+    to_owner.send(()).unwrap();
+    owner.join().unwrap(); // the owner exits; its superblock dissolves around b
+    let second = a.deallocate_per_thread(b, 4096);
+    assert!(matches!(second, Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })), "{second:?}");
+    let c = a.allocate(4096, Stream::LEGACY).unwrap();
+    a.flush().unwrap(); // the parked first free arrives now
+    let d = a.allocate(4096, Stream::LEGACY).unwrap();
+    assert_ne!(c, d, "a live block was handed out again");
+    let live: Vec<_> = [c, d].into_iter().filter(|&p| p == b).collect();
+    assert!(live.len() <= 1);
+    for p in [c, d] {
+        a.deallocate(p, 4096, Stream::LEGACY).unwrap();
+    }
+    assert!(a.take_deferred_error().is_none(), "{:?}", a.take_deferred_error());
+    assert_eq!(a.stats().invalid_frees, 1);
+    a.release_thread().unwrap();
+    a.check_invariants();
+    assert_eq!((a.stats().live_bytes, a.pool_in_use()), (0, 0));
+}
+
+/// Bug C: an idle (alive) owner filled the cap; another thread freed every block. With no help
+/// from the owner, and no host synchronisation, a later allocation of any size succeeds, and
+/// `trim` finds the memory too.
+#[test]
+fn memory_freed_into_an_idle_arena_is_reclaimed_on_oom_and_by_trim() {
+    let sim = host(20);
+    let cfg = Config::builder().max_bytes(8 << 20).batch_blocks(16).build().unwrap();
+    let a = Allocator::host(sim.clone(), cfg).unwrap();
+    let (to_owner, owner_rx) = mpsc::channel::<()>();
+    let (blocks_tx, blocks_rx) = mpsc::channel();
+    let ao = a.clone();
+    let owner = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        while let Ok(p) = ao.allocate_per_thread(32 << 10) {
+            v.push(p);
+        }
+        blocks_tx.send(v).unwrap();
+        owner_rx.recv().unwrap(); // idle from here on
+        ao.release_thread().unwrap();
+    });
+    let blocks = blocks_rx.recv().unwrap();
+    assert!(blocks.len() >= 200, "the cap was filled: {}", blocks.len());
+    let af = a.clone();
+    std::thread::spawn(move || {
+        for p in blocks {
+            af.deallocate_per_thread(p, 32 << 10).unwrap();
+        }
+        af.flush().unwrap();
+    })
+    .join()
+    .unwrap();
+    let s = a.stats();
+    assert_eq!(s.live_bytes, 0);
+    assert!(s.arena_held_bytes >= 6 << 20, "{s:?}");
+    // The owner stays idle: a large and a small allocation succeed all the same.
+    let big = a.allocate(4 << 20, Stream::LEGACY).expect("a large allocation after reclaim");
+    let small = a.allocate_per_thread(32 << 10).expect("a small allocation after reclaim");
+    sim.write_tag(big.0, 4 << 20, 7, Stream::LEGACY).unwrap();
+    sim.write_tag(small.0, 32 << 10, 8, Stream::PER_THREAD).unwrap();
+    assert_eq!(a.stats().host_syncs, 0, "the reclaim blocked the host");
+    a.deallocate(big, 4 << 20, Stream::LEGACY).unwrap();
+    a.deallocate_per_thread(small, 32 << 10).unwrap();
+    // trim takes the rest back from the idle arena, and the device gets it.
+    a.trim(true).unwrap();
+    let s = a.stats();
+    assert_eq!(s.arena_held_bytes, 0, "the idle arena kept superblocks with no live block: {s:?}");
+    to_owner.send(()).unwrap();
+    owner.join().unwrap();
+    a.release_thread().unwrap();
+    sim.synchronize();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    a.trim(true).unwrap();
+    let s = a.stats();
+    assert_eq!((s.live_bytes, s.reserved_bytes, a.pool_in_use()), (0, 0, 0), "{s:?}");
+}
