@@ -4,7 +4,11 @@
 //! `alloc` and `free_local` run on the owning thread only, touch only owner-only memory (the
 //! free lists and the superblocks' boundary tags) and make no CUDA call, take no lock and do
 //! no atomic read-modify-write. Blocks are split on allocation and merged with free
-//! neighbours on free, in O(1) (see `free_lists.rs` and `superblock.rs`).
+//! neighbours on free, in O(1) (see `free_lists.rs` and `superblock.rs`). The owner runs every
+//! arena operation inside its claim (`claim.rs`: two plain stores and a load), so that a
+//! reclaimer can take the arena while the owner is idle. A local free whose return rule fires
+//! is the exception to "no CUDA call, no lock": `shrink` records a fence and takes the pool
+//! lock to give a superblock back.
 //!
 //! ## The block cache
 //! In front of the lists sits a small LIFO cache per size class, for classes up to
@@ -16,15 +20,32 @@
 //!
 //! ## Remote frees
 //! A free by another thread, or on another stream, does not touch this arena: the freeing
-//! thread batches it (`outbox.rs`) and pushes the batch, with one fence, into this arena's
-//! [`ArenaShell`] inbox. On its slow path the owner drains the inbox, checks each block
-//! against its tags (refusing double and foreign frees), marks it `PENDING`, and keeps the batch
-//! until its fence completes; only then are the blocks merged into the free lists. A pending
-//! block is never handed out. If the pool is out of memory, the owner instead makes its stream
-//! wait on the pending fences (still no host block) and reuses the blocks at once. When a
-//! superblock goes back to the pool, its pending blocks go with it as free ranges guarded by
-//! their own fences, and leave the pending list.
+//! thread marks the block in transit (a bit in the superblock, see `superblock.rs`: a second
+//! free while the first is on its way is refused at once), batches it (`outbox.rs`) and pushes
+//! the batch, with one fence, into this arena's [`ArenaShell`] inbox. On its slow path the owner
+//! drains the inbox, checks each block against its tags (refusing foreign frees), marks it
+//! `PENDING`, and keeps the batch until its fence completes; only then are the blocks merged
+//! into the free lists and their transit bits cleared. A pending block is never handed out. If
+//! the pool is out of memory, the owner instead makes its stream wait on the pending fences
+//! (still no host block) and reuses the blocks at once. When a superblock goes back to the
+//! pool, its pending blocks go with it as free ranges guarded by their own fences, and leave
+//! the pending list.
 //!
+//! ## Reclaim without the owner ([`Arena::reclaim`])
+//! An owner that is idle (blocked elsewhere, parked in a thread pool) never drains its inbox,
+//! so memory freed into it by others would stay stranded. On out-of-memory, and in `trim`,
+//! any thread takes the arena through its shell's claim (`claim.rs`) when the owner is not
+//! inside an allocator call, drains the inbox, and gives back every superblock that holds no
+//! used block (on out-of-memory, every superblock with free or pending space, dissolving it).
+//! The free ranges go behind one fence on the legacy stream (which follows all earlier work on
+//! every per-thread stream, so the owner's local frees), pending blocks behind their own.
+//!
+//! **Stranded-memory bound.** After such a reclaim, memory held by arenas beyond what their
+//! used blocks occupy is at most: for each arena whose owner was inside an allocator call at
+//! that moment, what the return rule below allows it; plus, per thread, one outbox batch
+//! (`batch_blocks` blocks or `batch_bytes` bytes) of frees not yet sent. An out-of-memory
+//! error is returned only after this reclaim and one retry.
+
 //! ## Superblock return rule (Hoard's emptiness rule)
 //! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
 //! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
