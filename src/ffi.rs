@@ -285,6 +285,23 @@ mod tests {
     }
 
     #[test]
+    fn contains_reserved_covers_exactly_the_reserved_chunks() {
+        use crate::{Allocator, Config, HostConfig, HostDevice};
+        let a = Allocator::host(HostDevice::new(HostConfig::default()), Config::default()).unwrap();
+        assert!(!a.contains_reserved(0x1000), "nothing reserved yet");
+        let p = a.allocate(3 << 20, Stream::LEGACY).unwrap();
+        let (base, len) = (p.0, a.stats().reserved_bytes);
+        assert_eq!(len, a.config().chunk as u64, "one chunk");
+        assert!(a.contains_reserved(base) && a.contains_reserved(base + 256));
+        assert!(a.contains_reserved(base + len - 1));
+        assert!(!a.contains_reserved(base + len) && !a.contains_reserved(base - 1));
+        assert!(!a.contains_reserved(0) && !a.contains_reserved(u64::MAX));
+        a.deallocate(p, 3 << 20, Stream::LEGACY).unwrap();
+        a.trim(true).unwrap();
+        assert!(!a.contains_reserved(base), "a released chunk is no longer reserved");
+    }
+
+    #[test]
     fn restore_merges_with_declarations_made_meanwhile() {
         let r = Recorded::new(8);
         r.record(0x100, Stream::from_raw(7)).unwrap();
