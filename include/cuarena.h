@@ -15,12 +15,16 @@
  *    CUDA event recorded at the free has completed, or after that stream has been made to wait
  *    on it. The host is never blocked.
  *  - cuarena_record_stream(ptr, stream) declares that work on another `stream` uses the block;
- *    its free is then fenced after that work too (PyTorch's record_stream).
+ *    its free is then fenced after that work too (PyTorch's record_stream). A pointer outside
+ *    the memory cuarena has reserved is refused (error set, nothing kept), as is a declaration
+ *    beyond 2^20 blocks with declarations or 1024 streams per block. A declaration survives a
+ *    refused free, so a corrected retry of the free is still fenced after those streams.
  *
  * OWNERSHIP AND ERRORS
  *  - A block belongs to the caller from cuarena_malloc until cuarena_free; free it once, with
  *    the size it was allocated with and the device it came from.
- *  - size == 0 returns NULL, and freeing NULL with size 0 does nothing (torch.empty(0)).
+ *  - size == 0 returns NULL, and freeing NULL with size 0 does nothing (torch.empty(0)); both
+ *    on any device, even with no driver, and neither sets an error.
  *  - No call aborts or lets a panic escape. A failed cuarena_malloc returns NULL; a refused
  *    free (unknown pointer, double free, wrong size) changes nothing. Either way the reason is
  *    in cuarena_last_error(). A free of a block allocated on another thread is checked by that
@@ -28,7 +32,10 @@
  *    free is caught while the block has not been handed out again (after that, as with
  *    cudaFree, a stale free of the same address and size looks like a valid one).
  *  - Out of memory reports the requested, reserved, in-use and largest-free figures in
- *    cuarena_last_error(). No CUDA driver on the machine is an error, not a crash.
+ *    cuarena_last_error() (the message begins "out of device memory"). No CUDA driver on the
+ *    machine is an error, not a crash ("no CUDA driver: ..."); so is a device ordinal the driver
+ *    does not have (the message gives the driver's device count). A failed creation of a
+ *    device's allocator (no driver, bad ordinal, invalid CUARENA_CONF) is retried by later calls.
  *  - Once process exit has begun, cuarena makes no CUDA call: frees do nothing and
  *    allocations return NULL.
  *
@@ -85,10 +92,9 @@ void cuarena_record_stream(void *ptr, cudaStream_t stream);
 void cuarena_empty_cache(void);
 /* PyTorch set_memory_fraction_fn: caps the device's reserved memory at fraction (0, 1]. */
 void cuarena_set_memory_fraction(double fraction, int device);
-/* CuPy CFunctionAllocator. CuPy passes no stream: blocks are for the legacy default stream
- * (which orders all blocking streams); CuPy work on non-blocking streams is not tracked. */
-void *cuarena_cupy_malloc(void *param, size_t size, int device);
-void cuarena_cupy_free(void *param, void *ptr, int device);
+/* CuPy: python/cuarena's install_cupy() uses cuarena_malloc / cuarena_free on the stream that
+ * is current at allocation (CuPy's CFunctionAllocator passes no stream, so the former
+ * cuarena_cupy_malloc / cuarena_cupy_free pair, which assumed the legacy stream, is removed). */
 /* Fills *out; returns 0 on success, -1 on failure (see cuarena_last_error). */
 int cuarena_get_stats(int device, cuarena_stats *out);
 /* This thread's last error message, or NULL if no call has failed on this thread. Valid until

@@ -734,3 +734,11 @@ impl Allocator {
         *lock(&self.inner.deferred) = Some(e);
     }
 }
+
+// For the C ABI (src/ffi.rs): is an address inside memory this allocator has reserved?
+impl Allocator {
+    /// True if `ptr` lies inside a chunk this allocator has reserved from the device.
+    pub(crate) fn contains_reserved(&self, ptr: u64) -> bool {
+        self.inner.pool.contains(ptr)
+    }
+}

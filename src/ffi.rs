@@ -1,5 +1,5 @@
-//! The C ABI (`include/cuarena.h`): PyTorch's `CUDAPluggableAllocator` hooks, CuPy's
-//! `CFunctionAllocator` pair, statistics and the last error.
+//! The C ABI (`include/cuarena.h`): PyTorch's `CUDAPluggableAllocator` hooks (CuPy's glue in
+//! `python/cuarena` uses the same stream-ordered pair), statistics and the last error.
 //!
 //! Every entry point catches panics: none crosses the boundary. A failure returns NULL or -1
 //! and sets this thread's [`cuarena_last_error`]. Once process exit has begun, frees are no-ops
@@ -22,12 +22,92 @@ thread_local! {
     static LAST_ERROR: std::cell::RefCell<Option<CString>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Streams declared by `cuarena_record_stream`, per block; `RECORDED_COUNT` lets frees skip the
-/// lock when nobody uses `record_stream`.
-static RECORDED: LazyLock<Mutex<HashMap<u64, Vec<Stream>>>> = LazyLock::new(Default::default);
-static RECORDED_COUNT: AtomicUsize = AtomicUsize::new(0);
-/// Sizes of CuPy allocations (CuPy's free passes none).
-static CUPY_SIZES: LazyLock<Mutex<HashMap<u64, usize>>> = LazyLock::new(Default::default);
+/// Streams declared by `cuarena_record_stream`, per block.
+static RECORDED: LazyLock<Recorded> = LazyLock::new(|| Recorded::new(MAX_RECORDED_BLOCKS));
+
+/// Blocks that may carry `record_stream` declarations at once: beyond this, a declaration for a
+/// new block is refused (a bound on memory whatever the caller passes).
+pub const MAX_RECORDED_BLOCKS: usize = 1 << 20;
+/// Distinct streams one block may be declared on.
+pub const MAX_RECORDED_STREAMS: usize = 1024;
+
+/// The `record_stream` declarations: block address → streams. `len` lets frees skip the lock
+/// when nobody uses `record_stream`.
+struct Recorded {
+    map: Mutex<HashMap<u64, Vec<Stream>>>,
+    len: AtomicUsize,
+    cap: usize,
+}
+
+impl Recorded {
+    fn new(cap: usize) -> Recorded {
+        Recorded { map: Mutex::new(HashMap::new()), len: AtomicUsize::new(0), cap }
+    }
+
+    /// Adds `s` to `ptr`'s streams; refused (nothing changes) past the caps.
+    fn record(&self, ptr: u64, s: Stream) -> Result<(), String> {
+        let mut m = lock(&self.map);
+        let n = m.len();
+        match m.get_mut(&ptr) {
+            Some(v) if v.contains(&s) => {}
+            Some(v) if v.len() >= MAX_RECORDED_STREAMS => {
+                return Err(format!(
+                    "cuarena_record_stream: {ptr:#x} is already declared on {MAX_RECORDED_STREAMS} streams \
+                     (the limit); refused"
+                ));
+            }
+            Some(v) => v.push(s),
+            None if n >= self.cap => {
+                return Err(format!(
+                    "cuarena_record_stream: {n} blocks already carry record_stream declarations (the limit); \
+                     {ptr:#x} refused"
+                ));
+            }
+            None => {
+                m.insert(ptr, vec![s]);
+                self.len.store(m.len(), Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes and returns `ptr`'s streams.
+    fn take(&self, ptr: u64) -> Vec<Stream> {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        let mut m = lock(&self.map);
+        let v = m.remove(&ptr).unwrap_or_default();
+        self.len.store(m.len(), Ordering::Release);
+        v
+    }
+
+    /// Puts back what [`Recorded::take`] returned, merged with anything declared since
+    /// (used when the free it was taken for was refused: the block is still live).
+    fn restore(&self, ptr: u64, streams: Vec<Stream>) {
+        if streams.is_empty() {
+            return;
+        }
+        let mut m = lock(&self.map);
+        let v = m.entry(ptr).or_default();
+        for s in streams {
+            if !v.contains(&s) {
+                v.push(s);
+            }
+        }
+        self.len.store(m.len(), Ordering::Release);
+    }
+
+    fn len(&self) -> usize {
+        lock(&self.map).len()
+    }
+}
+
+/// Blocks that carry `record_stream` declarations now. For tests.
+#[doc(hidden)]
+pub fn recorded_blocks() -> usize {
+    RECORDED.len()
+}
 
 fn set_error(msg: String) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
@@ -61,20 +141,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn take_recorded(ptr: u64) -> Vec<Stream> {
-    if RECORDED_COUNT.load(Ordering::Acquire) == 0 {
-        return Vec::new();
-    }
-    let v = lock(&RECORDED).remove(&ptr).unwrap_or_default();
-    if !v.is_empty() {
-        RECORDED_COUNT.fetch_sub(1, Ordering::AcqRel);
-    }
-    v
-}
-
-/// Allocates `size` bytes on `device`, ready on `stream`. NULL for `size == 0` or on failure.
+/// Allocates `size` bytes on `device`, ready on `stream`. NULL on failure; NULL without an
+/// error for `size == 0` (on any device, even with no driver), like `cudaMallocAsync`.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_malloc(size: usize, device: c_int, stream_: *mut c_void) -> *mut c_void {
+    if size == 0 {
+        return std::ptr::null_mut();
+    }
     guard(std::ptr::null_mut(), || {
         if process_exiting() {
             return Err("the process is exiting".into());
@@ -84,35 +157,49 @@ pub extern "C" fn cuarena_malloc(size: usize, device: c_int, stream_: *mut c_voi
     })
 }
 
-/// Frees a block from `cuarena_malloc`; see the header for the contract.
+/// Frees a block from `cuarena_malloc`; see the header for the contract. `(NULL, 0)` is a
+/// no-op on any device, even with no driver.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) {
+    if ptr.is_null() && size == 0 {
+        return;
+    }
     guard((), || {
         if process_exiting() {
             return Ok(());
         }
         let a = global(device).map_err(|e| e.to_string())?;
-        let used = if ptr.is_null() { Vec::new() } else { take_recorded(ptr as u64) };
-        a.deallocate_used_on(DevicePtr(ptr as u64), size, stream(stream_), &used).map_err(|e| e.to_string())
+        let p = ptr as u64;
+        // Taken before the free, so that once the block can be handed out again no newer
+        // declaration for the same address is lost; put back if the free is refused (the
+        // block is then still live, and a corrected retry must still be fenced after them).
+        let used = if ptr.is_null() { Vec::new() } else { RECORDED.take(p) };
+        match a.deallocate_used_on(DevicePtr(p), size, stream(stream_), &used) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                RECORDED.restore(p, used);
+                Err(e.to_string())
+            }
+        }
     })
 }
 
 /// Declares that work on `stream` uses the block at `ptr`: its free is fenced after that work.
+/// Refused (with an error) for a pointer outside the memory cuarena has reserved, and beyond
+/// [`MAX_RECORDED_BLOCKS`] blocks or [`MAX_RECORDED_STREAMS`] streams per block.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_record_stream(ptr: *mut c_void, stream_: *mut c_void) {
     guard((), || {
-        if ptr.is_null() {
+        if ptr.is_null() || process_exiting() {
             return Ok(());
         }
-        let mut m = lock(&RECORDED);
-        let v = m.entry(ptr as u64).or_default();
-        if v.is_empty() {
-            RECORDED_COUNT.fetch_add(1, Ordering::AcqRel);
+        let p = ptr as u64;
+        if !created().any(|(_, a)| a.contains_reserved(p)) {
+            return Err(format!(
+                "cuarena_record_stream: {p:#x} is not inside memory reserved by cuarena on any device; refused"
+            ));
         }
-        if !v.contains(&stream(stream_)) {
-            v.push(stream(stream_));
-        }
-        Ok(())
+        RECORDED.record(p, stream(stream_))
     })
 }
 
@@ -136,37 +223,6 @@ pub extern "C" fn cuarena_empty_cache() {
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_set_memory_fraction(fraction: f64, device: c_int) {
     guard((), || global(device).and_then(|a| a.set_memory_fraction(fraction)).map_err(|e| e.to_string()))
-}
-
-/// CuPy's `CFunctionAllocator` malloc: on the legacy default stream.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuarena_cupy_malloc(_param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
-    guard(std::ptr::null_mut(), || {
-        if process_exiting() {
-            return Err("the process is exiting".into());
-        }
-        let a = global(device).map_err(|e| e.to_string())?;
-        let p = a.allocate(size, Stream::LEGACY).map_err(|e| e.to_string())?;
-        if !p.is_null() {
-            lock(&CUPY_SIZES).insert(p.0, size);
-        }
-        Ok(p.0 as *mut c_void)
-    })
-}
-
-/// CuPy's `CFunctionAllocator` free.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuarena_cupy_free(_param: *mut c_void, ptr: *mut c_void, device: c_int) {
-    guard((), || {
-        if ptr.is_null() || process_exiting() {
-            return Ok(());
-        }
-        let size = lock(&CUPY_SIZES)
-            .remove(&(ptr as u64))
-            .ok_or_else(|| format!("cuarena_cupy_free: {ptr:?} is not a live CuPy allocation"))?;
-        let a = global(device).map_err(|e| e.to_string())?;
-        a.deallocate(DevicePtr(ptr as u64), size, Stream::LEGACY).map_err(|e| e.to_string())
-    })
 }
 
 /// Statistics of one device's allocator: [`Stats`], whose layout is C's
@@ -200,4 +256,62 @@ pub extern "C" fn cuarena_last_error() -> *const c_char {
     LAST_ERROR
         .try_with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
         .unwrap_or(std::ptr::null())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recorded_caps_blocks_and_streams_and_refuses_cleanly() {
+        let r = Recorded::new(3);
+        for p in [0x100, 0x200, 0x300] {
+            r.record(p, Stream::LEGACY).unwrap();
+        }
+        r.record(0x100, Stream::LEGACY).unwrap(); // already there: no new entry
+        let e = r.record(0x400, Stream::PER_THREAD).unwrap_err();
+        assert!(e.contains("(the limit)") && e.contains("0x400"), "{e}");
+        assert_eq!(r.len(), 3);
+        // A declaration for a block already there still works at the block cap.
+        r.record(0x100, Stream::PER_THREAD).unwrap();
+        assert_eq!(r.take(0x100), vec![Stream::LEGACY, Stream::PER_THREAD]);
+        r.record(0x400, Stream::PER_THREAD).unwrap(); // room again
+        for i in 1..MAX_RECORDED_STREAMS {
+            r.record(0x200, Stream::from_raw(0x1000 + i)).unwrap();
+        }
+        assert!(r.record(0x200, Stream::from_raw(0x10_0000)).unwrap_err().contains("streams"));
+        assert_eq!(r.take(0x200).len(), MAX_RECORDED_STREAMS);
+        assert!(r.take(0x200).is_empty());
+    }
+
+    #[test]
+    fn contains_reserved_covers_exactly_the_reserved_chunks() {
+        use crate::{Allocator, Config, HostConfig, HostDevice};
+        let a = Allocator::host(HostDevice::new(HostConfig::default()), Config::default()).unwrap();
+        assert!(!a.contains_reserved(0x1000), "nothing reserved yet");
+        let p = a.allocate(3 << 20, Stream::LEGACY).unwrap();
+        let (base, len) = (p.0, a.stats().reserved_bytes);
+        assert_eq!(len, a.config().chunk as u64, "one chunk");
+        assert!(a.contains_reserved(base) && a.contains_reserved(base + 256));
+        assert!(a.contains_reserved(base + len - 1));
+        assert!(!a.contains_reserved(base + len) && !a.contains_reserved(base - 1));
+        assert!(!a.contains_reserved(0) && !a.contains_reserved(u64::MAX));
+        a.deallocate(p, 3 << 20, Stream::LEGACY).unwrap();
+        a.trim(true).unwrap();
+        assert!(!a.contains_reserved(base), "a released chunk is no longer reserved");
+    }
+
+    #[test]
+    fn restore_merges_with_declarations_made_meanwhile() {
+        let r = Recorded::new(8);
+        r.record(0x100, Stream::from_raw(7)).unwrap();
+        let taken = r.take(0x100);
+        assert!(r.take(0x100).is_empty());
+        r.record(0x100, Stream::from_raw(9)).unwrap();
+        r.restore(0x100, taken);
+        assert_eq!(r.take(0x100), vec![Stream::from_raw(9), Stream::from_raw(7)]);
+        r.restore(0x100, Vec::new());
+        assert_eq!(r.len(), 0);
+        assert_eq!(r.len.load(Ordering::Relaxed), 0, "the lock-free emptiness hint follows the map");
+    }
 }

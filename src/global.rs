@@ -18,10 +18,9 @@ static CREATING: Mutex<()> = Mutex::new(());
 
 /// The process-wide allocator of CUDA device `device`, created on first use.
 pub fn global(device: i32) -> Result<&'static Allocator> {
-    let slot = usize::try_from(device)
-        .ok()
-        .and_then(|d| ALLOCATORS.get(d))
-        .ok_or(Error::NoDevice { ordinal: device, count: MAX_DEVICES as i32 })?;
+    let Some(slot) = usize::try_from(device).ok().and_then(|d| ALLOCATORS.get(d)) else {
+        return Err(out_of_range(device));
+    };
     if let Some(a) = slot.get() {
         return Ok(a);
     }
@@ -33,6 +32,19 @@ pub fn global(device: i32) -> Result<&'static Allocator> {
     }
     let a = Allocator::cuda(device, Config::from_env()?)?;
     Ok(slot.get_or_init(|| a))
+}
+
+/// Why `device` (negative, or not below [`MAX_DEVICES`]) has no slot: the driver's own answer
+/// when it has one (no driver, or the real device count), else cuarena's per-process limit.
+fn out_of_range(device: i32) -> Error {
+    match crate::device::cuda::device_count() {
+        Err(e) => e,
+        Ok(count) if device < 0 || device >= count => Error::NoDevice { ordinal: device, count },
+        Ok(count) => Error::Config(format!(
+            "CUDA device {device} exists (the driver reports {count}) but cuarena supports at most \
+             {MAX_DEVICES} devices per process (its own limit, MAX_DEVICES)"
+        )),
+    }
 }
 
 /// The process-wide allocators created so far.

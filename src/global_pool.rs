@@ -463,6 +463,13 @@ impl GlobalPool {
     pub(crate) fn in_use(&self) -> usize {
         lock(&self.state).in_use
     }
+
+    /// True if `ptr` lies inside a chunk reserved from the device (for the C ABI's
+    /// `record_stream`, which must refuse foreign pointers; it is rare, so the lock is fine).
+    pub(crate) fn contains(&self, ptr: u64) -> bool {
+        let st = lock(&self.state);
+        st.chunks.range(..=ptr).next_back().is_some_and(|(&base, &len)| ptr - base < len as u64)
+    }
 }
 
 impl Drop for GlobalPool {

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after tools/gpu-bundle.sh built gpu-bundle/:
 #   bash tools/gpu-demos.sh [OUTDIR]
-# The GPU tests (required), PyTorch training (native vs cuarena), PyTorch threaded inference,
-# CuPy, and the C program. Prints a summary; writes logs to OUTDIR (default /tmp/cuarena-demos).
+# The GPU tests (required), the C ABI tests with the GPU-only ones, PyTorch training (native vs
+# cuarena), PyTorch threaded inference, CuPy, CuPy on a non-blocking stream, out of memory under
+# PyTorch and CuPy, and the C programs. Prints a summary; writes logs to OUTDIR (default /tmp/cuarena-demos).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-/tmp/cuarena-demos}"
@@ -15,6 +16,10 @@ fail() { echo "FAILED: $1"; status=1; }
 step "GPU tests (CUARENA_REQUIRE_GPU=1)"
 bash gpu-bundle/run.sh test-gpu test-ffi test-host >"$out/tests.log" 2>&1 || fail tests
 grep -E "^== |test result" "$out/tests.log"
+
+step "C ABI tests, GPU-only ones included (bad-input table, record_stream, stats add up)"
+(cd gpu-bundle && CUARENA_REQUIRE_GPU=1 ./test-ffi --include-ignored --test-threads=1) >"$out/ffi.log" 2>&1 || fail ffi-tests
+grep -E "test result" "$out/ffi.log"
 
 step "C: include/cuarena.h from 8 threads on several streams"
 cuda_inc=$(dirname "$(command -v nvcc)")/../include
@@ -56,4 +61,11 @@ tail -2 "$out/threads.log"
 step "CuPy: cuarena vs CuPy's pool"
 python3 examples/cupy_check.py --both >"$out/cupy.log" 2>&1 || fail cupy
 tail -2 "$out/cupy.log"
+step "CuPy on a non-blocking stream: no early reuse (cuarena must show 0 corrupted words)"
+python3 examples/cupy_stream_check.py >"$out/cupy-stream.log" 2>&1 || fail cupy-stream
+grep -E "^cupy stream check:|^note:|FAILED" "$out/cupy-stream.log" || tail -5 "$out/cupy-stream.log"
+
+step "Out of memory under a 256 MiB cap: PyTorch and CuPy raise, no null tensor, then recover"
+python3 examples/oom_check.py >"$out/oom.log" 2>&1 || fail oom
+grep -E "^(torch|cupy) OOM:|FAILED" "$out/oom.log" || tail -5 "$out/oom.log"
 exit $status
