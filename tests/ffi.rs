@@ -334,15 +334,8 @@ fn the_allocator_behind_the_abi_refuses_every_bad_input_on_a_simulated_device() 
     a.check_invariants();
 }
 
-/// `ptr = u64::MAX` through the free path. In debug builds `GlobalPool::free` computes
-/// `ptr + 1` and overflows (a panic, which the C ABI catches as "internal error"); release
-/// builds wrap and refuse it correctly. The fix belongs in src/global_pool.rs
-/// (`st.free.below(ptr.saturating_add(1))`); until then this runs only in release builds.
+/// `ptr = u64::MAX` through the free path: refused, no overflow (it once computed `ptr + 1`).
 #[test]
-#[cfg_attr(
-    debug_assertions,
-    ignore = "debug-build overflow in GlobalPool::free(u64::MAX): see the doc comment"
-)]
 fn a_free_of_u64_max_is_refused_not_a_panic() {
     use cuarena::{Allocator, Config, DevicePtr, Error, HostConfig, HostDevice, Stream};
 
