@@ -1,0 +1,240 @@
+//! Pass-through mode (`CUARENA_CONF=passthrough`, `Config::builder().passthrough(true)`): a
+//! debug mode that sends every request straight to the driver.
+//!
+//! Each allocation is one `cuMemAllocAsync` of exactly the size asked for, and each free one
+//! `cuMemFreeAsync` on the free's stream, so compute-sanitizer (memcheck, initcheck) sees every
+//! block at its true size and catches an access past its end or after its free. Nothing is
+//! cached, no arena or pool is used, and the stream-ordering contract is the driver's own.
+//!
+//! Frees are still checked, against a map of the live blocks (a mutex: this is a debug mode),
+//! and refused with the same [`InvalidFree`] reasons as the normal mode: a pointer that is not
+//! the start of a live block is `UnknownPointer`, one freed before and not handed out again is
+//! `DoubleFree` (the last [`FREED_REMEMBERED`] freed addresses are remembered), and a size that
+//! does not round to the block's (the normal mode's rounding, so a program valid in one mode is
+//! valid in the other) is `SizeMismatch`. Every check is made at the call: nothing is deferred.
+//! A refused free, or one the driver fails, changes nothing.
+//!
+//! Statistics: `allocations`, `deallocations`, `invalid_frees`, `driver_calls` and the event
+//! counters are exact; `live_bytes` is the sum of the sizes asked for (no rounding happens), and
+//! `reserved_bytes` is the same figure: what the allocator holds from the driver (the driver's
+//! pool may keep more). The arena and pool figures are zero.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::allocator::DevicePtr;
+use crate::device::Device;
+use crate::error::{Error, InvalidFree, Result};
+use crate::size_class::block_bytes;
+use crate::stats::Stats;
+use crate::stream::Stream;
+use crate::sync::{Mutex, lock};
+
+/// How many freed addresses are remembered to tell a double free from a foreign pointer.
+pub(crate) const FREED_REMEMBERED: usize = 1 << 16;
+
+/// The pass-through allocator of one [`crate::Allocator`].
+pub(crate) struct Passthrough {
+    device: Arc<dyn Device>,
+    small_max: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Live blocks: address → the size asked for.
+    live: HashMap<u64, usize>,
+    /// Addresses freed and not handed out again: address → the serial of that free.
+    freed: HashMap<u64, u64>,
+    /// `freed`'s entries oldest first, to forget the oldest (stale entries are skipped).
+    freed_order: VecDeque<(u64, u64)>,
+    serial: u64,
+    live_bytes: usize,
+    /// Bytes of allocations under way (counted against the cap before the driver call).
+    pending: usize,
+    peak_live: usize,
+    peak_reserved: usize,
+    allocations: u64,
+    deallocations: u64,
+    invalid_frees: u64,
+    driver_calls: u64,
+    fences_recorded: u64,
+    fence_waits: u64,
+}
+
+impl State {
+    fn remember_freed(&mut self, ptr: u64) {
+        self.serial += 1;
+        self.freed.insert(ptr, self.serial);
+        self.freed_order.push_back((ptr, self.serial));
+        while self.freed_order.len() > FREED_REMEMBERED {
+            let (p, serial) = self.freed_order.pop_front().expect("non-empty");
+            if self.freed.get(&p) == Some(&serial) {
+                self.freed.remove(&p);
+            }
+        }
+    }
+
+    fn add_live(&mut self, ptr: u64, size: usize) {
+        self.live.insert(ptr, size);
+        self.freed.remove(&ptr);
+        self.live_bytes += size;
+        self.peak_live = self.peak_live.max(self.live_bytes);
+    }
+}
+
+impl Passthrough {
+    pub(crate) fn new(device: Arc<dyn Device>, small_max: usize) -> Passthrough {
+        Passthrough { device, small_max, state: Mutex::new(State::default()) }
+    }
+
+    /// Allocates exactly `size` bytes from the driver, ordered on `stream`, under the cap
+    /// `limit`. `size == 0` gives null.
+    pub(crate) fn allocate(&self, size: usize, stream: Stream, limit: usize) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(DevicePtr::NULL);
+        }
+        let oom = |st: &State| {
+            let held = st.live_bytes + st.pending;
+            Error::OutOfMemory { requested: size, reserved: held, in_use: held, largest_free: 0, limit }
+        };
+        {
+            let mut st = lock(&self.state);
+            if size > limit.saturating_sub(st.live_bytes + st.pending) {
+                return Err(oom(&st));
+            }
+            st.pending += size;
+            st.driver_calls += 1;
+            st.peak_reserved = st.peak_reserved.max(st.live_bytes + st.pending);
+        }
+        let r = self.device.alloc_async(size, stream);
+        let mut st = lock(&self.state);
+        st.pending -= size;
+        match r? {
+            None => Err(oom(&st)),
+            Some(p) => {
+                st.add_live(p, size);
+                st.allocations += 1;
+                Ok(DevicePtr(p))
+            }
+        }
+    }
+
+    /// Frees a block of [`Passthrough::allocate`] on `stream` (stream-ordered). A bad free is
+    /// refused with [`Error::InvalidFree`] and changes nothing; so does a failed driver call.
+    pub(crate) fn deallocate(&self, ptr: DevicePtr, size: usize, stream: Stream) -> Result<()> {
+        if ptr.is_null() && size == 0 {
+            return Ok(());
+        }
+        let ptr = ptr.0;
+        let allocated = {
+            let mut st = lock(&self.state);
+            match self.check_free(&st, ptr, size) {
+                Ok(allocated) => {
+                    st.live.remove(&ptr);
+                    st.live_bytes -= allocated;
+                    st.remember_freed(ptr);
+                    st.driver_calls += 1;
+                    allocated
+                }
+                Err(reason) => {
+                    st.invalid_frees += 1;
+                    return Err(Error::InvalidFree { ptr, size, reason });
+                }
+            }
+        };
+        // SAFETY: `ptr` was live with `allocated` bytes from `alloc_async` of this device and has
+        // just left the live map under the lock, so this is its only free; the caller's contract
+        // (as `cudaFreeAsync`'s) orders its earlier uses before `stream`.
+        let r = unsafe { self.device.free_async(ptr, allocated, stream) };
+        let mut st = lock(&self.state);
+        match r {
+            Ok(()) => {
+                st.deallocations += 1;
+                Ok(())
+            }
+            Err(e) => {
+                st.add_live(ptr, allocated);
+                Err(e)
+            }
+        }
+    }
+
+    /// The size `ptr` was allocated with, if freeing it with `size` is valid.
+    fn check_free(&self, st: &State, ptr: u64, size: usize) -> Result<usize, InvalidFree> {
+        let given = block_bytes(size, self.small_max).filter(|_| size > 0 && ptr != 0);
+        let Some(given) = given else { return Err(InvalidFree::UnknownPointer) };
+        match st.live.get(&ptr) {
+            Some(&allocated) => {
+                let rounded = block_bytes(allocated, self.small_max).expect("allocated sizes round");
+                if rounded == given {
+                    Ok(allocated)
+                } else {
+                    Err(InvalidFree::SizeMismatch { allocated: rounded, given: size })
+                }
+            }
+            None if st.freed.contains_key(&ptr) => Err(InvalidFree::DoubleFree),
+            None => Err(InvalidFree::UnknownPointer),
+        }
+    }
+
+    /// [`Passthrough::deallocate`] after making `stream` wait for the work queued so far on each
+    /// stream of `used_on` (one event each; no host block).
+    pub(crate) fn deallocate_used_on(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+    ) -> Result<()> {
+        if !used_on.is_empty() {
+            let dev = &*self.device;
+            let key = dev.stream_key(stream)?;
+            let mut calls = 1;
+            let mut waits = 0;
+            for &s in used_on {
+                calls += 1;
+                if dev.stream_key(s)? == key {
+                    continue;
+                }
+                let e = dev.create_event()?;
+                let r = dev.record_event(e, s).and_then(|()| dev.stream_wait_event(stream, e));
+                dev.destroy_event(e);
+                calls += 3;
+                r?;
+                waits += 1;
+            }
+            let mut st = lock(&self.state);
+            st.driver_calls += calls;
+            st.fences_recorded += waits;
+            st.fence_waits += waits;
+        }
+        self.deallocate(ptr, size, stream)
+    }
+
+    /// A snapshot of the statistics (see the module comment).
+    pub(crate) fn stats(&self) -> Stats {
+        let st = lock(&self.state);
+        Stats {
+            live_bytes: st.live_bytes as u64,
+            peak_live_bytes: st.peak_live as u64,
+            reserved_bytes: (st.live_bytes + st.pending) as u64,
+            peak_reserved_bytes: st.peak_reserved as u64,
+            allocations: st.allocations,
+            deallocations: st.deallocations,
+            invalid_frees: st.invalid_frees,
+            driver_calls: st.driver_calls,
+            fences_recorded: st.fences_recorded,
+            fence_waits: st.fence_waits,
+            ..Stats::default()
+        }
+    }
+
+    /// Checks that the live map and the byte count agree; panics otherwise. For tests.
+    pub(crate) fn check(&self) {
+        let st = lock(&self.state);
+        assert_eq!(st.live.values().sum::<usize>(), st.live_bytes, "pass-through live bytes");
+        assert!(st.live.keys().all(|p| !st.freed.contains_key(p)), "a live block is marked freed");
+        assert!(st.freed.len() <= FREED_REMEMBERED);
+    }
+}
