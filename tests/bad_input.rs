@@ -238,6 +238,42 @@ fn a_double_free_of_a_cached_small_block_is_refused() {
     settle(&a, &dev, live);
 }
 
+/// A double free made on another stream of a block that sits in the owner's cache: it goes the
+/// remote way (unchecked until the owner drains it). The block is then handed out again at
+/// once. When the owner drains the stale free it must refuse it, not free the new block.
+#[test]
+fn a_double_free_on_another_stream_is_not_applied_to_the_reused_block() {
+    let (dev, a) = setup();
+    let user = dev.create_stream();
+    let mut live = two_blocks(&a);
+    for (i, s) in [user, Stream::LEGACY].into_iter().enumerate() {
+        let p = a.allocate_per_thread(428).unwrap();
+        a.deallocate_per_thread(p, 428).unwrap(); // cached
+        let second = a.deallocate(p, 428, s);
+        let q = a.allocate_per_thread(491).unwrap(); // the same class: the cached block again
+        live.push((q, 491, Stream::PER_THREAD));
+        a.flush().unwrap();
+        dev.synchronize();
+        a.flush().unwrap();
+        match second {
+            Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. }) => {}
+            Ok(()) => assert!(
+                matches!(
+                    a.take_deferred_error(),
+                    Some(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })
+                ),
+                "the double free on {s:?} was accepted and not reported"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(a.stats().invalid_frees, i as u64 + 1);
+        let expected: u64 =
+            live.iter().map(|&(_, size, _)| block_bytes(size, SMALL_MAX).unwrap() as u64).sum();
+        assert_eq!(a.stats().live_bytes, expected, "the stale double free freed the reused block {q:?}");
+    }
+    settle(&a, &dev, live);
+}
+
 #[test]
 fn a_double_free_of_a_pooled_block_is_refused() {
     let (dev, a) = setup();
