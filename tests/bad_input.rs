@@ -200,7 +200,7 @@ fn an_interior_pointer_is_refused() {
 fn the_largest_address_is_refused() {
     let (dev, a) = setup();
     let live = two_blocks(&a);
-    for p in [u64::MAX, u64::MAX - 255, u64::MAX & !255] {
+    for p in [u64::MAX, u64::MAX - 255, !255] {
         for (size, s) in [(4096, Stream::PER_THREAD), (4096, Stream::LEGACY), (4 << 20, Stream::LEGACY)] {
             assert_eq!(reason(a.deallocate(DevicePtr(p), size, s)), InvalidFree::UnknownPointer, "{p:#x}");
         }

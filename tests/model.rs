@@ -413,7 +413,7 @@ impl Harness {
             Op::Foreign { t, which, size, s } => {
                 let ptr = match which % 4 {
                     0 => 0xdead_0000,
-                    1 => u64::MAX & !255,
+                    1 => !255,
                     2 => 256 * (1 + (which as u64 >> 2) % 4096),
                     _ => 0,
                 };
