@@ -264,7 +264,7 @@ impl Harness {
     /// Adds what the current operation did to its log line.
     fn note(&mut self, what: String) {
         if let Some(l) = self.log.last_mut() {
-            l.push_str(" ");
+            l.push(' ');
             l.push_str(&what);
         }
     }
