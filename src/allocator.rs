@@ -66,6 +66,8 @@ pub(crate) struct Inner {
     shells: Mutex<Shells>,
     deferred: Mutex<Option<Error>>,
     arenas: AtomicUsize,
+    /// Pass-through mode (passthrough.rs): when set, every request goes straight to it.
+    passthrough: Option<crate::passthrough::Passthrough>,
 }
 
 /// Arena shells: every one ever made (kept so `owner` pointers never dangle) and the idle ones.
@@ -507,6 +509,8 @@ impl Allocator {
             inner: Arc::new(Inner {
                 id: next_id(),
                 pool: GlobalPool::new(Arc::clone(&device), &config, total),
+                passthrough: (config.passthrough)
+                    .then(|| crate::passthrough::Passthrough::new(Arc::clone(&device), config.small_max)),
                 device,
                 cfg: config,
                 counters: CounterRegistry::new(),
@@ -533,6 +537,9 @@ impl Allocator {
     /// Allocates `size` bytes, ready for use on `stream` (256-byte aligned).
     /// `size == 0` gives [`DevicePtr::NULL`].
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        if let Some(p) = &self.inner.passthrough {
+            return p.allocate(size, stream, self.inner.pool.limit()); // pass-through mode
+        }
         if size == 0 {
             return Ok(DevicePtr::NULL);
         }
@@ -568,6 +575,9 @@ impl Allocator {
     /// another thread is checked by that thread later; if found invalid it is counted in
     /// [`Stats::invalid_frees`] and reported by [`Allocator::take_deferred_error`].
     pub fn deallocate(&self, ptr: DevicePtr, size: usize, stream: Stream) -> Result<()> {
+        if let Some(p) = &self.inner.passthrough {
+            return p.deallocate(ptr, size, stream); // pass-through mode
+        }
         if ptr.is_null() && size == 0 {
             return Ok(());
         }
@@ -595,6 +605,9 @@ impl Allocator {
         stream: Stream,
         used_on: &[Stream],
     ) -> Result<()> {
+        if let Some(p) = &self.inner.passthrough {
+            return p.deallocate_used_on(ptr, size, stream, used_on); // pass-through mode
+        }
         if !used_on.is_empty() {
             with_slot(&self.inner, |slot, inner| -> Result<()> {
                 let env = inner.env(&slot.counters);
@@ -678,6 +691,9 @@ impl Allocator {
     /// waits for the chunks' pending fences (a host synchronisation); otherwise releases only
     /// chunks whose fences are done. Returns the bytes released to the device.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
+        if self.inner.passthrough.is_some() {
+            return Ok(0); // pass-through mode holds nothing to release
+        }
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
             Slot::reclaim(&mut slot.arena, &mut slot.outbox, &mut slot.ptds, inner, &env, false);
@@ -693,6 +709,9 @@ impl Allocator {
 
     /// A snapshot of the allocator's state.
     pub fn stats(&self) -> Stats {
+        if let Some(p) = &self.inner.passthrough {
+            return p.stats(); // pass-through mode
+        }
         let mut s = Stats::default();
         self.inner.counters.fill(&mut s);
         self.inner.pool.fill_stats(&mut s);
@@ -714,6 +733,7 @@ impl Allocator {
     #[doc(hidden)]
     pub fn check_invariants(&self) {
         self.inner.pool.check();
+        self.inner.passthrough.iter().for_each(|p| p.check()); // pass-through mode
     }
 
     /// Ranges the pool has handed out: `(address, bytes, is_superblock)`. For tests.

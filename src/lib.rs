@@ -26,6 +26,7 @@ pub mod inbox;
 #[doc(hidden)]
 pub mod loom_api;
 mod outbox;
+mod passthrough;
 mod registry;
 pub mod shutdown;
 pub mod size_class;

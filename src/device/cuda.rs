@@ -147,6 +147,27 @@ impl Device for CudaDevice {
         check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
     }
 
+    fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<Option<u64>> {
+        let _g = self.enter()?;
+        let mut p = 0;
+        // SAFETY: `p` is a valid out-pointer and the context is current; the stream handle is
+        // the caller's (NULL, 0x1 and 0x2 are valid handles). The memory comes from the
+        // device's current (by default its default) memory pool.
+        let r = unsafe { sys::cuMemAllocAsync(&mut p, bytes, raw_stream(stream)) };
+        if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Ok(None);
+        }
+        check("cuMemAllocAsync", r)?;
+        Ok(Some(p))
+    }
+
+    unsafe fn free_async(&self, ptr: u64, _bytes: usize, stream: Stream) -> Result<()> {
+        let _g = self.enter()?;
+        // SAFETY: the caller guarantees `ptr` came from `alloc_async`, is freed once, and that
+        // its earlier uses are ordered before `stream`'s queued work.
+        check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(ptr, raw_stream(stream)) })
+    }
+
     fn create_event(&self) -> Result<Event> {
         let _g = self.enter()?;
         let mut e = std::ptr::null_mut();

@@ -25,6 +25,13 @@
 //! stream wait, is caught here whenever the old work is still running, which long random
 //! delays make the common case. Accesses outside reserved memory and releases of memory that
 //! work still uses are violations too.
+//!
+//! ## Stream-ordered allocation
+//! [`Device::alloc_async`] is a fresh reservation (256-byte aligned). [`Device::free_async`]
+//! submits a release operation on the stream, like `cuMemFreeAsync`: it is checked like a
+//! memory operation (unfinished, unordered work on the region on another stream is a race), the
+//! region counts as gone for work submitted after it (an access is then "outside reserved
+//! memory"), and the memory is returned when the operation runs.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
@@ -117,6 +124,11 @@ enum OpKind {
         event: usize,
         generation: u64,
     },
+    /// A stream-ordered release of the region at `start` (from `free_async`).
+    Free {
+        start: u64,
+        end: u64,
+    },
 }
 
 struct Op {
@@ -163,6 +175,8 @@ struct Inflight {
 struct Region {
     len: usize,
     layout: std::alloc::Layout,
+    /// A `free_async` of it has been submitted: no new work may use it.
+    freeing: bool,
 }
 
 struct State {
@@ -181,6 +195,8 @@ struct State {
 }
 
 const LEGACY: usize = 0;
+/// Alignment of [`Device::alloc_async`] memory (CUDA's stream-ordered pools give at least 256).
+const ASYNC_ALIGNMENT: usize = 256;
 static NEXT_DEVICE_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Default for HostDevice {
@@ -436,7 +452,7 @@ impl State {
 
     fn covered(&self, start: u64, end: u64) -> bool {
         match self.regions.range(..=start).next_back() {
-            Some((&base, r)) => end <= base + r.len as u64,
+            Some((&base, r)) => !r.freeing && end <= base + r.len as u64,
             None => false,
         }
     }
@@ -495,6 +511,19 @@ fn worker(sh: Arc<Shared>, idx: usize) {
             }
             OpKind::Record { event, generation } => {
                 st.events[event].completed.insert(generation);
+            }
+            OpKind::Free { start, end } => {
+                // Work ordered before the free has completed; unordered work (a race, reported
+                // when the free was submitted) is waited for, so the memory outlives it.
+                while st.inflight.iter().any(|x| x.start < end && start < x.end) {
+                    st = sh.wait(st);
+                }
+                let r = st.regions.remove(&start).expect("a region being freed stays until its free runs");
+                st.reserved -= r.len;
+                // SAFETY: the region came from `alloc` with this layout, no in-flight operation
+                // overlaps it, and no operation submitted after the free can touch it
+                // (`covered` refuses regions being freed).
+                unsafe { std::alloc::dealloc(start as *mut u8, r.layout) };
             }
             OpKind::Mem { start, end, action } => {
                 drop(st);
@@ -580,15 +609,64 @@ impl Device for HostDevice {
             return Ok(None);
         }
         st.reserved += bytes;
-        st.regions.insert(p as u64, Region { len: bytes, layout });
+        st.regions.insert(p as u64, Region { len: bytes, layout, freeing: false });
         Ok(Some(p as u64))
+    }
+
+    fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<Option<u64>> {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        st.resolve(stream)?;
+        if bytes == 0 || st.reserved.saturating_add(bytes) > sh.cfg.capacity {
+            return Ok(None);
+        }
+        let Ok(layout) = std::alloc::Layout::from_size_align(bytes, ASYNC_ALIGNMENT) else {
+            return Ok(None);
+        };
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc(layout) };
+        if p.is_null() {
+            return Ok(None);
+        }
+        st.reserved += bytes;
+        st.regions.insert(p as u64, Region { len: bytes, layout, freeing: false });
+        Ok(Some(p as u64))
+    }
+
+    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> Result<()> {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        let idx = st.resolve(stream)?;
+        match st.regions.get(&ptr) {
+            Some(r) if r.len == bytes && !r.freeing => {}
+            _ => return Err(Error::Driver { call: "free_async", code: 1 }),
+        }
+        let end = ptr + bytes as u64;
+        st.sync_implicitly(sh, idx);
+        let seq = st.streams[idx].bump();
+        let clock = &st.streams[idx].clock;
+        let races: Vec<String> = st
+            .inflight
+            .iter()
+            .filter(|x| x.stream != idx && x.start < end && ptr < x.end && clock[x.stream] < x.seq)
+            .map(|x| {
+                format!(
+                    "race: free_async on stream {idx} (op {seq}) of [{ptr:#x}, {end:#x}) while unordered op {} of stream {} on [{:#x}, {:#x}) is unfinished",
+                    x.seq, x.stream, x.start, x.end
+                )
+            })
+            .collect();
+        st.violations.extend(races);
+        st.regions.get_mut(&ptr).expect("checked above").freeing = true;
+        st.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::Free { start: ptr, end } });
+        Ok(())
     }
 
     unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()> {
         let sh = self.sh();
         let mut st = sh.lock();
         match st.regions.get(&ptr) {
-            Some(r) if r.len == bytes => {}
+            Some(r) if r.len == bytes && !r.freeing => {}
             _ => {
                 return Err(Error::Driver { call: "release", code: 1 });
             }
@@ -838,5 +916,77 @@ mod tests {
         unsafe { d.release(p, 1 << 20).unwrap() };
         assert_eq!(d.violations().len(), 2);
         assert_eq!(d.reserve(128 << 20).unwrap(), None, "over capacity");
+    }
+
+    #[test]
+    fn a_stream_ordered_free_runs_after_the_work_before_it() {
+        let d = dev(2000);
+        let (a, b) = (d.create_stream(), d.create_stream());
+        let p = d.alloc_async(4096, a).unwrap().unwrap();
+        assert_eq!(p % 256, 0);
+        assert_eq!(d.reserved_bytes(), 4096);
+        d.hold_and_check(p, 4096, 3, Duration::from_millis(20), a).unwrap();
+        let e = d.create_event().unwrap();
+        d.record_event(e, a).unwrap();
+        d.stream_wait_event(b, e).unwrap();
+        // SAFETY: from alloc_async, freed once, its use on `a` ordered before `b` by the wait.
+        unsafe { d.free_async(p, 4096, b).unwrap() };
+        assert_eq!(d.reserved_bytes(), 4096, "released only when the free runs");
+        d.synchronize();
+        assert_eq!(d.reserved_bytes(), 0);
+        assert_eq!(d.violations(), Vec::<String>::new());
+        assert_eq!(d.tag_errors(), 0);
+    }
+
+    #[test]
+    fn an_unordered_stream_ordered_free_is_a_violation() {
+        let d = dev(0);
+        let (a, b) = (d.create_stream(), d.create_stream());
+        let p = d.alloc_async(4096, a).unwrap().unwrap();
+        d.hold_and_check(p, 4096, 3, Duration::from_millis(30), a).unwrap();
+        // SAFETY: deliberately unordered; the simulated release waits for the work all the same.
+        unsafe { d.free_async(p, 4096, b).unwrap() };
+        d.synchronize();
+        assert_eq!(d.violations().len(), 1, "{:?}", d.violations());
+        assert!(d.violations()[0].contains("free_async"), "{:?}", d.violations());
+        assert_eq!(d.tag_errors(), 0, "the memory outlived the work");
+        assert_eq!(d.reserved_bytes(), 0);
+    }
+
+    #[test]
+    fn work_submitted_after_a_stream_ordered_free_is_a_violation() {
+        let d = dev(0);
+        let a = d.create_stream();
+        let p = d.alloc_async(4096, a).unwrap().unwrap();
+        // SAFETY: from alloc_async, freed once, unused.
+        unsafe { d.free_async(p, 4096, a).unwrap() };
+        d.write_tag(p, 256, 1, a).unwrap();
+        d.synchronize();
+        assert_eq!(d.violations().len(), 1);
+        assert!(d.violations()[0].contains("outside reserved memory"), "{:?}", d.violations());
+    }
+
+    #[test]
+    fn bad_stream_ordered_frees_are_errors_and_free_nothing() {
+        let d = dev(0);
+        let s = d.create_stream();
+        let p = d.alloc_async(1000, Stream::LEGACY).unwrap().unwrap();
+        d.destroy_stream(s).unwrap();
+        assert!(d.alloc_async(1000, s).is_err(), "a destroyed stream");
+        // SAFETY: each call is refused before anything is freed.
+        unsafe {
+            assert!(d.free_async(p, 1000, s).is_err(), "a destroyed stream");
+            assert!(d.free_async(p, 999, Stream::LEGACY).is_err(), "the wrong size");
+            assert!(d.free_async(p + 256, 744, Stream::LEGACY).is_err(), "an interior pointer");
+        }
+        assert_eq!(d.reserved_bytes(), 1000);
+        // SAFETY: from alloc_async, freed once.
+        unsafe { d.free_async(p, 1000, Stream::PER_THREAD).unwrap() };
+        // SAFETY: refused: the region is already being freed.
+        assert!(unsafe { d.free_async(p, 1000, Stream::LEGACY) }.is_err(), "a double free");
+        d.synchronize();
+        assert_eq!(d.reserved_bytes(), 0);
+        assert_eq!(d.alloc_async(128 << 20, Stream::LEGACY).unwrap(), None, "over capacity");
+        assert!(d.violations().is_empty(), "{:?}", d.violations());
     }
 }

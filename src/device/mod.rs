@@ -58,6 +58,19 @@ pub trait Device: Send + Sync + 'static {
     /// # Safety
     /// `ptr` and `bytes` must come from one earlier `reserve`, and no work may still use it.
     unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()>;
+    /// Allocates `bytes` (> 0) ordered on `stream`, from the device's own stream-ordered pool
+    /// (`cuMemAllocAsync` on CUDA; a fresh reservation on the host device). `Ok(None)` means the
+    /// device is out of memory. Only pass-through mode uses it.
+    fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<Option<u64>>;
+    /// Frees memory from [`Device::alloc_async`], ordered on `stream` like `cuMemFreeAsync`:
+    /// the memory is released once the work queued on `stream` so far has completed. An error
+    /// (for example a destroyed stream) frees nothing.
+    ///
+    /// # Safety
+    /// `ptr` and `bytes` must come from one earlier `alloc_async` of this device, and it must be
+    /// freed once only. Every earlier use of the memory must be ordered before the work queued
+    /// on `stream` so far (the contract of `cuMemFreeAsync`).
+    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> Result<()>;
     /// Creates an event (no timing).
     fn create_event(&self) -> Result<Event>;
     /// Destroys an event.

@@ -82,6 +82,12 @@ impl Device for ModelDevice {
     unsafe fn release(&self, _ptr: u64, _bytes: usize) -> Result<()> {
         Ok(())
     }
+    fn alloc_async(&self, bytes: usize, _s: Stream) -> Result<Option<u64>> {
+        self.reserve(bytes)
+    }
+    unsafe fn free_async(&self, _ptr: u64, _bytes: usize, _s: Stream) -> Result<()> {
+        Ok(())
+    }
     fn create_event(&self) -> Result<Event> {
         let i = self.made.fetch_add(1, Ordering::Relaxed);
         if i >= EVENTS {
