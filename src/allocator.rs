@@ -89,6 +89,16 @@ struct Slot {
     slow_paths: u32,
 }
 
+/// What the owner found when it looked at its own block inside its claim.
+enum Local {
+    /// Freed on the fast path (or refused: the error).
+    Freed(Result<()>),
+    /// Checked against the tags for a free on another stream (it goes the remote way).
+    Checked(Result<()>),
+    /// The superblock is not the owner's any more.
+    NotOurs,
+}
+
 /// The owning thread's handle on its arena. The arena is on the heap, its address published in
 /// its shell (`ArenaShell::arena`), so that a reclaimer holding the shell's claim can work on it
 /// while the owner is idle (see `claim.rs`). The owner touches it only inside its own claim,
@@ -358,7 +368,7 @@ impl Slot {
     fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
         let small_max = inner.cfg.small_max;
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
-        let bytes = block_bytes(size, small_max).filter(|_| size > 0);
+        let bytes = if size == 0 { None } else { block_bytes(size, small_max) };
         if size > 0
             && size <= small_max
             && let Some(sb) = inner.pool.registry.lookup(ptr)
@@ -396,17 +406,38 @@ impl Slot {
     ) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
-        let env = inner.env(&self.counters);
         let mine = self.arena.as_ref().is_some_and(|a| std::ptr::eq(Arc::as_ptr(&a.shell), owner));
-        if mine
-            && stream.is_per_thread()
-            && let Some(r) =
-                self.arena.as_mut().and_then(|a| a.with(|a| a.free_local(&env, sb, ptr, size, bytes)))
-        {
-            r?;
-            self.counted_free(bytes);
-            return Ok(());
+        if mine {
+            // Inside our claim the superblock stays ours (only a reclaimer holding the claim
+            // could give it back), so ownership read before it is checked again in it.
+            let env = inner.env(&self.counters);
+            let local = self.arena.as_mut().and_then(|a| {
+                a.with(|a| {
+                    if !a.owns(sb) {
+                        Local::NotOurs
+                    } else if stream.is_per_thread() {
+                        Local::Freed(a.free_local(&env, sb, ptr, size, bytes))
+                    } else {
+                        Local::Checked(Arena::check_live(sb, ptr, size, bytes))
+                    }
+                })
+            });
+            drop(env);
+            match local {
+                Some(Local::Freed(r)) => {
+                    r?;
+                    self.counted_free(bytes);
+                    return Ok(());
+                }
+                // A reclaimer gave the superblock back meanwhile: route the free afresh.
+                Some(Local::NotOurs) => return self.free(inner, ptr, size, stream),
+                Some(Local::Checked(r)) => r?,
+                // A reclaimer holds our arena right now: the free goes the remote way, and
+                // the drain checks it.
+                None => {}
+            }
         }
+        let env = inner.env(&self.counters);
         let g = sb.granule_of(ptr).ok_or(invalid(InvalidFree::UnknownPointer))?;
         if !sb.mark_transit(g) {
             return Err(invalid(InvalidFree::DoubleFree));

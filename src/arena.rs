@@ -234,6 +234,21 @@ impl Arena {
         l.live -= len;
     }
 
+    /// Checks that `ptr` is a live block of `bytes` in `sb` whose free is not already on its
+    /// way: the owner's check of its own free on another stream, made at once (it then goes
+    /// the remote way and is applied after its fence).
+    pub(crate) fn check_live(sb: &Superblock, ptr: u64, size: usize, bytes: usize) -> Result<()> {
+        let g = bytes >> GRANULE_SHIFT;
+        // SAFETY: the caller owns `sb` and holds its claim; no other `with_local` is active.
+        let r = unsafe {
+            sb.with_local(|l| {
+                let first = Self::validate(l, sb, ptr, size, g)?;
+                if sb.in_transit(first) { Err(InvalidFree::DoubleFree) } else { Ok(()) }
+            })
+        };
+        r.map_err(|reason| Error::InvalidFree { ptr, size, reason })
+    }
+
     /// Fast path: frees a block of this arena on the owner's per-thread stream.
     #[inline]
     /// `bytes` is `block_bytes(size)`, which the caller has computed already.

@@ -72,6 +72,13 @@ impl Device for StallingDevice {
     fn stream_key(&self, stream: Stream) -> cuarena::Result<StreamKey> {
         self.0.stream_key(stream)
     }
+    fn alloc_async(&self, bytes: usize, stream: Stream) -> cuarena::Result<Option<u64>> {
+        self.0.alloc_async(bytes, stream)
+    }
+    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> cuarena::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.free_async(ptr, bytes, stream) }
+    }
 }
 
 /// Bug A: two threads free neighbouring pool blocks on the shared legacy stream. X's record is
