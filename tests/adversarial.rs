@@ -4,6 +4,8 @@
 //! the shared legacy stream. After each: no race-checker violation, no tag error, the pool's
 //! invariants, statistics that add up, and every byte back.
 
+#![allow(clippy::manual_is_multiple_of, clippy::type_complexity)]
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -859,4 +861,41 @@ fn heavy_random_mix_with_injected_bad_frees() {
     live.assert_clean();
     let _ = a.take_deferred_error();
     assert_all_back(&a, &sim, bad.load(Ordering::Relaxed));
+}
+
+/// The owner frees its block on its per-thread stream, then again on the legacy stream. The
+/// owner can read its own tags, so the second free can be refused at once; accepted, it
+/// travels to the owner's inbox and, if the block was handed out again meanwhile, frees the
+/// new live block ("a double free is caught while the block has not been handed out again").
+#[test]
+fn the_owners_cross_stream_double_free_is_refused_at_once() {
+    let sim = host(0);
+    let a = Allocator::host(sim.clone(), small().batch_blocks(64).build().unwrap()).unwrap();
+    let mut failures = Vec::new();
+    let mut bad = 0;
+    for size in [4096usize, 48 << 10] {
+        let p = a.allocate_per_thread(size).unwrap();
+        a.deallocate_per_thread(p, size).unwrap();
+        let second = a.deallocate(p, size, Stream::LEGACY);
+        bad += 1;
+        if second.is_ok() {
+            failures.push(format!("{size}: second free on legacy accepted"));
+        }
+        // The block is handed out again before the second free is drained.
+        let q = a.allocate_per_thread(size).unwrap();
+        a.flush().unwrap(); // sends and drains the second free
+        std::thread::sleep(Duration::from_millis(5));
+        a.flush().unwrap(); // its fence is done: applied
+        let r = a.allocate_per_thread(size).unwrap();
+        if q == p && r == q {
+            failures.push(format!("{size}: live block {q:?} handed out twice"));
+        }
+        a.deallocate_per_thread(r, size).unwrap();
+        if r != q {
+            a.deallocate_per_thread(q, size).unwrap();
+        }
+    }
+    let _ = a.take_deferred_error();
+    assert!(failures.is_empty(), "{failures:?}");
+    assert_all_back(&a, &sim, bad);
 }
