@@ -1,0 +1,144 @@
+//! A race between an owner's fast-path free and a reclaimer that dissolves the owner's
+//! superblock (commit 59783b9). Kept in its own test binary: when the race hits, the owner
+//! thread panics inside the allocator and its thread-local destructor panics again, which
+//! aborts the whole process.
+
+#![allow(clippy::manual_is_multiple_of, clippy::type_complexity)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cuarena::{Allocator, Config, DevicePtr, Error, HostConfig, HostDevice, Stream};
+
+fn host(max_delay_us: u64) -> HostDevice {
+    HostDevice::new(HostConfig {
+        capacity: 1 << 30,
+        min_delay: Duration::ZERO,
+        max_delay: Duration::from_micros(max_delay_us),
+        ..HostConfig::default()
+    })
+}
+
+fn small() -> cuarena::ConfigBuilder {
+    Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20)
+}
+
+fn rng(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+#[derive(Default)]
+struct Live {
+    map: Mutex<BTreeMap<u64, u64>>,
+    errors: Mutex<Vec<String>>,
+}
+
+impl Live {
+    fn insert(&self, p: DevicePtr, len: usize) {
+        let (s, e) = (p.0, p.0 + len as u64);
+        let mut m = self.map.lock().unwrap();
+        let below = m.range(..e).next_back().map(|(&a, &b)| (a, b));
+        if let Some((a, b)) = below
+            && b > s
+        {
+            self.errors.lock().unwrap().push(format!("[{s:#x},{e:#x}) overlaps live [{a:#x},{b:#x})"));
+        }
+        m.insert(s, e);
+    }
+    fn remove(&self, p: DevicePtr) {
+        self.map.lock().unwrap().remove(&p.0);
+    }
+    fn assert_clean(&self) {
+        let e = self.errors.lock().unwrap();
+        assert!(e.is_empty(), "{} overlaps, first: {:?}", e.len(), &e[..e.len().min(5)]);
+    }
+}
+
+fn assert_all_back(a: &Allocator, sim: &HostDevice) {
+    a.release_thread().unwrap();
+    sim.synchronize();
+    assert!(sim.violations().is_empty(), "{:?}", &sim.violations()[..sim.violations().len().min(5)]);
+    assert_eq!(sim.tag_errors(), 0);
+    a.check_invariants();
+    let s = a.stats();
+    assert_eq!((s.live_bytes, s.invalid_frees), (0, 0), "{s:?}");
+    a.trim(true).unwrap();
+    let s = a.stats();
+    assert_eq!(a.pool_in_use(), 0, "still handed out: {:?}", a.pool_used_ranges());
+    assert_eq!((s.arena_held_bytes, s.reserved_bytes, s.arenas), (0, 0, 0), "{s:?}");
+}
+
+/// Targets the window in `Slot::free` between reading a superblock's owner (outside the
+/// owner's claim) and entering the claim for the local free: a reclaimer that dissolves the
+/// superblock in between leaves the owner freeing into a superblock it no longer owns. Many
+/// owner threads (more than cores, so they are preempted anywhere) free on their fast path
+/// while OOM reclaimers dissolve their arenas.
+#[test]
+fn race_owner_fast_free_against_dissolving_reclaim() {
+    let sim = host(5);
+    let cfg = small().max_bytes(4 << 20).batch_blocks(8).build().unwrap();
+    let a = Allocator::host(sim.clone(), cfg).unwrap();
+    let live = Arc::new(Live::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut hs = Vec::new();
+    for t in 0..10u64 {
+        let (a, live, stop) = (a.clone(), live.clone(), stop.clone());
+        hs.push(std::thread::spawn(move || {
+            let mut x = 0x1234_5678 ^ (t * 0x9e37) | 1;
+            while !stop.load(Ordering::Relaxed) {
+                let mut v = Vec::new();
+                for _ in 0..12 {
+                    // Both cached (<= 32 KiB) and merged classes.
+                    let n = if rng(&mut x) % 2 == 0 { 24 << 10 } else { 48 << 10 };
+                    match a.allocate_per_thread(n) {
+                        Ok(p) => {
+                            live.insert(p, n);
+                            v.push((p, n));
+                        }
+                        Err(Error::OutOfMemory { .. }) => break,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                for (p, n) in v {
+                    live.remove(p);
+                    a.deallocate_per_thread(p, n).unwrap();
+                }
+            }
+            a.release_thread().unwrap();
+        }));
+    }
+    for _ in 0..3 {
+        let (a, live, stop) = (a.clone(), live.clone(), stop.clone());
+        hs.push(std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let mut v = Vec::new();
+                while let Ok(p) = a.allocate(256 << 10, Stream::LEGACY) {
+                    live.insert(p, 256 << 10);
+                    v.push(p);
+                }
+                for p in v {
+                    live.remove(p);
+                    a.deallocate(p, 256 << 10, Stream::LEGACY).unwrap();
+                }
+            }
+            a.release_thread().unwrap();
+        }));
+    }
+    std::thread::sleep(Duration::from_secs(8));
+    stop.store(true, Ordering::Relaxed);
+    let panics: Vec<_> = hs.into_iter().filter_map(|h| h.join().err()).collect();
+    assert!(panics.is_empty(), "{} threads panicked", panics.len());
+    live.assert_clean();
+    let s = a.stats();
+    eprintln!(
+        "dissolved {} returned {} taken {}",
+        s.superblocks_dissolved, s.superblocks_returned, s.superblocks_taken
+    );
+    assert!(a.take_deferred_error().is_none(), "{:?}", a.take_deferred_error());
+    assert_all_back(&a, &sim);
+}
