@@ -388,6 +388,11 @@ impl Harness {
                         };
                         let may_defer = b.arena() && size <= SMALL_MAX;
                         self.bad_free(t, b.ptr, size, s, allowed, may_defer.then_some((b.tag, false)))?;
+                        if may_defer {
+                            // Known limitation (README): until a deferred bad free is checked,
+                            // a correct free of the same block is refused as a double free.
+                            self.sync()?;
+                        }
                     }
                     Bad::Interior(n) => {
                         let granules = b.bytes() / 256;
@@ -399,6 +404,9 @@ impl Harness {
                         let may_defer = b.arena() && off % 256 == 0;
                         let defer = may_defer.then_some((b.tag, false));
                         self.bad_free(t, b.ptr + off, 256, s, vec![InvalidFree::UnknownPointer], defer)?;
+                        if may_defer {
+                            self.sync()?; // as above
+                        }
                     }
                 }
             }
