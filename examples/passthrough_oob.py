@@ -3,8 +3,12 @@ memcheck reports the write (each allocation is the driver's own); in the normal 
 write lands inside cuarena's pool and no tool can see it. Usage:
   CUARENA_CONF=passthrough compute-sanitizer --tool memcheck python3 examples/passthrough_oob.py
 """
-import cupy
-import cuarena
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import cupy  # noqa: E402
+import cuarena  # noqa: E402
 
 cuarena.install_cupy()
 a = cupy.zeros(1000, dtype=cupy.float32)  # 4,000 bytes
