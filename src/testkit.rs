@@ -407,7 +407,8 @@ pub struct TortureParams {
     pub allocations_per_thread: usize,
     /// Blocks each thread keeps live at once, per device.
     pub slots: usize,
-    /// Small requests are log-uniform in `[small_min, small_max]` (the arena path when
+    /// Small requests are log-uniform in `[small_min, small_max]` (at least 4 bytes, so every
+    /// block has a tag word; the arena path when
     /// `small_max` is at most the allocator's `small_max` and the stream is the PTDS).
     pub small_min: usize,
     pub small_max: usize,
@@ -423,6 +424,9 @@ pub struct TortureParams {
     pub tag_bytes: usize,
     /// How long each tag kernel holds its block between writing and re-checking the tag.
     pub hold: Duration,
+    /// How long the tag kernels on the thread's other stream (before a cross-stream free) hold
+    /// their block; `None`: `hold`.
+    pub cross_hold: Option<Duration>,
     /// Every `throttle` steps a thread waits on the host for its streams' work up to
     /// `throttle` steps back, which bounds the work it has queued (0: never). This is the
     /// test's own back-pressure; the allocator never blocks.
@@ -437,7 +441,7 @@ impl Default for TortureParams {
             threads: 16,
             allocations_per_thread: 2000,
             slots: 32,
-            small_min: 1,
+            small_min: 4,
             small_max: 1 << 20,
             large_pct: 3,
             large_min: (1 << 20) + 1,
@@ -446,6 +450,7 @@ impl Default for TortureParams {
             handoff_pct: 30,
             tag_bytes: 16 << 10,
             hold: Duration::from_micros(20),
+            cross_hold: None,
             throttle: 0,
             mode: StreamMode::Ptds,
             seed: 1,
@@ -536,15 +541,15 @@ struct Lane {
 }
 
 /// The tag work over a block: its head and tail (or all of it), each held for `hold`.
-fn hold_block(ops: &dyn TagOps, p: &TortureParams, b: &TBlock, stream: Stream) -> Result<()> {
+fn hold_block(ops: &dyn TagOps, p: &TortureParams, b: &TBlock, stream: Stream, hold: Duration) -> Result<()> {
     let len = b.size & !3;
     if len <= 2 * p.tag_bytes {
-        return ops.hold_check(b.ptr.0, len, b.tag, p.hold, stream);
+        return ops.hold_check(b.ptr.0, len, b.tag, hold, stream);
     }
     let n = p.tag_bytes & !3;
-    ops.hold_check(b.ptr.0, n, b.tag, p.hold, stream)?;
+    ops.hold_check(b.ptr.0, n, b.tag, hold, stream)?;
     let tail = (b.ptr.0 + b.size as u64 - n as u64) & !3;
-    ops.hold_check(tail, n, b.tag, p.hold, stream)
+    ops.hold_check(tail, n, b.tag, hold, stream)
 }
 
 /// Runs the fence torture over `targets` (one or more devices, each with its allocator).
@@ -623,7 +628,8 @@ fn torture_thread(
         lanes.push(Lane { main, alt, slots: (0..p.slots).map(|_| None).collect(), pending: None });
     }
     let mut c = TCounts::default();
-    let (slo, shi) = ((p.small_min.max(1) as f64).ln(), (p.small_max.max(p.small_min.max(1)) as f64).ln());
+    let small_min = p.small_min.max(4);
+    let (slo, shi) = ((small_min as f64).ln(), (p.small_max.max(small_min) as f64).ln());
     let (llo, lhi) = ((p.large_min.max(1) as f64).ln(), (p.large_max.max(p.large_min.max(1)) as f64).ln());
     // The receiving side of a handoff: wait on the sender's event, use the block, free it here.
     let receive = |h: Handoff, lanes: &[Lane]| -> Result<()> {
@@ -631,7 +637,7 @@ fn torture_thread(
         let dev = tg.ops.device();
         dev.stream_wait_event(lane.main, h.event)?;
         dev.destroy_event(h.event);
-        hold_block(&*tg.ops, p, &h.blk, lane.main)?;
+        hold_block(&*tg.ops, p, &h.blk, lane.main, p.hold)?;
         lives[h.dev].remove(h.blk.ptr.0);
         tg.alloc.deallocate(h.blk.ptr, h.blk.size, lane.main)
     };
@@ -659,7 +665,7 @@ fn torture_thread(
         let i = (rng(&mut x) % p.slots as u64) as usize;
         if let Some(blk) = lane.slots[i].take() {
             // The block's last use on its stream, in flight as it is freed or handed on.
-            hold_block(&*tg.ops, p, &blk, lane.main)?;
+            hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
             let r = rng(&mut x) % 100;
             if p.threads > 1 && r < p.handoff_pct as u64 {
                 let ev = dev.create_event()?;
@@ -675,7 +681,7 @@ fn torture_thread(
                 dev.record_event(ev, lane.main)?;
                 dev.stream_wait_event(lane.alt, ev)?;
                 dev.destroy_event(ev);
-                hold_block(&*tg.ops, p, &blk, lane.alt)?;
+                hold_block(&*tg.ops, p, &blk, lane.alt, p.cross_hold.unwrap_or(p.hold))?;
                 lives[d].remove(blk.ptr.0);
                 tg.alloc.deallocate(blk.ptr, blk.size, lane.alt)?;
                 c.cross += 1;
@@ -688,11 +694,11 @@ fn torture_thread(
         let large = (rng(&mut x) % 100) < p.large_pct as u64;
         let u = (rng(&mut x) % 1_000_000) as f64 / 1_000_000.0;
         let size = if large { (llo + u * (lhi - llo)).exp() } else { (slo + u * (shi - slo)).exp() } as usize;
-        let size = size.max(1);
+        let size = size.max(small_min);
         let ptr = tg.alloc.allocate(size, lane.main)?;
         lives[d].insert(ptr.0, size, layout);
         let blk = TBlock { ptr, size, tag: rng(&mut x) as u32 | 1 };
-        hold_block(&*tg.ops, p, &blk, lane.main)?;
+        hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
         lane.slots[i] = Some(blk);
         c.allocations += 1;
         c.large += u64::from(size > p.small_max);
@@ -706,7 +712,7 @@ fn torture_thread(
     for (d, lane) in lanes.iter_mut().enumerate() {
         let tg = &targets[d];
         for blk in lane.slots.iter_mut().filter_map(Option::take) {
-            hold_block(&*tg.ops, p, &blk, lane.main)?;
+            hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
             lives[d].remove(blk.ptr.0);
             tg.alloc.deallocate(blk.ptr, blk.size, lane.main)?;
             c.local += 1;

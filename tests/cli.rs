@@ -2,12 +2,19 @@
 
 use std::process::{Command, Output};
 
+/// The binary cargo built, or (in the GPU bundle, where that path does not exist) the
+/// `cuarena` beside this test binary.
+fn binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_cuarena"));
+    if built.exists() {
+        return built;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    exe.with_file_name("cuarena")
+}
+
 fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cuarena"))
-        .args(args)
-        .env_remove("CUARENA_CONF")
-        .output()
-        .expect("running the cuarena binary")
+    Command::new(binary()).args(args).env_remove("CUARENA_CONF").output().expect("running the cuarena binary")
 }
 
 fn refused(args: &[&str], needle: &str) {
@@ -70,7 +77,7 @@ fn a_short_valid_run_succeeds() {
 #[test]
 fn a_run_in_which_a_measurement_failed_prints_what_it_could_and_fails() {
     // A bad CUARENA_CONF makes every cuarena point fail; the baseline's points still run.
-    let out = Command::new(env!("CARGO_BIN_EXE_cuarena"))
+    let out = Command::new(binary())
         .args(["--workloads", "churn", "--threads", "1", "--secs", "0.02", "--no-touch"])
         .env("CUARENA_CONF", "no_such_key=1")
         .output()
@@ -84,7 +91,7 @@ fn a_run_in_which_a_measurement_failed_prints_what_it_could_and_fails() {
 
 #[test]
 fn a_run_in_which_every_measurement_failed_fails() {
-    let out = Command::new(env!("CARGO_BIN_EXE_cuarena"))
+    let out = Command::new(binary())
         .args([
             "--workloads",
             "churn",
