@@ -492,6 +492,14 @@ impl Bench {
         threads: usize,
         secs: f64,
     ) -> Result<Point> {
+        if threads == 0 {
+            return Err(Error::Config("a benchmark point needs at least 1 thread".into()));
+        }
+        if !(secs.is_finite() && secs > 0.0) {
+            return Err(Error::Config(format!(
+                "a benchmark point runs for a finite time above 0 s, not {secs}"
+            )));
+        }
         let t_start = Instant::now();
         let alloc: Arc<dyn BenchAlloc> = Arc::from(self.make(alloc_name)?);
         let threads = if w == Workload::RandomAllocations { 1 } else { threads };

@@ -39,7 +39,7 @@ fn parse() -> Result<Args, String> {
             "--json" => a.json = true,
             "--no-touch" => a.touch = vec![false],
             "--touch-only" => a.touch = vec![true],
-            "--secs" => a.secs = Some(val("--secs")?.parse().map_err(|e| format!("--secs: {e}"))?),
+            "--secs" => a.secs = Some(parse_secs(&val("--secs")?)?),
             "--threads" => a.threads = Some(parse_list("--threads", &val("--threads")?)?),
             "--workloads" => {
                 let v = val("--workloads")?;
@@ -68,9 +68,40 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-/// Parses a comma-separated list of thread counts.
+/// Parses a comma-separated list of thread counts, each at least 1.
 fn parse_list(flag: &str, v: &str) -> Result<Vec<usize>, String> {
-    v.split(',').map(|t| t.parse().map_err(|e| format!("{flag}: {e}"))).collect()
+    v.split(',')
+        .map(|t| match t.trim().parse::<usize>() {
+            Ok(0) => Err(format!("{flag}: thread counts must be at least 1, got 0")),
+            Ok(n) => Ok(n),
+            Err(e) => Err(format!("{flag}: `{t}` is not a thread count ({e})")),
+        })
+        .collect()
+}
+
+/// Parses the seconds each point runs: a finite number above zero.
+fn parse_secs(v: &str) -> Result<f64, String> {
+    let s: f64 = v.trim().parse().map_err(|e| format!("--secs: `{v}` is not a number ({e})"))?;
+    if s.is_finite() && s > 0.0 {
+        Ok(s)
+    } else {
+        Err(format!("--secs must be a finite number of seconds above 0, got {v}"))
+    }
+}
+
+/// Checks every requested allocator against those this device runs.
+fn check_allocators(requested: &[String], valid: &[&str]) -> Result<(), String> {
+    let unknown: Vec<&str> = requested.iter().map(String::as_str).filter(|a| !valid.contains(a)).collect();
+    if unknown.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "unknown allocator{} {} (this device runs: {})",
+            if unknown.len() > 1 { "s" } else { "" },
+            unknown.iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", "),
+            valid.join(", ")
+        ))
+    }
 }
 
 fn human(x: f64) -> String {
@@ -92,6 +123,12 @@ fn main() {
     };
     let bench = Bench::detect();
     eprintln!("cuarena benchmark on {}", bench.description);
+    if let Some(requested) = &args.allocators
+        && let Err(e) = check_allocators(requested, &bench.allocator_names())
+    {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads: Vec<usize> = args.threads.clone().unwrap_or_else(|| {
         let all = if args.quick { vec![1, 4, 16] } else { vec![1, 2, 4, 8, 16] };
@@ -130,7 +167,12 @@ fn main() {
         }
     }
     let mut points: Vec<Point> = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
     let n = plan.len();
+    if n == 0 {
+        eprintln!("error: nothing to measure: every requested workload was skipped on this device");
+        std::process::exit(1);
+    }
     for (i, (w, touch, t, a, s)) in plan.into_iter().enumerate() {
         eprint!(
             "\r[{:>3}/{n}] {:<24} {:>2} threads {:<16}",
@@ -147,13 +189,28 @@ fn main() {
                 }
                 points.push(p);
             }
-            Err(e) => eprintln!("\n{a} {} {t} threads failed: {e}", w.name()),
+            Err(e) => {
+                let what =
+                    format!("{a} {}{} {t} threads failed: {e}", w.name(), if touch { "+touch" } else { "" });
+                eprintln!("\n{what}");
+                failures.push(what);
+            }
         }
     }
     eprintln!();
-    if args.json {
-        return;
+    if !args.json {
+        print_table(&bench, &points);
     }
+    if !failures.is_empty() {
+        eprintln!("error: {} of {n} measurements failed:", failures.len());
+        for f in &failures {
+            eprintln!("  {f}");
+        }
+        std::process::exit(1);
+    }
+}
+
+fn print_table(bench: &Bench, points: &[Point]) {
     println!("device: {}", bench.description);
     println!(
         "{:<24} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6} {:>10} {:>6} {:>5}",
@@ -169,7 +226,7 @@ fn main() {
         "syncs",
         "conc"
     );
-    for p in &points {
+    for p in points {
         println!(
             "{:<24} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6.2} {:>10.1} {:>6} {:>5}",
             p.workload,
@@ -184,5 +241,39 @@ fn main() {
             p.host_syncs,
             p.kernel_concurrency.map_or("-".into(), |c| c.to_string())
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_counts_must_be_at_least_one() {
+        assert_eq!(parse_list("--threads", "1,4,16"), Ok(vec![1, 4, 16]));
+        let e = parse_list("--threads", "0").unwrap_err();
+        assert!(e.contains("at least 1"), "{e}");
+        assert!(parse_list("--threads", "4,0").is_err());
+        assert!(parse_list("--threads", "-1").is_err());
+        assert!(parse_list("--threads", "").is_err());
+        assert!(parse_list("--baseline-threads", "x").unwrap_err().starts_with("--baseline-threads"));
+    }
+
+    #[test]
+    fn secs_must_be_finite_and_positive() {
+        assert_eq!(parse_secs("0.5"), Ok(0.5));
+        for bad in ["-1", "0", "-0", "NaN", "inf", "-inf", "", "soon"] {
+            assert!(parse_secs(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn unknown_allocators_are_listed_against_the_valid_ones() {
+        let valid = ["cuarena", "mutex-first-fit"];
+        assert!(check_allocators(&["cuarena".into()], &valid).is_ok());
+        let e = check_allocators(&["foo".into(), "cuarena".into(), "bar".into()], &valid).unwrap_err();
+        assert!(e.contains("`foo`") && e.contains("`bar`") && !e.contains("`cuarena`"), "{e}");
+        assert!(e.contains("cuarena, mutex-first-fit"), "{e}");
+        assert!(check_allocators(&["".into()], &valid).is_err());
     }
 }

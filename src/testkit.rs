@@ -9,19 +9,26 @@
 //!
 //! While running, a shared map of live blocks checks that no two live blocks overlap and that
 //! every block is 256-byte aligned.
+//!
+//! Also here: [`torture`], the fence torture (many threads, every kind of free, three stream
+//! modes, one or more devices); [`LightDevice`], a device for runs with very many threads;
+//! [`gpu_or_skip`] and [`gpus_or_skip`], which decide whether a GPU test runs; and
+//! [`assert_all_returned`].
 
-use std::collections::BTreeMap;
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Barrier, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Barrier, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::allocator::{Allocator, DevicePtr};
-use crate::device::Device;
 use crate::device::cuda::CudaDevice;
 use crate::device::cuda_kernels::CudaKernels;
 use crate::device::host::HostDevice;
-use crate::error::Result;
-use crate::stream::Stream;
+use crate::device::{Device, DeviceKind, Event};
+use crate::error::{Error, Result};
+use crate::stream::{Stream, StreamKey};
 
 /// Stream work the workload needs from a device.
 pub trait TagOps: Send + Sync {
@@ -198,8 +205,7 @@ pub fn stress(ops: Arc<dyn TagOps>, alloc: &Allocator, p: &StressParams) -> Resu
     let live = Arc::new(Live(Mutex::new(BTreeMap::new())));
     let layout = Arc::new(Mutex::new(Vec::new()));
     let barrier = Arc::new(Barrier::new(p.threads));
-    let (txs, rxs): (Vec<_>, Vec<_>) =
-        (0..p.threads).map(|_| mpsc::channel::<(Block, crate::device::Event)>()).unzip();
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..p.threads).map(|_| mpsc::channel::<(Block, Event)>()).unzip();
     let mut handles = Vec::new();
     for (t, rx) in rxs.into_iter().enumerate() {
         let tx = txs[(t + 1) % p.threads].clone();
@@ -218,7 +224,7 @@ pub fn stress(ops: Arc<dyn TagOps>, alloc: &Allocator, p: &StressParams) -> Resu
             let mut slots: Vec<Option<Block>> = (0..p.slots).map(|_| None).collect();
             let (mut allocs, mut handoffs) = (0u64, 0u64);
             let tag_len = |b: &Block| b.size.min(p.tag_bytes) & !3;
-            let receive = |blk: Block, ev: crate::device::Event| -> Result<()> {
+            let receive = |blk: Block, ev: Event| -> Result<()> {
                 dev.stream_wait_event(Stream::PER_THREAD, ev)?;
                 dev.destroy_event(ev);
                 ops.hold_check(blk.ptr.0, tag_len(&blk), blk.tag, p.hold, Stream::PER_THREAD)?;
@@ -299,4 +305,580 @@ pub fn stress(ops: Arc<dyn TagOps>, alloc: &Allocator, p: &StressParams) -> Resu
     report.violations = ops.violations();
     report.layout_errors = std::mem::take(&mut *layout.lock().unwrap_or_else(|p| p.into_inner()));
     Ok(report)
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU availability for tests.
+
+/// The GPU of `ordinal` for a test, or `None` after printing "skipped: no CUDA driver (...)".
+/// With `CUARENA_REQUIRE_GPU=1`, no usable GPU is a panic (a test failure) instead.
+pub fn gpu_or_skip(ordinal: i32) -> Option<Arc<CudaDevice>> {
+    let required = std::env::var("CUARENA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match CudaDevice::new(ordinal) {
+        Ok(d) => Some(Arc::new(d)),
+        Err(e) if required => panic!("CUARENA_REQUIRE_GPU=1 but GPU {ordinal} is not usable: {e}"),
+        Err(e) => {
+            eprintln!("skipped: no CUDA driver ({e})");
+            None
+        }
+    }
+}
+
+/// `n` GPUs (ordinals `0..n`) for a test, or `None` after printing why it is skipped.
+/// Fewer than `n` devices is a skip ("skipped: needs n GPUs") unless `CUARENA_REQUIRE_GPUS` is
+/// set to `n` or more, which makes it a panic; no driver at all is a skip unless that or
+/// `CUARENA_REQUIRE_GPU=1` is set.
+pub fn gpus_or_skip(n: usize) -> Option<Vec<Arc<CudaDevice>>> {
+    let need_gpu = std::env::var("CUARENA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let need_n = std::env::var("CUARENA_REQUIRE_GPUS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .is_some_and(|k| k >= n);
+    let count = match crate::device::cuda::device_count() {
+        Ok(c) => c.max(0) as usize,
+        Err(e) if need_gpu || need_n => panic!("a GPU is required but none is usable: {e}"),
+        Err(e) => {
+            eprintln!("skipped: no CUDA driver ({e})");
+            return None;
+        }
+    };
+    if count < n {
+        if need_n {
+            panic!("CUARENA_REQUIRE_GPUS asks for {n} GPUs but this machine has {count}");
+        }
+        eprintln!("skipped: needs {n} GPUs (found {count})");
+        return None;
+    }
+    Some(
+        (0..n as i32)
+            .map(|o| Arc::new(CudaDevice::new(o).unwrap_or_else(|e| panic!("GPU {o} of {count}: {e}"))))
+            .collect(),
+    )
+}
+
+/// Asserts that everything `a` handed out came back: no live bytes, no arena, nothing lent by
+/// the pool, the pool's invariants hold, and a blocking trim releases every reserved byte.
+pub fn assert_all_returned(a: &Allocator) {
+    a.check_invariants();
+    let s = a.stats();
+    assert_eq!((s.live_bytes, s.arena_held_bytes, s.arenas), (0, 0, 0), "{s:?}");
+    assert_eq!(a.pool_in_use(), 0, "bytes still handed out: {:?} {s:?}", a.pool_used_ranges());
+    a.trim(true).expect("trim");
+    let s = a.stats();
+    assert_eq!(s.reserved_bytes, 0, "{s:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fence torture.
+
+/// The streams the torture's threads use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamMode {
+    /// Each thread works on its per-thread default stream ([`Stream::PER_THREAD`]); its
+    /// cross-stream frees go to a user stream of its own.
+    Ptds,
+    /// Every thread works on the legacy stream ([`Stream::LEGACY`]); its cross-stream frees go
+    /// to a user stream of its own.
+    Legacy,
+    /// Each thread creates a user stream and works on it throughout; its cross-stream frees go
+    /// to a second user stream of its own.
+    Own,
+}
+
+impl StreamMode {
+    /// Every mode.
+    pub const ALL: [StreamMode; 3] = [StreamMode::Ptds, StreamMode::Legacy, StreamMode::Own];
+
+    /// `"ptds"`, `"legacy"` or `"own"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamMode::Ptds => "ptds",
+            StreamMode::Legacy => "legacy",
+            StreamMode::Own => "own",
+        }
+    }
+}
+
+/// Parameters of a [`torture`] run.
+#[derive(Clone, Debug)]
+pub struct TortureParams {
+    pub threads: usize,
+    /// Allocations each thread makes, over all devices (the run makes `threads ×` this).
+    pub allocations_per_thread: usize,
+    /// Blocks each thread keeps live at once, per device.
+    pub slots: usize,
+    /// Small requests are log-uniform in `[small_min, small_max]` (at least 4 bytes, so every
+    /// block has a tag word; the arena path when
+    /// `small_max` is at most the allocator's `small_max` and the stream is the PTDS).
+    pub small_min: usize,
+    pub small_max: usize,
+    /// Percent of requests that are large: log-uniform in `[large_min, large_max]` (pool path).
+    pub large_pct: u32,
+    pub large_min: usize,
+    pub large_max: usize,
+    /// Percent of frees made on the thread's other stream, after a legal event wait.
+    pub cross_stream_pct: u32,
+    /// Percent of frees handed to another thread, with an event recorded after the last use.
+    pub handoff_pct: u32,
+    /// Bytes tagged at each end of a block (the whole block when it is at most twice this).
+    pub tag_bytes: usize,
+    /// How long each tag kernel holds its block between writing and re-checking the tag.
+    pub hold: Duration,
+    /// How long the tag kernels on the thread's other stream (before a cross-stream free) hold
+    /// their block; `None`: `hold`.
+    pub cross_hold: Option<Duration>,
+    /// Every `throttle` steps a thread waits on the host for its streams' work up to
+    /// `throttle` steps back, which bounds the work it has queued (0: never). This is the
+    /// test's own back-pressure; the allocator never blocks.
+    pub throttle: usize,
+    pub mode: StreamMode,
+    pub seed: u64,
+}
+
+impl Default for TortureParams {
+    fn default() -> Self {
+        TortureParams {
+            threads: 16,
+            allocations_per_thread: 2000,
+            slots: 32,
+            small_min: 4,
+            small_max: 1 << 20,
+            large_pct: 3,
+            large_min: (1 << 20) + 1,
+            large_max: 8 << 20,
+            cross_stream_pct: 20,
+            handoff_pct: 30,
+            tag_bytes: 16 << 10,
+            hold: Duration::from_micros(20),
+            cross_hold: None,
+            throttle: 0,
+            mode: StreamMode::Ptds,
+            seed: 1,
+        }
+    }
+}
+
+/// One device of a torture run: its tag work and its allocator.
+#[derive(Clone)]
+pub struct Target {
+    pub ops: Arc<dyn TagOps>,
+    pub alloc: Allocator,
+}
+
+/// What a torture run did and found.
+#[derive(Debug, Default, Clone)]
+pub struct TortureReport {
+    /// Blocks allocated (all devices).
+    pub allocations: u64,
+    /// Of which large (above `small_max` of the parameters).
+    pub large_allocations: u64,
+    /// Frees by the allocating thread on the stream the block was allocated on.
+    pub local_frees: u64,
+    /// Frees by the allocating thread on its other stream.
+    pub cross_stream_frees: u64,
+    /// Blocks handed to another thread, which used and freed them on its own stream.
+    pub handoffs: u64,
+    /// Tag words found overwritten (reuse before the fence), summed over devices.
+    pub tag_errors: u64,
+    /// Tag words found overwritten, per device.
+    pub tag_errors_per_device: Vec<u64>,
+    /// Race-checker findings (the simulated device only), prefixed by the device index.
+    pub violations: Vec<String>,
+    /// Overlapping or misaligned live blocks seen, prefixed by the device index.
+    pub layout_errors: Vec<String>,
+    /// Wall time of the run.
+    pub secs: f64,
+}
+
+impl TortureReport {
+    /// One line with every count, for the log.
+    pub fn summary(&self) -> String {
+        format!(
+            "allocations {} (large {}), local frees {}, cross-stream frees {}, handoffs {}, tag errors {} {:?}, \
+             race violations {}, layout errors {}, {:.1} s",
+            self.allocations,
+            self.large_allocations,
+            self.local_frees,
+            self.cross_stream_frees,
+            self.handoffs,
+            self.tag_errors,
+            self.tag_errors_per_device,
+            self.violations.len(),
+            self.layout_errors.len(),
+            self.secs
+        )
+    }
+}
+
+struct TBlock {
+    ptr: DevicePtr,
+    size: usize,
+    tag: u32,
+}
+
+struct Handoff {
+    dev: usize,
+    blk: TBlock,
+    event: Event,
+}
+
+#[derive(Default)]
+struct TCounts {
+    allocations: u64,
+    large: u64,
+    local: u64,
+    cross: u64,
+    handoffs: u64,
+}
+
+/// Per-thread, per-device state of the torture.
+struct Lane {
+    main: Stream,
+    alt: Stream,
+    slots: Vec<Option<TBlock>>,
+    /// The throttle's events of `throttle` steps back, on `main` and `alt`.
+    pending: Option<[Event; 2]>,
+}
+
+/// The tag work over a block: its head and tail (or all of it), each held for `hold`.
+fn hold_block(ops: &dyn TagOps, p: &TortureParams, b: &TBlock, stream: Stream, hold: Duration) -> Result<()> {
+    let len = b.size & !3;
+    if len <= 2 * p.tag_bytes {
+        return ops.hold_check(b.ptr.0, len, b.tag, hold, stream);
+    }
+    let n = p.tag_bytes & !3;
+    ops.hold_check(b.ptr.0, n, b.tag, hold, stream)?;
+    let tail = (b.ptr.0 + b.size as u64 - n as u64) & !3;
+    ops.hold_check(tail, n, b.tag, hold, stream)
+}
+
+/// Runs the fence torture over `targets` (one or more devices, each with its allocator).
+///
+/// `p.threads` threads each make `p.allocations_per_thread` allocations, alternating between
+/// the targets, on the streams of `p.mode`. Every block has tag kernels in flight on it (written,
+/// held, re-checked) when it is allocated and when it is freed. A full slot is freed in one of
+/// three ways: locally (same thread, same stream), on the thread's other stream (after making
+/// that stream wait on an event recorded after the block's last use, and using it there), or
+/// handed to a random other thread (event recorded after the last use; the receiver makes its
+/// stream wait on it, uses the block and frees it on its own stream). A shared map per device
+/// checks that live blocks never overlap and are 256-byte aligned. At the end every block has
+/// been freed and every worker thread has exited (so their arenas went back).
+pub fn torture(targets: &[Target], p: &TortureParams) -> Result<TortureReport> {
+    assert!(p.threads >= 1 && !targets.is_empty() && p.slots >= 1);
+    let t0 = Instant::now();
+    let lives: Arc<Vec<Live>> = Arc::new(targets.iter().map(|_| Live(Mutex::new(BTreeMap::new()))).collect());
+    let layout = Arc::new(Mutex::new(Vec::new()));
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..p.threads).map(|_| mpsc::channel::<Handoff>()).unzip();
+    let mut handles = Vec::new();
+    for (t, rx) in rxs.into_iter().enumerate() {
+        let (txs, targets, p, lives, layout) =
+            (txs.clone(), targets.to_vec(), p.clone(), Arc::clone(&lives), Arc::clone(&layout));
+        let h = std::thread::Builder::new()
+            .name(format!("torture-{t}"))
+            .spawn(move || -> Result<TCounts> { torture_thread(t, rx, txs, &targets, &p, &lives, &layout) });
+        handles.push(h.expect("spawning a torture thread"));
+    }
+    drop(txs);
+    let mut report = TortureReport::default();
+    let mut first_err = None;
+    for h in handles {
+        match h.join().expect("torture thread panicked") {
+            Ok(c) => {
+                report.allocations += c.allocations;
+                report.large_allocations += c.large;
+                report.local_frees += c.local;
+                report.cross_stream_frees += c.cross;
+                report.handoffs += c.handoffs;
+            }
+            Err(e) => first_err = first_err.or(Some(e)),
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    for (d, tg) in targets.iter().enumerate() {
+        let e = tg.ops.finish()?;
+        report.tag_errors += e;
+        report.tag_errors_per_device.push(e);
+        report.violations.extend(tg.ops.violations().into_iter().map(|v| format!("device {d}: {v}")));
+    }
+    report.layout_errors = std::mem::take(&mut *layout.lock().unwrap_or_else(|p| p.into_inner()));
+    report.secs = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+fn torture_thread(
+    t: usize,
+    rx: mpsc::Receiver<Handoff>,
+    txs: Vec<mpsc::Sender<Handoff>>,
+    targets: &[Target],
+    p: &TortureParams,
+    lives: &[Live],
+    layout: &Mutex<Vec<String>>,
+) -> Result<TCounts> {
+    let mut x = p.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add((t as u64 + 1) * 0x2545_f491) | 1;
+    let mut lanes = Vec::with_capacity(targets.len());
+    for tg in targets {
+        let main = match p.mode {
+            StreamMode::Ptds => Stream::PER_THREAD,
+            StreamMode::Legacy => Stream::LEGACY,
+            StreamMode::Own => tg.ops.create_stream()?,
+        };
+        let alt = tg.ops.create_stream()?;
+        lanes.push(Lane { main, alt, slots: (0..p.slots).map(|_| None).collect(), pending: None });
+    }
+    let mut c = TCounts::default();
+    let small_min = p.small_min.max(4);
+    let (slo, shi) = ((small_min as f64).ln(), (p.small_max.max(small_min) as f64).ln());
+    let (llo, lhi) = ((p.large_min.max(1) as f64).ln(), (p.large_max.max(p.large_min.max(1)) as f64).ln());
+    // The receiving side of a handoff: wait on the sender's event, use the block, free it here.
+    let receive = |h: Handoff, lanes: &[Lane]| -> Result<()> {
+        let (tg, lane) = (&targets[h.dev], &lanes[h.dev]);
+        let dev = tg.ops.device();
+        dev.stream_wait_event(lane.main, h.event)?;
+        dev.destroy_event(h.event);
+        hold_block(&*tg.ops, p, &h.blk, lane.main, p.hold)?;
+        lives[h.dev].remove(h.blk.ptr.0);
+        tg.alloc.deallocate(h.blk.ptr, h.blk.size, lane.main)
+    };
+    for step in 0..p.allocations_per_thread {
+        while let Ok(h) = rx.try_recv() {
+            receive(h, &lanes)?;
+            c.handoffs += 1;
+        }
+        let d = step % targets.len();
+        let (tg, dev) = (&targets[d], targets[d].ops.device());
+        if p.throttle > 0 && step % (p.throttle * targets.len()) < targets.len() {
+            let lane = &mut lanes[d];
+            if let Some(evs) = lane.pending.take() {
+                for ev in evs {
+                    dev.sync_event(ev)?;
+                    dev.destroy_event(ev);
+                }
+            }
+            let evs = [dev.create_event()?, dev.create_event()?];
+            dev.record_event(evs[0], lane.main)?;
+            dev.record_event(evs[1], lane.alt)?;
+            lane.pending = Some(evs);
+        }
+        let lane = &mut lanes[d];
+        let i = (rng(&mut x) % p.slots as u64) as usize;
+        if let Some(blk) = lane.slots[i].take() {
+            // The block's last use on its stream, in flight as it is freed or handed on.
+            hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
+            let r = rng(&mut x) % 100;
+            if p.threads > 1 && r < p.handoff_pct as u64 {
+                let ev = dev.create_event()?;
+                dev.record_event(ev, lane.main)?;
+                let to = (t + 1 + (rng(&mut x) % (p.threads as u64 - 1)) as usize) % p.threads;
+                if let Err(mpsc::SendError(h)) = txs[to].send(Handoff { dev: d, blk, event: ev }) {
+                    // The receiver failed and returned early; its error is the one reported.
+                    dev.destroy_event(h.event);
+                    return Err(Error::Config(format!("torture thread {to} ended early")));
+                }
+            } else if r < (p.handoff_pct + p.cross_stream_pct) as u64 {
+                let ev = dev.create_event()?;
+                dev.record_event(ev, lane.main)?;
+                dev.stream_wait_event(lane.alt, ev)?;
+                dev.destroy_event(ev);
+                hold_block(&*tg.ops, p, &blk, lane.alt, p.cross_hold.unwrap_or(p.hold))?;
+                lives[d].remove(blk.ptr.0);
+                tg.alloc.deallocate(blk.ptr, blk.size, lane.alt)?;
+                c.cross += 1;
+            } else {
+                lives[d].remove(blk.ptr.0);
+                tg.alloc.deallocate(blk.ptr, blk.size, lane.main)?;
+                c.local += 1;
+            }
+        }
+        let large = (rng(&mut x) % 100) < p.large_pct as u64;
+        let u = (rng(&mut x) % 1_000_000) as f64 / 1_000_000.0;
+        let size = if large { (llo + u * (lhi - llo)).exp() } else { (slo + u * (shi - slo)).exp() } as usize;
+        let size = size.max(small_min);
+        let ptr = tg.alloc.allocate(size, lane.main)?;
+        lives[d].insert(ptr.0, size, layout);
+        let blk = TBlock { ptr, size, tag: rng(&mut x) as u32 | 1 };
+        hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
+        lane.slots[i] = Some(blk);
+        c.allocations += 1;
+        c.large += u64::from(size > p.small_max);
+    }
+    // Every sender goes, then what others still send arrives until they are all done.
+    drop(txs);
+    while let Ok(h) = rx.recv() {
+        receive(h, &lanes)?;
+        c.handoffs += 1;
+    }
+    for (d, lane) in lanes.iter_mut().enumerate() {
+        let tg = &targets[d];
+        for blk in lane.slots.iter_mut().filter_map(Option::take) {
+            hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
+            lives[d].remove(blk.ptr.0);
+            tg.alloc.deallocate(blk.ptr, blk.size, lane.main)?;
+            c.local += 1;
+        }
+        if let Some(evs) = lane.pending.take() {
+            for ev in evs {
+                tg.ops.device().destroy_event(ev);
+            }
+        }
+        // Blocks freed on these streams are fenced there; CUDA keeps queued work of a
+        // destroyed stream, and the allocator knows streams by key, not by handle.
+        if p.mode == StreamMode::Own {
+            tg.ops.destroy_stream(lane.main)?;
+        }
+        tg.ops.destroy_stream(lane.alt)?;
+    }
+    Ok(c)
+}
+
+// ---------------------------------------------------------------------------------------------
+// A light device for runs with very many threads.
+
+/// A device for runs with many short-lived threads, where [`HostDevice`] (a stream and a
+/// vector-clock entry per thread, kept for ever) would grow without bound. Memory is address
+/// space only (nothing is ever mapped: the allocator never touches device memory); stream work
+/// is not simulated, but every event completes `latency` after it is recorded, so fences are
+/// pending for a while as on a GPU. Stream keys are unique per thread for the PTDS, one for the
+/// legacy stream, and derived from the handle for user streams.
+pub struct LightDevice {
+    capacity: usize,
+    latency: Duration,
+    state: Mutex<LightState>,
+}
+
+#[derive(Default)]
+struct LightState {
+    next_addr: u64,
+    regions: BTreeMap<u64, usize>,
+    reserved: usize,
+    next_event: u64,
+    /// When each live event completes (`None`: never recorded).
+    events: HashMap<u64, Option<Instant>>,
+}
+
+static LIGHT_NEXT_PTDS_KEY: AtomicU64 = AtomicU64::new(1 << 32);
+thread_local! {
+    static LIGHT_PTDS_KEY: Cell<u64> = const { Cell::new(0) };
+}
+
+impl LightDevice {
+    /// Reservations are 2 MiB-aligned, `capacity` bytes in all; events complete `latency`
+    /// after their record.
+    pub fn new(capacity: usize, latency: Duration) -> LightDevice {
+        LightDevice {
+            capacity,
+            latency,
+            state: Mutex::new(LightState { next_addr: 1 << 40, next_event: 1, ..LightState::default() }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LightState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes reserved now.
+    pub fn reserved_bytes(&self) -> usize {
+        self.lock().reserved
+    }
+
+    /// Events created and not yet destroyed.
+    pub fn live_events(&self) -> usize {
+        self.lock().events.len()
+    }
+}
+
+const LIGHT_ALIGN: u64 = 2 << 20;
+
+impl Device for LightDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Host
+    }
+    fn ordinal(&self) -> i32 {
+        0
+    }
+    fn total_memory(&self) -> Result<usize> {
+        Ok(self.capacity)
+    }
+    fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
+        let mut st = self.lock();
+        if bytes == 0 || st.reserved.saturating_add(bytes) > self.capacity {
+            return Ok(None);
+        }
+        let p = st.next_addr;
+        st.next_addr = (p + bytes as u64).next_multiple_of(LIGHT_ALIGN);
+        st.regions.insert(p, bytes);
+        st.reserved += bytes;
+        Ok(Some(p))
+    }
+    unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()> {
+        let mut st = self.lock();
+        match st.regions.get(&ptr) {
+            Some(&b) if b == bytes => {
+                st.regions.remove(&ptr);
+                st.reserved -= bytes;
+                Ok(())
+            }
+            _ => Err(Error::Driver { call: "release", code: 1 }),
+        }
+    }
+    fn create_event(&self) -> Result<Event> {
+        let mut st = self.lock();
+        let e = st.next_event;
+        st.next_event += 1;
+        st.events.insert(e, None);
+        Ok(Event(e))
+    }
+    fn destroy_event(&self, event: Event) {
+        self.lock().events.remove(&event.0);
+    }
+    fn record_event(&self, event: Event, _stream: Stream) -> Result<()> {
+        let mut st = self.lock();
+        let done = Instant::now() + self.latency;
+        match st.events.get_mut(&event.0) {
+            Some(e) => {
+                *e = Some(done);
+                Ok(())
+            }
+            None => Err(Error::Driver { call: "record_event", code: 400 }),
+        }
+    }
+    fn query_event(&self, event: Event) -> Result<bool> {
+        match self.lock().events.get(&event.0) {
+            Some(e) => Ok(e.is_none_or(|t| Instant::now() >= t)),
+            None => Err(Error::Driver { call: "query_event", code: 400 }),
+        }
+    }
+    fn sync_event(&self, event: Event) -> Result<()> {
+        let done = match self.lock().events.get(&event.0) {
+            Some(e) => *e,
+            None => return Err(Error::Driver { call: "sync_event", code: 400 }),
+        };
+        if let Some(t) = done {
+            std::thread::sleep(t.saturating_duration_since(Instant::now()));
+        }
+        Ok(())
+    }
+    fn stream_wait_event(&self, _stream: Stream, event: Event) -> Result<()> {
+        if self.lock().events.contains_key(&event.0) {
+            Ok(())
+        } else {
+            Err(Error::Driver { call: "stream_wait_event", code: 400 })
+        }
+    }
+    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
+        if stream.is_legacy() {
+            return Ok(StreamKey(1));
+        }
+        if stream.is_per_thread() {
+            let k = LIGHT_PTDS_KEY.with(|k| {
+                if k.get() == 0 {
+                    k.set(LIGHT_NEXT_PTDS_KEY.fetch_add(1, Ordering::Relaxed));
+                }
+                k.get()
+            });
+            return Ok(StreamKey(k));
+        }
+        Ok(StreamKey((1 << 62) | stream.as_raw() as u64))
+    }
 }

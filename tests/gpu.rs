@@ -1,36 +1,28 @@
-//! GPU integration tests: the same properties as `tests/host.rs`, with real streams and kernels.
+//! GPU integration tests: the same properties as `tests/host.rs` and `tests/torture.rs`, with
+//! real streams and kernels.
 //!
-//! Without a CUDA driver each test prints "skipped: no CUDA driver" and passes; with
-//! `CUARENA_REQUIRE_GPU=1` that is a failure instead.
+//! Every test here is ignored by default, so a machine without a GPU shows them as ignored,
+//! never as passed. Run them with `cargo test --test gpu -- --include-ignored` (the GPU bundle's
+//! `run.sh` does). When they run without a usable GPU they print "skipped: no CUDA driver" and
+//! return, unless `CUARENA_REQUIRE_GPU=1` makes that a failure. The multi-GPU tests also need
+//! two devices: with fewer they print "skipped: needs 2 GPUs", unless `CUARENA_REQUIRE_GPUS=2`
+//! makes that a failure.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuarena::testkit::{GpuOps, StressParams, stress};
-use cuarena::{Allocator, Config, CudaDevice, Device, Stream};
+use cuarena::testkit::{
+    GpuOps, StreamMode, StressParams, Target, TortureParams, TortureReport, assert_all_returned, gpu_or_skip,
+    gpus_or_skip, stress, torture,
+};
+use cuarena::{Allocator, Config, CudaDevice, Device, Error, Stream};
 
 fn gpu() -> Option<Arc<CudaDevice>> {
-    let required = std::env::var("CUARENA_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match CudaDevice::new(0) {
-        Ok(d) => Some(Arc::new(d)),
-        Err(e) if required => panic!("CUARENA_REQUIRE_GPU=1 but no GPU is usable: {e}"),
-        Err(e) => {
-            eprintln!("skipped: no CUDA driver ({e})");
-            None
-        }
-    }
-}
-
-fn assert_all_returned(a: &Allocator) {
-    a.check_invariants();
-    let s = a.stats();
-    assert_eq!((s.live_bytes, s.arena_held_bytes, s.arenas), (0, 0, 0), "{s:?}");
-    assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
-    a.trim(true).unwrap();
-    assert_eq!(a.stats().reserved_bytes, 0);
+    gpu_or_skip(0)
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn gpu_stress_keeps_tags_and_layout() {
     let Some(dev) = gpu() else { return };
     let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
@@ -56,6 +48,7 @@ fn gpu_stress_keeps_tags_and_layout() {
 /// The test of the test on the GPU: with fencing off, reuse before the fence must show up as
 /// overwritten tags.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn gpu_unfenced_reuse_is_caught() {
     let Some(dev) = gpu() else { return };
     let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
@@ -76,6 +69,7 @@ fn gpu_unfenced_reuse_is_caught() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn gpu_stream_identity_and_reused_handles() {
     let Some(dev) = gpu() else { return };
     let k0 = dev.stream_key(Stream::PER_THREAD).unwrap();
@@ -112,6 +106,7 @@ fn gpu_stream_identity_and_reused_handles() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn gpu_memset_and_copy_through_buffers() {
     let Some(dev) = gpu() else { return };
     let a = Allocator::new(dev.clone(), Config::default()).unwrap();
@@ -159,6 +154,7 @@ fn gpu_memset_and_copy_through_buffers() {
 
 /// cudarc's copies and kernel launches accept cuarena buffers.
 #[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn gpu_cudarc_copies_and_launches_take_cuarena_buffers() {
     let Some(dev) = gpu() else { return };
     use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
@@ -185,4 +181,192 @@ fn gpu_cudarc_copies_and_launches_take_cuarena_buffers() {
     drop(buf);
     stream.synchronize().unwrap();
     assert_eq!(a.stats().live_bytes, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fence torture (testkit::torture) at full scale: 16 threads, 10^6 allocations per mode.
+
+/// 16 threads × 62,500 allocations: small (arena path on the PTDS) and 3% large (pool path),
+/// a tag kernel in flight on every block at every allocation and free, 20% of frees on the
+/// thread's other stream and 30% handed to another thread.
+fn gpu_params(mode: StreamMode) -> TortureParams {
+    TortureParams {
+        threads: 16,
+        allocations_per_thread: 62_500,
+        slots: 32,
+        small_max: 1 << 20,
+        large_pct: 3,
+        large_max: 16 << 20,
+        tag_bytes: 16 << 10,
+        // On the legacy stream every thread's kernels run one after another: hold them less.
+        hold: Duration::from_micros(if mode == StreamMode::Legacy { 2 } else { 10 }),
+        throttle: 0,
+        mode,
+        seed: 5,
+        ..TortureParams::default()
+    }
+}
+
+fn check_fenced(label: &str, r: &TortureReport, a: &[&Allocator]) {
+    eprintln!("{label}: {}", r.summary());
+    for (d, a) in a.iter().enumerate() {
+        eprintln!("  device {d}: {:?}", a.stats());
+    }
+    assert!(r.layout_errors.is_empty(), "{:?}", &r.layout_errors[..r.layout_errors.len().min(5)]);
+    assert_eq!(r.tag_errors, 0, "{label}: a block was reused before its fence: {}", r.summary());
+    assert!(r.handoffs > 0 && r.cross_stream_frees > 0 && r.local_frees > 0 && r.large_allocations > 0);
+    for a in a {
+        let s = a.stats();
+        assert_eq!((s.invalid_frees, s.host_syncs), (0, 0), "{s:?}");
+        assert_all_returned(a);
+    }
+}
+
+fn gpu_torture(mode: StreamMode) {
+    let Some(dev) = gpu() else { return };
+    let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
+    let a = Allocator::new(dev, Config::default()).unwrap();
+    let p = gpu_params(mode);
+    let r = torture(&[Target { ops, alloc: a.clone() }], &p).unwrap();
+    assert_eq!(r.allocations, 1_000_000);
+    check_fenced(&format!("gpu torture {}", mode.name()), &r, &[&a]);
+}
+
+/// The test of the test: fencing off, small blocks reused at once, long holds, most frees
+/// cross-stream or handed off. Reuse before the fence must show as overwritten tags.
+///
+/// On the legacy stream a handoff stays on one stream, so only cross-stream frees can be
+/// caught: there the legacy kernels are short (so the legacy stream has little queued) and the
+/// kernels on the other stream long, so a block reused on the legacy stream is overwritten
+/// while the other stream still holds it.
+fn gpu_torture_unfenced(mode: StreamMode) {
+    let Some(dev) = gpu() else { return };
+    let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
+    let cfg = Config::builder().skip_fences_for_testing().build().unwrap();
+    let a = Allocator::new(dev, cfg).unwrap();
+    let legacy = mode == StreamMode::Legacy;
+    let p = TortureParams {
+        allocations_per_thread: 2000,
+        slots: 4,
+        small_max: 64 << 10,
+        large_pct: 0,
+        handoff_pct: if legacy { 10 } else { 45 },
+        cross_stream_pct: if legacy { 80 } else { 45 },
+        tag_bytes: 16 << 10,
+        hold: Duration::from_micros(if legacy { 2 } else { 300 }),
+        cross_hold: Some(Duration::from_micros(if legacy { 1000 } else { 300 })),
+        ..gpu_params(mode)
+    };
+    let r = torture(&[Target { ops, alloc: a }], &p).unwrap();
+    eprintln!("gpu torture {} unfenced: {}", mode.name(), r.summary());
+    assert!(r.tag_errors > 0, "unfenced reuse went unnoticed on the GPU ({} mode)", mode.name());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_torture_ptds() {
+    gpu_torture(StreamMode::Ptds);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_torture_legacy() {
+    gpu_torture(StreamMode::Legacy);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_torture_own_streams() {
+    gpu_torture(StreamMode::Own);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_torture_ptds_unfenced_is_caught() {
+    gpu_torture_unfenced(StreamMode::Ptds);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_torture_legacy_unfenced_is_caught() {
+    gpu_torture_unfenced(StreamMode::Legacy);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_torture_own_streams_unfenced_is_caught() {
+    gpu_torture_unfenced(StreamMode::Own);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two GPUs.
+
+/// A block of device 0 given to device 1's allocator is refused, on the arena path and the pool
+/// path, and nothing is lost: it stays live on device 0 and frees there later; the statistics
+/// of both allocators add up.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn multi_gpu_a_free_on_the_wrong_device_is_refused() {
+    let Some(_devs) = gpus_or_skip(2) else { return };
+    let a0 = Allocator::cuda(0, Config::default()).unwrap();
+    let a1 = Allocator::cuda(1, Config::default()).unwrap();
+    let warm = a1.allocate_per_thread(4096).unwrap(); // a1 has an arena and a pool of its own
+    let big = a1.allocate(8 << 20, Stream::LEGACY).unwrap();
+    let small = a0.allocate_per_thread(4096).unwrap();
+    let large = a0.allocate(64 << 20, Stream::LEGACY).unwrap();
+    let (live0, live1) = (a0.stats().live_bytes, a1.stats().live_bytes);
+    for (p, s, st) in [(small, 4096, Stream::PER_THREAD), (large, 64 << 20, Stream::LEGACY)] {
+        match a1.deallocate(p, s, st) {
+            Err(Error::InvalidFree { reason, .. }) => eprintln!("refused as {reason:?}"),
+            other => panic!("a free of device 0's block {p:?} on device 1: {other:?}"),
+        }
+    }
+    let (s0, s1) = (a0.stats(), a1.stats());
+    assert_eq!(
+        (s0.live_bytes, s0.allocations, s0.deallocations, s0.invalid_frees),
+        (live0, 2, 0, 0),
+        "{s0:?}"
+    );
+    assert_eq!(
+        (s1.live_bytes, s1.allocations, s1.deallocations, s1.invalid_frees),
+        (live1, 2, 0, 2),
+        "{s1:?}"
+    );
+    a0.deallocate_per_thread(small, 4096).unwrap();
+    a0.deallocate(large, 64 << 20, Stream::LEGACY).unwrap();
+    a1.deallocate_per_thread(warm, 4096).unwrap();
+    a1.deallocate(big, 8 << 20, Stream::LEGACY).unwrap();
+    for a in [&a0, &a1] {
+        let s = a.stats();
+        assert_eq!((s.allocations, s.deallocations), (2, 2), "{s:?}");
+        a.release_thread().unwrap();
+        assert_all_returned(a);
+    }
+}
+
+/// The fence torture on both GPUs at once, in every stream mode: 16 threads, each alternating
+/// between the devices, with the checks per device (about 3.2·10^5 allocations per mode).
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn multi_gpu_torture_on_both_devices_at_once() {
+    let Some(devs) = gpus_or_skip(2) else { return };
+    for mode in StreamMode::ALL {
+        let targets: Vec<Target> = devs
+            .iter()
+            .enumerate()
+            .map(|(o, d)| Target {
+                ops: Arc::new(GpuOps::new(Arc::clone(d)).unwrap()),
+                alloc: Allocator::cuda(o as i32, Config::default()).unwrap(),
+            })
+            .collect();
+        let p = TortureParams { allocations_per_thread: 20_000, ..gpu_params(mode) };
+        let r = torture(&targets, &p).unwrap();
+        assert_eq!(r.allocations, 320_000);
+        let allocs: Vec<&Allocator> = targets.iter().map(|t| &t.alloc).collect();
+        for a in &allocs {
+            assert_eq!(a.stats().allocations, 160_000, "each device got half");
+        }
+        check_fenced(&format!("multi-gpu torture {}", mode.name()), &r, &allocs);
+        assert_eq!(r.tag_errors_per_device, vec![0, 0]);
+    }
 }

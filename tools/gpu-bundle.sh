@@ -23,14 +23,22 @@ cp target/release/libcuarena.so gpu-bundle/ 2>/dev/null || true
 [ -d examples ] && cp -r examples gpu-bundle/
 cat > gpu-bundle/run.sh <<'RUN'
 #!/usr/bin/env bash
-# Runs the bundled tests with the GPU required. Usage: bash gpu-bundle/run.sh [test-name ...]
+# Runs the bundled tests with the GPU required, GPU-only (ignored) tests included.
+# Usage: bash gpu-bundle/run.sh [test-binary ...] [-- test-harness arguments]
+#   bash gpu-bundle/run.sh                                   # every bundled test binary
+#   bash gpu-bundle/run.sh test-gpu -- gpu_torture_ptds       # one test (a name filter)
+#   CUARENA_REQUIRE_GPUS=2 bash gpu-bundle/run.sh test-gpu -- multi_gpu   # on a 2-GPU machine
 set -uo pipefail
 cd "$(dirname "$0")"
 export CUARENA_REQUIRE_GPU=1
+bins=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do bins+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#bins[@]} -eq 0 ] && bins=(test-gpu test-ffi test-host test-torture test-cli test-cuarena)
 status=0
-for t in ${@:-test-gpu test-ffi test-host test-cuarena}; do
+for t in "${bins[@]}"; do
   echo "== $t"
-  ./$t --test-threads=1 2>&1 || status=1
+  ./$t --include-ignored --test-threads=1 "$@" 2>&1 || status=1
 done
 exit $status
 RUN

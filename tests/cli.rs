@@ -1,0 +1,111 @@
+//! The benchmark binary refuses bad arguments with a clear message and a non-zero exit status.
+
+use std::process::{Command, Output};
+
+/// The binary cargo built, or (in the GPU bundle, where that path does not exist) the
+/// `cuarena` beside this test binary.
+fn binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_cuarena"));
+    if built.exists() {
+        return built;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    exe.with_file_name("cuarena")
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(binary()).args(args).env_remove("CUARENA_CONF").output().expect("running the cuarena binary")
+}
+
+fn refused(args: &[&str], needle: &str) {
+    let out = run(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} exited with success; stderr: {err}");
+    assert!(err.contains(needle), "{args:?}: stderr lacks `{needle}`: {err}");
+    assert!(out.stdout.is_empty(), "{args:?} printed a table: {}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn zero_threads_is_refused() {
+    refused(&["--threads", "0"], "at least 1");
+    refused(&["--threads", "2,0"], "at least 1");
+    refused(&["--baseline-threads", "0"], "at least 1");
+}
+
+#[test]
+fn an_unknown_allocator_is_refused_and_the_valid_ones_listed() {
+    refused(&["--allocators", "foo", "--secs", "0.01"], "unknown allocator `foo`");
+    refused(&["--allocators", "foo", "--secs", "0.01"], "cuarena");
+}
+
+#[test]
+fn bad_secs_are_refused() {
+    refused(&["--secs", "-1"], "--secs");
+    refused(&["--secs", "0"], "--secs");
+    refused(&["--secs", "nan"], "--secs");
+}
+
+#[test]
+fn a_run_with_nothing_to_measure_fails() {
+    // multi_stream needs the GPU's kernels: on the simulated device every point is skipped.
+    let out = run(&["--workloads", "multi_stream", "--secs", "0.01", "--threads", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    if err.contains("host-simulated device") {
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains("nothing to measure"), "{err}");
+    }
+}
+
+#[test]
+fn a_short_valid_run_succeeds() {
+    let out = run(&[
+        "--workloads",
+        "churn",
+        "--threads",
+        "1",
+        "--secs",
+        "0.02",
+        "--no-touch",
+        "--allocators",
+        "cuarena",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cuarena"), "{err}");
+}
+
+#[test]
+fn a_run_in_which_a_measurement_failed_prints_what_it_could_and_fails() {
+    // A bad CUARENA_CONF makes every cuarena point fail; the baseline's points still run.
+    let out = Command::new(binary())
+        .args(["--workloads", "churn", "--threads", "1", "--secs", "0.02", "--no-touch"])
+        .env("CUARENA_CONF", "no_such_key=1")
+        .output()
+        .expect("running the cuarena binary");
+    let (err, table) = (String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout));
+    assert!(!out.status.success(), "exited with success: {err}");
+    assert!(err.contains("measurements failed") && err.contains("no_such_key"), "{err}");
+    let baseline = if err.contains("host-simulated device") { "mutex-first-fit" } else { "cuMemAllocAsync" };
+    assert!(table.contains(baseline), "the points that ran are printed: {table}\n{err}");
+}
+
+#[test]
+fn a_run_in_which_every_measurement_failed_fails() {
+    let out = Command::new(binary())
+        .args([
+            "--workloads",
+            "churn",
+            "--threads",
+            "1",
+            "--secs",
+            "0.02",
+            "--allocators",
+            "cuarena",
+            "--json",
+        ])
+        .env("CUARENA_CONF", "no_such_key=1")
+        .output()
+        .expect("running the cuarena binary");
+    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stdout.is_empty());
+}

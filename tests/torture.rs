@@ -1,0 +1,240 @@
+//! The fence torture and thread churn on the simulated device (small scale, always run).
+//!
+//! The same torture runs on the GPU at full scale in `tests/gpu.rs`. Here its race checker must
+//! report nothing with fencing on, and must catch reuse before the fence with fencing off, in
+//! each stream mode.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cuarena::testkit::{StreamMode, Target, TortureParams, TortureReport, assert_all_returned, torture};
+use cuarena::{Allocator, Config, HostConfig, HostDevice};
+
+fn device(max_delay_us: u64) -> HostDevice {
+    HostDevice::new(HostConfig {
+        capacity: 4 << 30,
+        min_delay: Duration::ZERO,
+        max_delay: Duration::from_micros(max_delay_us),
+        ..HostConfig::default()
+    })
+}
+
+/// 16 threads × 2,000 allocations, small and large, with every kind of free.
+fn fenced_params(mode: StreamMode) -> TortureParams {
+    TortureParams {
+        threads: 16,
+        allocations_per_thread: 2000,
+        slots: 16,
+        small_max: 1 << 20,
+        large_pct: 3,
+        large_max: 4 << 20,
+        tag_bytes: 1 << 10,
+        hold: Duration::ZERO,
+        throttle: 4,
+        mode,
+        seed: 11,
+        ..TortureParams::default()
+    }
+}
+
+fn run_fenced(mode: StreamMode) -> TortureReport {
+    let dev = device(0);
+    let a = Allocator::host(dev.clone(), Config::default()).unwrap();
+    let tg = Target { ops: Arc::new(dev.clone()), alloc: a.clone() };
+    let r = torture(&[tg], &fenced_params(mode)).unwrap();
+    let s = a.stats();
+    eprintln!("torture {} (host): {}\n  {s:?}", mode.name(), r.summary());
+    assert!(r.layout_errors.is_empty(), "{:?}", &r.layout_errors[..r.layout_errors.len().min(5)]);
+    assert!(
+        r.violations.is_empty(),
+        "{} violations: {:?}",
+        r.violations.len(),
+        &r.violations[..r.violations.len().min(3)]
+    );
+    assert_eq!(r.tag_errors, 0, "a block was reused before its fence");
+    assert_eq!(r.allocations, 32_000);
+    assert!(r.large_allocations > 200, "{}", r.summary());
+    assert!(r.handoffs > 3000 && r.cross_stream_frees > 2000 && r.local_frees > 5000, "{}", r.summary());
+    assert_eq!((s.invalid_frees, s.host_syncs), (0, 0), "{s:?}");
+    if mode == StreamMode::Ptds {
+        assert!(s.cross_thread_frees > 1000 && s.cross_stream_frees > 1000, "{s:?}");
+    }
+    assert_all_returned(&a);
+    assert!(dev.violations().is_empty(), "{:?}", &dev.violations()[..dev.violations().len().min(3)]);
+    r
+}
+
+/// The same run with fencing off must be caught by the race checker.
+fn run_unfenced(mode: StreamMode) -> TortureReport {
+    let dev = device(0);
+    let cfg = Config::builder().skip_fences_for_testing().build().unwrap();
+    let a = Allocator::host(dev.clone(), cfg).unwrap();
+    let tg = Target { ops: Arc::new(dev.clone()), alloc: a };
+    let r = torture(&[tg], &fenced_params(mode)).unwrap();
+    eprintln!("torture {} unfenced (host): {}", mode.name(), r.summary());
+    assert!(!r.violations.is_empty(), "unfenced reuse went unnoticed by the race checker: {}", r.summary());
+    r
+}
+
+#[test]
+fn torture_ptds_host() {
+    run_fenced(StreamMode::Ptds);
+}
+
+#[test]
+fn torture_legacy_host() {
+    run_fenced(StreamMode::Legacy);
+}
+
+#[test]
+fn torture_own_streams_host() {
+    run_fenced(StreamMode::Own);
+}
+
+#[test]
+fn torture_ptds_unfenced_is_caught_host() {
+    run_unfenced(StreamMode::Ptds);
+}
+
+#[test]
+fn torture_legacy_unfenced_is_caught_host() {
+    run_unfenced(StreamMode::Legacy);
+}
+
+#[test]
+fn torture_own_streams_unfenced_is_caught_host() {
+    run_unfenced(StreamMode::Own);
+}
+
+/// The torture on two devices at once: each thread alternates between them, with the checks
+/// per device (the host counterpart of the multi-GPU test).
+#[test]
+fn torture_two_devices_host() {
+    let devs = [device(0), device(0)];
+    let targets: Vec<Target> = devs
+        .iter()
+        .map(|d| Target {
+            ops: Arc::new(d.clone()),
+            alloc: Allocator::host(d.clone(), Config::default()).unwrap(),
+        })
+        .collect();
+    let p = TortureParams { allocations_per_thread: 1000, ..fenced_params(StreamMode::Ptds) };
+    let r = torture(&targets, &p).unwrap();
+    eprintln!("torture ptds on 2 devices (host): {}", r.summary());
+    assert!(r.layout_errors.is_empty(), "{:?}", &r.layout_errors[..r.layout_errors.len().min(5)]);
+    assert!(r.violations.is_empty(), "{:?}", &r.violations[..r.violations.len().min(3)]);
+    assert_eq!((r.allocations, r.tag_errors), (16_000, 0));
+    for t in &targets {
+        let s = t.alloc.stats();
+        assert_eq!((s.allocations, s.deallocations), (8_000, 8_000), "each device got half: {s:?}");
+        assert_eq!(s.invalid_frees, 0);
+        assert_all_returned(&t.alloc);
+    }
+}
+
+/// 10^4 thread lifetimes, 8 at a time. Each allocates a few small blocks on its PTDS, frees
+/// some itself, hands some on to later threads (which free them after their owner has died or
+/// while it is dying), and frees some handed on by earlier ones. Reserved memory must stay
+/// flat, everything must come back, and the driver calls per lifetime must stay few.
+#[test]
+fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use cuarena::testkit::LightDevice;
+    use cuarena::{DevicePtr, Stream};
+
+    const LANES: usize = 8;
+    const LIFETIMES: usize = 10_000;
+    const WARM_UP: u64 = 500;
+    let cfg = Config::default();
+    let chunk = cfg.chunk() as u64;
+    let dev = Arc::new(LightDevice::new(64 << 30, Duration::from_micros(30)));
+    let a = Allocator::new(dev.clone(), cfg).unwrap();
+    let handed: Arc<Mutex<VecDeque<(DevicePtr, usize)>>> = Arc::default();
+    let done = Arc::new(AtomicU64::new(0));
+    let baseline = Arc::new(AtomicU64::new(u64::MAX));
+    let worst = Arc::new(AtomicU64::new(0));
+    let t0 = std::time::Instant::now();
+    let lanes: Vec<_> = (0..LANES)
+        .map(|lane| {
+            let (a, handed, done, baseline, worst) =
+                (a.clone(), handed.clone(), done.clone(), baseline.clone(), worst.clone());
+            std::thread::spawn(move || {
+                for i in 0..LIFETIMES / LANES {
+                    let (a2, handed2) = (a.clone(), handed.clone());
+                    std::thread::spawn(move || {
+                        let mut x = (lane * LIFETIMES + i) as u64 * 0x9e37_79b9 + 1;
+                        let mut size = || {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            256 << (x % 9) // 256 B .. 64 KiB
+                        };
+                        let blocks: Vec<(DevicePtr, usize)> = (0..6)
+                            .map(|_| {
+                                let s = size();
+                                (a2.allocate(s, Stream::PER_THREAD).unwrap(), s)
+                            })
+                            .collect();
+                        // Blocks of earlier threads: their owners have died or are dying.
+                        let theirs: Vec<_> = {
+                            let mut q = handed2.lock().unwrap();
+                            (0..3).filter_map(|_| q.pop_front()).collect()
+                        };
+                        for (p, s) in theirs {
+                            a2.deallocate(p, s, Stream::PER_THREAD).unwrap();
+                        }
+                        for &(p, s) in &blocks[..3] {
+                            a2.deallocate(p, s, Stream::PER_THREAD).unwrap();
+                        }
+                        handed2.lock().unwrap().extend(blocks[3..].iter().copied());
+                    })
+                    .join()
+                    .unwrap();
+                    let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                    let reserved = a.stats().reserved_bytes;
+                    if n == WARM_UP {
+                        baseline.store(reserved, Ordering::Relaxed);
+                    } else if n > WARM_UP {
+                        worst.fetch_max(reserved, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    lanes.into_iter().for_each(|h| h.join().unwrap());
+    // What is still handed on is freed here, long after its owners died.
+    for (p, s) in handed.lock().unwrap().drain(..) {
+        a.deallocate(p, s, Stream::PER_THREAD).unwrap();
+    }
+    a.release_thread().unwrap();
+    let secs = t0.elapsed().as_secs_f64();
+    let s = a.stats();
+    let (base, worst) = (baseline.load(Ordering::Relaxed), worst.load(Ordering::Relaxed));
+    let per_life = s.driver_calls as f64 / LIFETIMES as f64;
+    eprintln!(
+        "thread churn: {LIFETIMES} lifetimes in {secs:.1} s; reserved after {WARM_UP}: {} MiB, worst after: {} MiB; \
+         driver calls {} = {per_life:.1} per lifetime; {} events live\n  {s:?}",
+        base >> 20,
+        worst >> 20,
+        s.driver_calls,
+        dev.live_events()
+    );
+    assert_eq!((s.allocations, s.deallocations), (6 * LIFETIMES as u64, 6 * LIFETIMES as u64), "{s:?}");
+    assert_eq!(s.invalid_frees, 0, "{:?}", a.take_deferred_error());
+    // Frees to a dead owner go to the pool; those to an owner still running are cross-thread.
+    assert!(s.cross_thread_frees > 0, "{s:?}");
+    assert!(
+        worst <= base + 2 * chunk,
+        "reserved memory grew with thread lifetimes: {} MiB after {WARM_UP}, up to {} MiB later",
+        base >> 20,
+        worst >> 20
+    );
+    assert_all_returned(&a);
+    assert_eq!(dev.reserved_bytes(), 0);
+    drop(a);
+    assert_eq!(dev.live_events(), 0, "the allocator destroys every event it created");
+    assert!(per_life <= 5.0, "{per_life:.1} driver calls per thread lifetime (at most 5 expected)");
+}
