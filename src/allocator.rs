@@ -22,6 +22,7 @@ use crate::device::host::HostDevice;
 use crate::device::{Device, DeviceKind};
 use crate::env::Env;
 use crate::error::{Error, InvalidFree, Result};
+use crate::fence::Fence;
 use crate::global_pool::{GlobalPool, Origin};
 use crate::outbox::Outbox;
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
@@ -89,6 +90,9 @@ struct Slot {
     slow_paths: u32,
 }
 
+/// What an outbox flush sent: the stream and the fence it recorded there, if it sent anything.
+type Flushed = Option<(Stream, Option<Arc<Fence>>)>;
+
 /// What the owner found when it looked at its own block inside its claim.
 enum Local {
     /// Freed on the fast path (or refused: the error).
@@ -132,13 +136,13 @@ impl OwnedArena {
     }
 
     /// Thread exit: waits out any reclaimer, unpublishes the arena and gives it back.
-    fn exit(self, env: &Env<'_>) -> Option<Arc<ArenaShell>> {
+    fn exit(self, env: &Env<'_>, fence: Option<Option<Arc<Fence>>>) -> Option<Arc<ArenaShell>> {
         self.shell.claim.enter_waiting();
         self.shell.arena.store(std::ptr::null_mut(), Ordering::Relaxed);
         // SAFETY: the pointer came from `Box::leak` in `new` and is reclaimed once, here; it is
         // unpublished and we hold the claim, so no reclaimer can reach it any more.
         let arena = unsafe { Box::from_raw(self.ptr.as_ptr()) };
-        let r = arena.exit(env);
+        let r = arena.exit(env, fence);
         self.shell.claim.leave();
         r
     }
@@ -253,9 +257,10 @@ impl Slot {
     }
 
     /// Sends the gathered remote frees, if any.
-    fn flush_outbox(outbox: &mut Outbox, ptds: &mut Option<StreamKey>, env: &Env<'_>) -> Result<()> {
+    /// Returns the fence the flush recorded, with its stream, if it sent anything.
+    fn flush_outbox(outbox: &mut Outbox, ptds: &mut Option<StreamKey>, env: &Env<'_>) -> Result<Flushed> {
         if outbox.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let k = Self::ptds_key(ptds, env)?;
         outbox.flush(env, k)
@@ -382,6 +387,22 @@ impl Slot {
             return Err(invalid(InvalidFree::UnknownPointer));
         };
         let env = inner.env(&self.counters);
+        if Outbox::batchable(stream) {
+            // Accepted now, fenced with the outbox's next batch: one event per batch.
+            let ptds = Self::ptds_key(&mut self.ptds, &env)?;
+            inner.pool.begin_free(ptr, size)?;
+            if let Err(e) = self.outbox.push(&env, ptds, std::ptr::null(), Freed { ptr, size }, stream) {
+                inner.pool.cancel_free(ptr); // not taken: nothing changed
+                return Err(e);
+            }
+            if self.outbox.is_full(inner.cfg.batch_blocks, inner.cfg.batch_bytes)
+                && let Err(e) = self.outbox.flush(&env, ptds)
+            {
+                env.defer(e); // this free was accepted; its batch is lost, never reused
+            }
+            self.counted_free(bytes);
+            return Ok(());
+        }
         // Validate before recording the fence: a bad free costs no event.
         inner.pool.check_free(ptr, size)?;
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
@@ -393,7 +414,7 @@ impl Slot {
 
     /// Frees a small block of an arena's superblock (`owner` is that arena's shell): on the
     /// owner's fast path if this thread owns it and frees on its per-thread stream, otherwise
-    /// marked in transit (see `superblock.rs`) and sent, fenced, towards the owner.
+    /// its freed flag taken (see `superblock.rs`) and sent, fenced, towards the owner.
     #[inline]
     fn free_arena_block(
         &mut self,
@@ -439,7 +460,7 @@ impl Slot {
         }
         let env = inner.env(&self.counters);
         let g = sb.granule_of(ptr).ok_or(invalid(InvalidFree::UnknownPointer))?;
-        if !sb.mark_transit(g) {
+        if !sb.claim_free(g) {
             return Err(invalid(InvalidFree::DoubleFree));
         }
         let fr = Freed { ptr, size };
@@ -447,12 +468,12 @@ impl Slot {
             let ptds = match Self::ptds_key(&mut self.ptds, &env) {
                 Ok(k) => k,
                 Err(e) => {
-                    sb.clear_transit(g);
+                    sb.unfree(g);
                     return Err(e);
                 }
             };
             if let Err(e) = self.outbox.push(&env, ptds, owner, fr, stream) {
-                sb.clear_transit(g); // not taken: nothing changed
+                sb.unfree(g); // not taken: nothing changed
                 return Err(e);
             }
             if self.outbox.is_full(inner.cfg.batch_blocks, inner.cfg.batch_bytes)
@@ -462,7 +483,7 @@ impl Slot {
                 env.defer(e);
             }
         } else if let Err(e) = crate::outbox::send_now(&env, owner, fr, stream) {
-            sb.clear_transit(g); // nothing changed
+            sb.unfree(g); // nothing changed
             return Err(e);
         }
         let c = &*self.counters;
@@ -475,13 +496,19 @@ impl Slot {
     fn release_arena(&mut self, inner: &Inner) -> Result<()> {
         let env = inner.env(&self.counters);
         let flushed = Self::flush_outbox(&mut self.outbox, &mut self.ptds, &env);
+        // A fence just recorded on this thread's per-thread stream also covers the arena's
+        // blocks (every local free came before it): exit reuses it.
+        let fence = match &flushed {
+            Ok(Some((stream, f))) if stream.is_per_thread() => Some(f.clone()),
+            _ => None,
+        };
         if let Some(arena) = self.arena.take() {
             inner.arenas.fetch_sub(1, Ordering::Relaxed);
-            if let Some(shell) = arena.exit(&env) {
+            if let Some(shell) = arena.exit(&env, fence) {
                 lock(&inner.shells).idle.push(shell);
             }
         }
-        flushed
+        flushed.map(|_| ())
     }
 }
 

@@ -20,12 +20,12 @@
 //!
 //! ## Remote frees
 //! A free by another thread, or on another stream, does not touch this arena: the freeing
-//! thread marks the block in transit (a bit in the superblock, see `superblock.rs`: a second
-//! free while the first is on its way is refused at once), batches it (`outbox.rs`) and pushes
+//! thread takes the block's freed flag (a byte in the superblock, see `superblock.rs`: a
+//! second free of a block already freed is refused at once), batches it (`outbox.rs`) and pushes
 //! the batch, with one fence, into this arena's [`ArenaShell`] inbox. On its slow path the owner
 //! drains the inbox, checks each block against its tags (refusing foreign frees), marks it
 //! `PENDING`, and keeps the batch until its fence completes; only then are the blocks merged
-//! into the free lists and their transit bits cleared. A pending block is never handed out. If
+//! into the free lists (their flags stay set until they are handed out again). A pending block is never handed out. If
 //! the pool is out of memory, the owner instead makes its stream wait on the pending fences
 //! (still no host block) and reuses the blocks at once. When a superblock goes back to the
 //! pool, its pending blocks go with it as free ranges guarded by their own fences, and leave
@@ -173,6 +173,7 @@ impl Arena {
                     l.live += g;
                 })
             };
+            sb.unfree(first as usize);
             self.live += g;
             return Some(sb.base + ((first as u64) << GRANULE_SHIFT));
         }
@@ -192,6 +193,7 @@ impl Arena {
                 l.live += g;
             })
         };
+        sb.unfree(b.first);
         self.live += g;
         Some(sb.base + ((b.first as u64) << GRANULE_SHIFT))
     }
@@ -243,7 +245,7 @@ impl Arena {
         let r = unsafe {
             sb.with_local(|l| {
                 let first = Self::validate(l, sb, ptr, size, g)?;
-                if sb.in_transit(first) { Err(InvalidFree::DoubleFree) } else { Ok(()) }
+                if sb.is_freed(first) { Err(InvalidFree::DoubleFree) } else { Ok(()) }
             })
         };
         r.map_err(|reason| Error::InvalidFree { ptr, size, reason })
@@ -268,10 +270,11 @@ impl Arena {
         let r = unsafe {
             sb.with_local(|l| {
                 let first = Self::validate(l, sb, ptr, size, g)?;
-                if sb.in_transit(first) {
-                    // Its first free, made on another stream or thread, is still on its way.
+                if sb.is_freed(first) {
+                    // Freed already, on another stream or by another thread.
                     return Err(InvalidFree::DoubleFree);
                 }
+                sb.set_freed(first);
                 match cache {
                     Some(c) => {
                         l.restate(first, PENDING);
@@ -357,9 +360,7 @@ impl Arena {
                 if inside {
                     let bytes = block_bytes(fr.size, env.small_max).unwrap_or(0);
                     fenced.push((fr.ptr, bytes, FenceSet::one(batch.fence.clone())));
-                    if let Some(g) = sb.granule_of(fr.ptr) {
-                        sb.clear_transit(g); // applied: the pool now holds it as free
-                    }
+                    // Its freed flag is cleared below with the rest: the pool holds it as free.
                 }
                 !inside
             });
@@ -450,9 +451,9 @@ impl Arena {
                         match r {
                             Ok(()) => mine.push(fr),
                             Err(reason) => {
-                                // This free set the bit (see `superblock.rs`); it is dropped.
+                                // This free set the flag (see `superblock.rs`); it is dropped.
                                 if let Some(g) = sb.granule_of(fr.ptr) {
-                                    sb.clear_transit(g);
+                                    sb.unfree(g);
                                 }
                                 env.refuse_remote(
                                     Error::InvalidFree { ptr: fr.ptr, size: fr.size, reason },
@@ -487,7 +488,6 @@ impl Arena {
                             Self::merge_free(lists, l, sb, first, g)
                         })
                     };
-                    sb.clear_transit(first);
                     self.live -= g;
                 }
                 // `give_back` takes a superblock's pending blocks out of `pending`, so every
@@ -629,12 +629,20 @@ impl Arena {
     /// comment for why in this order. Returns the shell for reuse, or `None` if no fence could
     /// be recorded: then the superblocks stay with the dead shell (never reused unfenced, freed
     /// when the allocator drops) and the shell must not be reused.
-    pub(crate) fn exit(mut self, env: &Env<'_>) -> Option<Arc<ArenaShell>> {
+    /// `recorded` is a fence the owner has just recorded on its per-thread stream, if any: it
+    /// is used instead of recording another.
+    pub(crate) fn exit(
+        mut self,
+        env: &Env<'_>,
+        recorded: Option<Option<Arc<Fence>>>,
+    ) -> Option<Arc<ArenaShell>> {
         self.flush_cache();
         self.drain(env);
         self.poll(env);
         let fence = if self.owned.is_empty() {
             None
+        } else if let Some(f) = recorded {
+            f
         } else {
             match env.fence(Stream::PER_THREAD, self.key) {
                 Ok(f) => f,

@@ -38,7 +38,7 @@ use crate::superblock::Superblock;
 use crate::sync::{AtomicUsize, Mutex, Ordering, lock};
 use std::sync::Arc;
 
-/// Where a free comes from, for the transit bits of blocks left by dissolved superblocks.
+/// Where a free comes from, for the freed flags of blocks left by dissolved superblocks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Origin {
     /// A caller's free that found no owner for the block: refused while one is on its way.
@@ -63,6 +63,12 @@ struct Used {
     len: usize,
     kind: UsedKind,
     chunk: u64,
+    /// A block handed out by an arena, left here when its superblock was dissolved: its
+    /// superblock's freed flag tells whether an arena free of it is on its way.
+    from_arena: bool,
+    /// A caller's free of it has been accepted and waits in that caller's outbox for the
+    /// batch's fence ([`GlobalPool::begin_free`]): further frees are refused.
+    freeing: bool,
 }
 
 struct PoolState {
@@ -219,7 +225,10 @@ impl GlobalPool {
                 }
             };
             let (chunk, fences) = Self::carve(&mut st, addr, addr, bytes);
-            st.used.insert(addr, Used { len: bytes, kind: UsedKind::Block, chunk });
+            st.used.insert(
+                addr,
+                Used { len: bytes, kind: UsedKind::Block, chunk, from_arena: false, freeing: false },
+            );
             st.in_use += bytes;
             (addr, fences)
         };
@@ -240,10 +249,47 @@ impl GlobalPool {
         self.validate(&st, ptr, size, Origin::Caller).map(|_| ())
     }
 
+    /// Accepts a caller's free of `[ptr, ptr + size)` whose fence is recorded later, once for a
+    /// batch (`outbox.rs`): the block stays handed out, marked `freeing`, so a second free is
+    /// refused, until [`GlobalPool::finish_frees`]. Returns the block's bytes.
+    pub(crate) fn begin_free(&self, ptr: u64, size: usize) -> Result<usize> {
+        let mut st = lock(&self.state);
+        let u = self.validate(&st, ptr, size, Origin::Caller)?;
+        st.used.get_mut(&ptr).expect("validated").freeing = true;
+        Ok(u.len)
+    }
+
+    /// Undoes [`GlobalPool::begin_free`] (the free could not be queued).
+    pub(crate) fn cancel_free(&self, ptr: u64) {
+        if let Some(u) = lock(&self.state).used.get_mut(&ptr) {
+            u.freeing = false;
+        }
+    }
+
+    /// Frees blocks accepted by [`GlobalPool::begin_free`], all guarded by `fence`.
+    pub(crate) fn finish_frees(&self, blocks: impl Iterator<Item = u64>, fence: Option<Arc<Fence>>) {
+        let mut st = lock(&self.state);
+        for ptr in blocks {
+            match st.used.remove(&ptr) {
+                Some(u) if u.freeing => {
+                    st.in_use -= u.len;
+                    Self::insert_free(&mut st, ptr, u.len, u.chunk, FenceSet::one(fence.clone()));
+                }
+                other => {
+                    debug_assert!(false, "finishing a free not begun at {ptr:#x}");
+                    if let Some(u) = other {
+                        st.used.insert(ptr, u);
+                    }
+                }
+            }
+        }
+    }
+
     /// The used block a free of `ptr` with `size` releases, or why the free is refused.
     fn validate(&self, st: &PoolState, ptr: u64, size: usize, origin: Origin) -> Result<Used> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let u = match st.used.get(&ptr) {
+            Some(u) if u.freeing => return Err(invalid(InvalidFree::DoubleFree)),
             Some(u) if u.kind == UsedKind::Block => *u,
             _ => {
                 let inside_free =
@@ -258,8 +304,9 @@ impl GlobalPool {
         // A block left by a dissolved superblock whose first free is still on its way (see
         // `superblock.rs`): a second free.
         if origin == Origin::Caller
+            && u.from_arena
             && let Some(sb) = self.registry.lookup(ptr)
-            && sb.granule_of(ptr).is_some_and(|g| sb.in_transit(g))
+            && sb.granule_of(ptr).is_some_and(|g| sb.is_freed(g))
         {
             return Err(invalid(InvalidFree::DoubleFree));
         }
@@ -271,7 +318,7 @@ impl GlobalPool {
 
     /// Frees a block handed out by [`GlobalPool::alloc`] or left by a dissolved superblock.
     /// `fence` guards its reuse. A refused free changes nothing, except that a refused free
-    /// in transit drops its transit bit (it set it).
+    /// in transit clears its freed flag (it set it).
     pub(crate) fn free(
         &self,
         ptr: u64,
@@ -285,7 +332,7 @@ impl GlobalPool {
             && let Some(g) = sb.granule_of(ptr)
         {
             // Applied or refused now, under the lock: before the block can be handed out again.
-            sb.clear_transit(g);
+            sb.unfree(g);
         }
         let u = self.validate(&st, ptr, size, origin)?;
         st.used.remove(&ptr);
@@ -330,11 +377,14 @@ impl GlobalPool {
                 )));
             }
             let (chunk, fences) = Self::carve(&mut st, ext, base, s);
-            st.used.insert(base, Used { len: s, kind: UsedKind::Superblock, chunk });
+            st.used.insert(
+                base,
+                Used { len: s, kind: UsedKind::Superblock, chunk, from_arena: false, freeing: false },
+            );
             st.in_use += s;
             let sb = self.registry.get_or_insert(base, s / GRANULE);
             debug_assert!(sb.owner.load(Ordering::Relaxed).is_null());
-            sb.clear_all_transit();
+            sb.clear_all_freed();
             sb.owner.store(shell, Ordering::Release);
             (sb, fences)
         };
@@ -366,7 +416,10 @@ impl GlobalPool {
         debug_assert!(u.kind == UsedKind::Superblock);
         st.in_use -= u.len;
         for &(a, l) in used {
-            st.used.insert(a, Used { len: l, kind: UsedKind::Block, chunk: u.chunk });
+            st.used.insert(
+                a,
+                Used { len: l, kind: UsedKind::Block, chunk: u.chunk, from_arena: true, freeing: false },
+            );
             st.in_use += l;
         }
         for &(a, l) in free {

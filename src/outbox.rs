@@ -8,13 +8,19 @@
 //! one batch's worth of freed memory per thread waits unsent: the bound on memory a thread
 //! strands this way.
 //!
+//! Frees of pool blocks on those streams gather here too, under a null destination: the pool
+//! accepted each already (`GlobalPool::begin_free`), and the flush frees them under the
+//! batch's fence (`GlobalPool::finish_frees`).
+//!
 //! A free on a user stream is sent at once ([`send_now`]) with its own fence: the caller may
 //! destroy the stream right after the free, and a later flush could not record on it.
 
 use crate::arena::{ArenaShell, Batch, Freed};
 use crate::env::Env;
 use crate::error::Result;
+use crate::fence::Fence;
 use crate::stream::{Stream, StreamKey};
+use std::sync::Arc;
 
 /// Pending remote frees of one thread.
 #[derive(Default)]
@@ -31,7 +37,8 @@ impl Outbox {
         stream.is_per_thread() || stream.is_legacy()
     }
 
-    /// Adds a free of a block owned by `dest`, made on a [`Outbox::batchable`] stream. If the
+    /// Adds a free of a block owned by `dest` (null: a pool block the pool has accepted), made
+    /// on a [`Outbox::batchable`] stream. If the
     /// stream differs from the gathered frees', those are flushed first; if that fails, `fr`
     /// is not taken and the error is returned. The caller flushes when [`Outbox::is_full`].
     pub(crate) fn push(
@@ -65,12 +72,17 @@ impl Outbox {
         self.count == 0
     }
 
-    /// Sends every gathered free under one fence. `ptds` is the calling thread's per-thread
-    /// stream identity. If no fence can be recorded (a destroyed stream), the blocks are
-    /// dropped: never reused, so memory is lost but never corrupted; the error is returned.
-    pub(crate) fn flush(&mut self, env: &Env<'_>, ptds: StreamKey) -> Result<()> {
+    /// Sends every gathered free under one fence, and returns that fence with its stream.
+    /// `ptds` is the calling thread's per-thread stream identity. If no fence can be recorded,
+    /// the blocks are dropped: never reused, so memory is lost but never corrupted; the error
+    /// is returned.
+    pub(crate) fn flush(
+        &mut self,
+        env: &Env<'_>,
+        ptds: StreamKey,
+    ) -> Result<Option<(Stream, Option<Arc<Fence>>)>> {
         let Some(stream) = self.stream.take() else {
-            return Ok(());
+            return Ok(None);
         };
         let dests = std::mem::take(&mut self.dests);
         self.count = 0;
@@ -78,9 +90,13 @@ impl Outbox {
         let key = if stream.is_per_thread() { Ok(ptds) } else { env.dev.stream_key(stream) };
         let fence = key.and_then(|k| env.fence(stream, k))?;
         for (dest, blocks) in dests {
-            deliver(env, dest, Batch { fence: fence.clone(), blocks });
+            if dest.is_null() {
+                env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), fence.clone());
+            } else {
+                deliver(env, dest, Batch { fence: fence.clone(), blocks });
+            }
         }
-        Ok(())
+        Ok(Some((stream, fence)))
     }
 }
 

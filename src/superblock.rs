@@ -13,31 +13,37 @@
 //! a block already merged away, reads a tag without `HEAD` and is refused, and the neighbours of
 //! a block are found in O(1) at `first - 1` and `first + len`.
 //!
-//! ## Transit bits (shared)
-//! One bit per granule, set at a block's first granule while a free of it made **away from the
-//! owner's fast path** (by another thread, or on another stream) has been accepted but not yet
-//! applied: the free may sit in the freeing thread's outbox, in the owner's inbox, or wait for
-//! its fence in the owner's pending list. The tags, being owner-only, cannot say so; the bit
-//! can, to every thread:
-//! - the remote free sets it with one `fetch_or`: if it was set already, the free is a second
-//!   free of a block whose first free is still on its way, and is refused at once;
-//! - the owner's local free reads it (a load, no read-modify-write) and refuses a set one;
-//! - a free that reaches the global pool for a block of a dissolved superblock reads it under
-//!   the pool lock: set means the block's first free is still on its way, so this one is a
-//!   double free;
-//! - it is cleared once the free is applied and the block can be handed out again: by the owner
-//!   when a pending block is merged free or a refused free is dropped, by the owner when a
-//!   pending block leaves with its superblock, and by the pool (under its lock) when a free on
-//!   its way reaches it after the superblock was dissolved.
+//! ## Freed flags (shared)
+//! One byte per granule, read and written by every thread: at the first granule of a block
+//! handed out by the owner, it says whether a free of that block has been **accepted** since
+//! (`1`) or not (`0`). The tags, being owner-only, cannot tell another thread so; the flag can:
+//! - a free away from the owner's fast path (by another thread, or on another stream) takes
+//!   the flag with one `swap`: if it was set, the block was freed already (the first free may
+//!   still be in an outbox, an inbox, waiting for its fence, or done) and this free is refused
+//!   at once;
+//! - the owner's local free reads it (refusing a set one) and sets it with a plain store;
+//! - the owner clears it, with a plain store, when it hands the block out again; the owner's
+//!   fast path thus does no read-modify-write;
+//! - a refused free clears what it set (the owner's drain, or the pool);
+//! - when a superblock leaves its arena, the flags stay: the pool reads one only at the head of
+//!   a used block the arena had handed out (`from_arena` in `global_pool.rs`), where it says
+//!   that the block's arena free is on its way, and refuses a free of it from anyone else
+//!   meanwhile; the pool clears it when that free arrives (under its lock).
 //!
-//! Invariant: a set bit is at the head of a block that is not free and not handed out again;
-//! a superblock is lent only with every bit clear (a used block's set bit keeps its range out
-//! of the pool's free extents, so a lent range has none but stale bits of refused frees, which
-//! `lend` clears). Two frees of one block that race each other (neither ordered before the
-//! other) may both be accepted, as with any allocator; ordered double frees are always refused.
+//! Invariant: for a block handed out by the owner, the flag is set exactly while an accepted
+//! free of it exists and the block has not been handed out again. In a dissolved superblock, a
+//! flag at the head of a used pool block that came from the arena is set exactly while its arena
+//! free is on its way; other flags there are stale and never read. `lend` clears every flag. Two frees of one block that
+//! race each other (neither ordered before the other) may both be accepted, as with any
+//! allocator; ordered double frees are refused at once. A wrong-size or interior free by
+//! another thread is accepted until the owner checks it; while it is on its way, it holds the
+//! flag, and a correct free of the same block is refused as a double free (the README states
+//! this limit). Flags at granules that are not a block's head may be stale (a block that began
+//! there was freed and merged): an aligned interior pointer freed by another thread may thus be
+//! refused as a double free rather than as an unknown pointer; it is refused either way.
 
 use crate::arena::ArenaShell;
-use crate::sync::{AtomicPtr, AtomicU64, Ordering, UnsafeCell};
+use crate::sync::{AtomicPtr, AtomicU8, Ordering, UnsafeCell};
 
 /// Tag state: a live block; payload is its length in granules.
 pub(crate) const USED: u32 = 1 << 30;
@@ -123,8 +129,8 @@ impl SbLocal {
 pub(crate) struct Superblock {
     pub(crate) base: u64,
     pub(crate) owner: AtomicPtr<ArenaShell>,
-    /// Transit bits, one per granule (see the module comment).
-    transit: Box<[AtomicU64]>,
+    /// Freed flags, one per granule (see the module comment).
+    freed: Box<[AtomicU8]>,
     local: UnsafeCell<SbLocal>,
 }
 
@@ -142,7 +148,7 @@ impl Superblock {
         Superblock {
             base,
             owner: AtomicPtr::new(std::ptr::null_mut()),
-            transit: (0..granules.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            freed: (0..granules).map(|_| AtomicU8::new(0)).collect(),
             local: UnsafeCell::new(local),
         }
     }
@@ -151,42 +157,48 @@ impl Superblock {
     pub(crate) fn granule_of(&self, ptr: u64) -> Option<usize> {
         let off = ptr.checked_sub(self.base)?;
         let g = (off >> crate::size_class::GRANULE_SHIFT) as usize;
-        (off.is_multiple_of(crate::size_class::GRANULE as u64) && g < self.transit.len() * 64).then_some(g)
+        (off.is_multiple_of(crate::size_class::GRANULE as u64) && g < self.freed.len()).then_some(g)
     }
 
-    fn bit(&self, g: usize) -> (&AtomicU64, u64) {
-        (&self.transit[g / 64], 1 << (g % 64))
-    }
-
-    /// Marks a free of the block at granule `g` as on its way. False if one already is (the
-    /// free is then a double free). `AcqRel`: of two ordered frees, the later sees the earlier.
-    pub(crate) fn mark_transit(&self, g: usize) -> bool {
-        let (w, m) = self.bit(g);
-        // Mutation for the loom model of transit bits: a free that marks nothing.
+    /// A free away from the owner's fast path takes the flag of the block at granule `g`.
+    /// False if it was set: the block was freed already (the free is a double free). `AcqRel`:
+    /// of two ordered frees, the later sees the earlier.
+    pub(crate) fn claim_free(&self, g: usize) -> bool {
+        // Mutation for the loom model of the freed flags: a free that marks nothing.
         if cfg!(cuarena_mutant = "transit_unmarked") {
             return true;
         }
-        w.fetch_or(m, Ordering::AcqRel) & m == 0
+        self.freed[g].swap(1, Ordering::AcqRel) == 0
     }
 
-    /// True while a free of the block at granule `g` is on its way.
+    /// True if a free of the block at granule `g` has been accepted and the block not handed
+    /// out again.
     #[inline]
-    pub(crate) fn in_transit(&self, g: usize) -> bool {
-        let (w, m) = self.bit(g);
-        w.load(Ordering::Acquire) & m != 0
+    pub(crate) fn is_freed(&self, g: usize) -> bool {
+        self.freed[g].load(Ordering::Acquire) != 0
     }
 
-    /// The free on its way of the block at granule `g` has been applied (or refused).
-    pub(crate) fn clear_transit(&self, g: usize) {
-        let (w, m) = self.bit(g);
-        w.fetch_and(!m, Ordering::Release);
+    /// The owner's local free of the block at granule `g` (after `is_freed` was false). A
+    /// plain store: the owner's fast path does no read-modify-write.
+    #[inline]
+    pub(crate) fn set_freed(&self, g: usize) {
+        self.freed[g].store(1, Ordering::Release);
     }
 
-    /// Clears every transit bit: called by the pool, under its lock, when it lends the
-    /// superblock (only stale bits of refused frees can be set then; see the module comment).
-    pub(crate) fn clear_all_transit(&self) {
-        for w in self.transit.iter() {
-            w.store(0, Ordering::Relaxed);
+    /// The block at granule `g` is handed out again (by its owner), or a free that set the
+    /// flag was refused or, in a dissolved superblock, arrived. `Release`: a free that reads
+    /// the cleared flag was ordered after it (the pointer reached that thread by the caller's
+    /// own synchronisation, or by the pool's lock).
+    #[inline]
+    pub(crate) fn unfree(&self, g: usize) {
+        self.freed[g].store(0, Ordering::Release);
+    }
+
+    /// Clears every flag: called by the pool, under its lock, when it lends the superblock
+    /// (only stale flags of refused frees can be set then; see the module comment).
+    pub(crate) fn clear_all_freed(&self) {
+        for f in self.freed.iter() {
+            f.store(0, Ordering::Relaxed);
         }
     }
 

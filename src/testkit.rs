@@ -811,6 +811,14 @@ impl Device for LightDevice {
         st.reserved += bytes;
         Ok(Some(p))
     }
+    fn alloc_async(&self, bytes: usize, _stream: Stream) -> Result<Option<u64>> {
+        self.reserve(bytes)
+    }
+    unsafe fn free_async(&self, ptr: u64, bytes: usize, _stream: Stream) -> Result<()> {
+        // Address space only: nothing runs on it, so a stream-ordered release is a release.
+        // SAFETY: forwarded from the caller (the same contract as `release`).
+        unsafe { self.release(ptr, bytes) }
+    }
     unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()> {
         let mut st = self.lock();
         match st.regions.get(&ptr) {
