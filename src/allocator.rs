@@ -431,19 +431,20 @@ impl Slot {
         if mine {
             // Inside our claim the superblock stays ours (only a reclaimer holding the claim
             // could give it back), so ownership read before it is checked again in it.
-            let env = inner.env(&self.counters);
-            let local = self.arena.as_mut().and_then(|a| {
-                a.with(|a| {
-                    if !a.owns(sb) {
-                        Local::NotOurs
-                    } else if stream.is_per_thread() {
-                        Local::Freed(a.free_local(&env, sb, ptr, size, bytes))
-                    } else {
-                        Local::Checked(Arena::check_live(sb, ptr, size, bytes))
-                    }
+            let local = {
+                let env = inner.env(&self.counters);
+                self.arena.as_mut().and_then(|a| {
+                    a.with(|a| {
+                        if !a.owns(sb) {
+                            Local::NotOurs
+                        } else if stream.is_per_thread() {
+                            Local::Freed(a.free_local(&env, sb, ptr, size, bytes))
+                        } else {
+                            Local::Checked(Arena::check_live(sb, ptr, size, bytes))
+                        }
+                    })
                 })
-            });
-            drop(env);
+            };
             match local {
                 Some(Local::Freed(r)) => {
                     r?;
