@@ -8,8 +8,9 @@ export CUARENA_LIB="$PWD/gpu-bundle/libcuarena.so" PYTHONUNBUFFERED=1 CUARENA_RE
 status=0
 run() { local name=$1; shift; echo "== $name"; if "$@" >"$out/$name.log" 2>&1; then echo "ok: $name"; else echo "FAILED: $name"; status=1; fi; tail -4 "$out/$name.log"; }
 for t in gpu ffi torture; do
-  [ -x gpu-bundle/test-$t ] && run "test-$t" gpu-bundle/test-$t --include-ignored --test-threads=1
+  [ -x gpu-bundle/test-$t ] && run "test-$t" gpu-bundle/test-$t --include-ignored --test-threads=1 --nocapture
 done
+grep -hE "^torture|^gpu stress|^thread churn" "$out"/test-*.log || true
 run cupy-stream python3 examples/cupy_stream_check.py
 run oom python3 examples/oom_check.py
 san="compute-sanitizer --tool memcheck --error-exitcode 9"
