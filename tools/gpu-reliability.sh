@@ -10,7 +10,7 @@ run() { local name=$1; shift; echo "== $name"; if "$@" >"$out/$name.log" 2>&1; t
 for t in gpu ffi torture; do
   [ -x gpu-bundle/test-$t ] && run "test-$t" gpu-bundle/test-$t --include-ignored --test-threads=1 --nocapture
 done
-grep -hE "^torture|^gpu stress|^thread churn" "$out"/test-*.log || true
+grep -hE "^(gpu torture|torture|gpu stress|unfenced|thread churn)" "$out"/test-*.log | cut -c1-400 || true
 run cupy-stream python3 examples/cupy_stream_check.py
 run oom python3 examples/oom_check.py
 san="compute-sanitizer --tool memcheck --error-exitcode 9"
