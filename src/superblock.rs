@@ -182,6 +182,10 @@ impl Superblock {
     /// plain store: the owner's fast path does no read-modify-write.
     #[inline]
     pub(crate) fn set_freed(&self, g: usize) {
+        // Mutation for the loom model of the owner's side: a local free that marks nothing.
+        if cfg!(cuarena_mutant = "owner_free_unmarked") {
+            return;
+        }
         self.freed[g].store(1, Ordering::Release);
     }
 

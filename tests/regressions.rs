@@ -216,3 +216,31 @@ fn memory_freed_into_an_idle_arena_is_reclaimed_on_oom_and_by_trim() {
     let s = a.stats();
     assert_eq!((s.live_bytes, s.reserved_bytes, a.pool_in_use()), (0, 0, 0), "{s:?}");
 }
+
+/// Smaller defects of issue 8: an arena-path out-of-memory error reports the request (not the
+/// superblock size), and a bad pool-path free is refused before any event is recorded.
+#[test]
+fn arena_oom_reports_the_request_and_a_bad_pool_free_records_no_event() {
+    let sim = host(0);
+    let cfg = Config::builder().superblock(256 << 10).small_max(64 << 10).chunk(256 << 10);
+    let a = Allocator::host(sim.clone(), cfg.max_bytes(512 << 10).build().unwrap()).unwrap();
+    let big = a.allocate(512 << 10, Stream::LEGACY).unwrap(); // the whole cap, from the pool
+    match a.allocate_per_thread(32 << 10) {
+        Err(Error::OutOfMemory { requested, .. }) => {
+            assert_eq!(requested, 32 << 10, "the request, not a superblock")
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    let before = a.stats();
+    for (ptr, size) in [(big.0 + 4096, 4096), (big.0, 4096), (0xdead_0000, 1 << 20)] {
+        let user = sim.create_stream();
+        assert!(a.deallocate(DevicePtr(ptr), size, user).is_err());
+    }
+    let after = a.stats();
+    assert_eq!(after.fences_recorded, before.fences_recorded, "a refused free recorded an event");
+    assert_eq!(after.invalid_frees, before.invalid_frees + 3);
+    a.deallocate(big, 512 << 10, Stream::LEGACY).unwrap();
+    a.release_thread().unwrap();
+    a.trim(true).unwrap();
+    assert_eq!((a.stats().live_bytes, a.stats().reserved_bytes), (0, 0));
+}

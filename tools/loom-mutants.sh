@@ -31,5 +31,6 @@ stats_retire_unlocked    allocator  stats_read_while_a_thread_retires_are_consis
 claim_no_light_barrier   claim      an_owner_and_a_reclaimer_are_never_inside_at_once
 claim_no_light_barrier   allocator  a_reclaim_racing_the_owner_loses_nothing
 transit_unmarked         allocator  a_second_free_while_the_first_waits_in_an_outbox_is_refused
+owner_free_unmarked      allocator  a_remote_free_after_the_owners_local_free_is_refused
 LIST
 exit $missed

@@ -200,3 +200,42 @@ fn a_second_free_while_the_first_waits_in_an_outbox_is_refused() {
         assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
     });
 }
+
+/// Freed flags (`superblock.rs`), the owner's side: the owner frees its block on its fast path
+/// (a plain store of the flag), then another thread frees it again, then the owner allocates.
+/// The second free must be refused, and no block handed out twice.
+#[test]
+fn a_remote_free_after_the_owners_local_free_is_refused() {
+    model(|| {
+        let (dev, a) = setup_batched(8, 0.9, 4);
+        let shared = Arc::new(AtomicU64::new(0));
+        let done = Arc::new(AtomicU64::new(0));
+        let (a2, s2, d2) = (a.clone(), shared.clone(), done.clone());
+        let other = thread::spawn(move || {
+            let b = DevicePtr(wait_for(|| Some(s2.load(Ordering::Acquire)).filter(|&b| b != 0)));
+            let r = a2.deallocate_per_thread(b, 4096);
+            d2.store(1, Ordering::Release);
+            a2.release_thread().unwrap();
+            r
+        });
+        let b = a.allocate_per_thread(4096).unwrap();
+        a.deallocate_per_thread(b, 4096).unwrap();
+        shared.store(b.0, Ordering::Release);
+        wait_for(|| Some(done.load(Ordering::Acquire)).filter(|&d| d != 0));
+        let c = a.allocate_per_thread(4096).unwrap();
+        let second = other.join().unwrap();
+        assert!(second.is_err(), "a double free of a free block was accepted");
+        a.flush().unwrap();
+        dev.complete_all();
+        a.flush().unwrap();
+        let d = a.allocate_per_thread(4096).unwrap();
+        assert_ne!(c, d, "a live block handed out twice");
+        for p in [c, d] {
+            a.deallocate_per_thread(p, 4096).unwrap();
+        }
+        a.release_thread().unwrap();
+        a.check_invariants();
+        assert_eq!(a.stats().live_bytes, 0);
+        assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
+    });
+}
