@@ -79,7 +79,9 @@ typedef struct cuarena_stats {
     uint64_t superblocks_returned;  /* empty superblocks given back by arenas */
     uint64_t superblocks_dissolved; /* partly used superblocks given back */
     uint64_t arena_held_bytes;      /* superblock bytes held by per-thread arenas now */
-    uint64_t arenas;                /* live per-thread arenas */
+    uint64_t arenas;                /* live arenas (per thread: one per-thread-stream, one legacy-stream) */
+    uint64_t arena_allocations;     /* allocations served by an arena (no lock, no CUDA call) */
+    uint64_t pool_allocations;      /* allocations served by the global pool */
 } cuarena_stats;
 
 /* PyTorch CUDAPluggableAllocator: alloc and free. */

@@ -2,14 +2,19 @@
 //!
 //! ## Routing (the one place it is decided)
 //! - `size == 0`: a null pointer, like `cudaMallocAsync`; freeing null with size 0 is a no-op.
-//! - `size <= small_max` on the per-thread stream (`0x2`): the calling thread's arena.
-//! - anything else (large, or small on another stream): the global pool.
+//! - `size <= small_max` on the per-thread stream (`0x2`): the calling thread's per-thread
+//!   arena; on the legacy stream (NULL or `0x1`): the calling thread's legacy arena (see
+//!   [`arena_index`]). Neither asks the driver anything on the fast path: the per-thread
+//!   stream's and the legacy stream's identities are asked once per thread.
+//! - anything else (large, or small on a user stream): the global pool.
 //! - A free of a small block goes to its superblock's owner: the owner's fast path if the
-//!   caller is the owner and frees on its per-thread stream; otherwise the caller's outbox,
-//!   and from there, fenced, to the owner's inbox. A block whose superblock has no owner, and
-//!   every large block, goes to the pool with a fence recorded on the free stream.
-//!
-//! Data flows one way: allocator → arena → global pool → device.
+//!   caller is the owner and frees on that arena's stream; otherwise, with the block's freed
+//!   flag taken, the caller's outbox, and from there, fenced, to the owner's inbox. A block
+//!   whose superblock has no owner, and every large block, goes to the pool: on the
+//!   per-thread and legacy streams accepted at once and fenced with the outbox's next batch,
+//!   on a user stream with a fence recorded at once.
+//! - On out-of-memory, memory held without live blocks in this thread's and idle threads'
+//!   arenas is taken back and the request tried once more (`Slot::reclaim`).
 
 use std::cell::RefCell;
 
@@ -82,12 +87,33 @@ struct Shells {
 struct Slot {
     id: u64,
     inner: Weak<Inner>,
-    arena: Option<OwnedArena>,
+    /// The thread's arenas, by [`arena_index`]: for its per-thread stream, and for the legacy
+    /// stream.
+    arenas: [Option<OwnedArena>; 2],
     outbox: Outbox,
     counters: Arc<Counters>,
     ptds: Option<StreamKey>,
+    /// The legacy stream's identity, asked of the device once.
+    legacy: Option<StreamKey>,
     /// Slow paths taken; every [`PEAK_SAMPLE_EVERY`]th samples the live-byte peak.
     slow_paths: u32,
+}
+
+/// The streams a thread's arenas serve, by index: see [`arena_index`].
+const HOMES: [Stream; 2] = [Stream::PER_THREAD, Stream::LEGACY];
+
+/// Which of a thread's arenas serves small requests on `stream`: 0 for its per-thread stream,
+/// 1 for the legacy stream (NULL or `0x1`, one stream for all threads, whose identity is fixed).
+/// User streams have none: their handles are reused by CUDA, so they are served by the pool.
+#[inline]
+fn arena_index(stream: Stream) -> Option<usize> {
+    if stream.is_per_thread() {
+        Some(0)
+    } else if stream.is_legacy() {
+        Some(1)
+    } else {
+        None
+    }
 }
 
 /// What an outbox flush sent: the stream and the fence it recorded there, if it sent anything.
@@ -186,15 +212,15 @@ impl Inner {
     /// Takes memory back from other threads' arenas whose owners are idle, without their
     /// help (see `claim.rs`): each gives back its superblocks that hold no used block (with
     /// `dissolve`, all with free or pending space). Arenas whose owner is inside an allocator
-    /// call are skipped: they drain on their own. `own` is the caller's shell, skipped. Free
+    /// call are skipped: they drain on their own. `own` are the caller's shells, skipped. Free
     /// ranges go back behind a fence on the legacy stream, which follows the owners' earlier
     /// per-thread-stream work. Returns the bytes given back. Never blocks on the device.
     #[cold]
-    fn reclaim_others(&self, env: &Env<'_>, own: Option<&Arc<ArenaShell>>, dissolve: bool) -> usize {
+    fn reclaim_others(&self, env: &Env<'_>, own: &[*const ArenaShell], dissolve: bool) -> usize {
         let shells: Vec<Arc<ArenaShell>> = lock(&self.shells).all.clone();
         let mut bytes = 0;
         for sh in shells {
-            if own.is_some_and(|o| Arc::ptr_eq(o, &sh)) || sh.arena.load(Ordering::Relaxed).is_null() {
+            if own.contains(&Arc::as_ptr(&sh)) || sh.arena.load(Ordering::Relaxed).is_null() {
                 continue;
             }
             let Some(_held) = sh.claim.try_claim() else { continue };
@@ -232,10 +258,11 @@ impl Slot {
         Slot {
             id: inner.id,
             inner: Arc::downgrade(inner),
-            arena: None,
+            arenas: [None, None],
             outbox: Outbox::default(),
             counters: inner.counters.register(),
             ptds: None,
+            legacy: None,
             slow_paths: 0,
         }
     }
@@ -288,41 +315,65 @@ impl Slot {
         c.bump(&c.live_bytes, (bytes as u64).wrapping_neg());
     }
 
-    /// The arena path's slow path: drains and grows the arena. If a reclaimer holds the
-    /// arena at this moment, the request is served by the pool instead (no waiting).
+    /// The arena path's slow path: drains and grows the arena `i` (see [`arena_index`]). If a
+    /// reclaimer holds the arena at this moment, the request is served by the pool instead (no
+    /// waiting).
     #[cold]
     #[inline(never)]
-    fn alloc_small_slow(&mut self, inner: &Inner, class: usize, g: usize) -> Result<u64> {
+    fn alloc_small_slow(&mut self, inner: &Inner, i: usize, class: usize, g: usize) -> Result<u64> {
         let env = inner.env(&self.counters);
         let ptds = Self::ptds_key(&mut self.ptds, &env)?;
+        let home = HOMES[i];
+        let key = if i == 0 { ptds } else { Self::legacy_key(&mut self.legacy, &env)? };
         if let Err(e) = self.outbox.flush(&env, ptds) {
             env.defer(e);
         }
-        let owned = match &mut self.arena {
+        let own = self.shells();
+        let owned = match &mut self.arenas[i] {
             Some(a) => a,
             None => {
                 let sb = inner.cfg.superblock / GRANULE;
                 inner.arenas.fetch_add(1, Ordering::Relaxed);
-                let arena = Arena::new(inner.take_shell(), ptds, sb, inner.cfg.keep_empty, inner.cfg.sparse);
-                self.arena.insert(OwnedArena::new(arena))
+                let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
+                let arena = Arena::new(inner.take_shell(), home, key, sb, k, f);
+                self.arenas[i].insert(OwnedArena::new(arena))
             }
         };
-        let shell = Arc::clone(&owned.shell);
         let r = owned.with(|arena| match arena.alloc_slow(&env, class, g) {
             Err(Error::OutOfMemory { .. }) => {
                 // Memory freed into other threads' arenas may be idle there: take it back, and
                 // try once more.
-                inner.reclaim_others(&env, Some(&shell), true);
+                inner.reclaim_others(&env, &own, true);
                 arena.alloc_slow(&env, class, g)
             }
             r => r,
         });
+        let c = &*self.counters;
         let p = match r {
             Some(r) => r?,
-            None => inner.pool.alloc(&env.dev, g * GRANULE, Stream::PER_THREAD, ptds, env.skip_fences)?,
+            None => {
+                let p = inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences)?;
+                c.bump(&c.pool_allocations, 1);
+                p
+            }
         };
         self.sample_peak(inner);
         Ok(p)
+    }
+
+    /// The shells of this thread's arenas (null where it has none).
+    fn shells(&self) -> [*const ArenaShell; 2] {
+        self.arenas.each_ref().map(|a| a.as_ref().map_or(std::ptr::null(), |a| Arc::as_ptr(&a.shell)))
+    }
+
+    /// The legacy stream's identity, asked of the device once per thread.
+    fn legacy_key(legacy: &mut Option<StreamKey>, env: &Env<'_>) -> Result<StreamKey> {
+        if let Some(k) = *legacy {
+            return Ok(k);
+        }
+        let k = env.dev.stream_key(Stream::LEGACY)?;
+        *legacy = Some(k);
+        Ok(k)
     }
 
     #[cold]
@@ -332,11 +383,13 @@ impl Slot {
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
             Err(Error::OutOfMemory { .. }) => {
-                Self::reclaim(&mut self.arena, &mut self.outbox, &mut self.ptds, inner, &env, true);
+                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true);
                 inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?
             }
             r => r?,
         };
+        let c = &*self.counters;
+        c.bump(&c.pool_allocations, 1);
         self.counted_alloc(bytes);
         self.sample_peak(inner);
         Ok(p)
@@ -348,7 +401,7 @@ impl Slot {
     /// bytes given back. Never blocks on the device.
     #[cold]
     fn reclaim(
-        arena: &mut Option<OwnedArena>,
+        arenas: &mut [Option<OwnedArena>; 2],
         outbox: &mut Outbox,
         ptds: &mut Option<StreamKey>,
         inner: &Inner,
@@ -359,15 +412,16 @@ impl Slot {
             env.defer(e);
         }
         let mut bytes = 0;
-        if let Some(owned) = arena {
+        for owned in arenas.iter_mut().flatten() {
             bytes += owned
                 .with(|a| {
-                    let key = a.key;
-                    a.reclaim(env, dissolve, || env.fence(Stream::PER_THREAD, key))
+                    let (home, key) = (a.home, a.key);
+                    a.reclaim(env, dissolve, || env.fence(home, key))
                 })
                 .unwrap_or(0);
         }
-        bytes + inner.reclaim_others(env, arena.as_ref().map(|a| &a.shell), dissolve)
+        let own = arenas.each_ref().map(|a| a.as_ref().map_or(std::ptr::null(), |a| Arc::as_ptr(&a.shell)));
+        bytes + inner.reclaim_others(env, &own, dissolve)
     }
 
     fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
@@ -427,17 +481,17 @@ impl Slot {
     ) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
-        let mine = self.arena.as_ref().is_some_and(|a| std::ptr::eq(Arc::as_ptr(&a.shell), owner));
-        if mine {
+        let mine = self.shells().iter().position(|&s| std::ptr::eq(s, owner));
+        if let Some(i) = mine {
             // Inside our claim the superblock stays ours (only a reclaimer holding the claim
             // could give it back), so ownership read before it is checked again in it.
             let local = {
                 let env = inner.env(&self.counters);
-                self.arena.as_mut().and_then(|a| {
+                self.arenas[i].as_mut().and_then(|a| {
                     a.with(|a| {
                         if !a.owns(sb) {
                             Local::NotOurs
-                        } else if stream.is_per_thread() {
+                        } else if arena_index(stream) == Some(i) {
                             Local::Freed(a.free_local(&env, sb, ptr, size, bytes))
                         } else {
                             Local::Checked(Arena::check_live(sb, ptr, size, bytes))
@@ -488,25 +542,27 @@ impl Slot {
             return Err(e);
         }
         let c = &*self.counters;
-        c.bump(if mine { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);
+        c.bump(if mine.is_some() { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);
         self.counted_free(bytes);
         Ok(())
     }
 
-    /// Sends remote frees and gives the arena back (what thread exit does).
+    /// Sends remote frees and gives the arenas back (what thread exit does).
     fn release_arena(&mut self, inner: &Inner) -> Result<()> {
         let env = inner.env(&self.counters);
         let flushed = Self::flush_outbox(&mut self.outbox, &mut self.ptds, &env);
-        // A fence just recorded on this thread's per-thread stream also covers the arena's
-        // blocks (every local free came before it): exit reuses it.
-        let fence = match &flushed {
-            Ok(Some((stream, f))) if stream.is_per_thread() => Some(f.clone()),
-            _ => None,
-        };
-        if let Some(arena) = self.arena.take() {
-            inner.arenas.fetch_sub(1, Ordering::Relaxed);
-            if let Some(shell) = arena.exit(&env, fence) {
-                lock(&inner.shells).idle.push(shell);
+        for (i, slot) in self.arenas.iter_mut().enumerate() {
+            // A fence just recorded on an arena's stream also covers its blocks (every local
+            // free came before it): exit reuses it.
+            let fence = match &flushed {
+                Ok(Some((stream, f))) if arena_index(*stream) == Some(i) => Some(f.clone()),
+                _ => None,
+            };
+            if let Some(arena) = slot.take() {
+                inner.arenas.fetch_sub(1, Ordering::Relaxed);
+                if let Some(shell) = arena.exit(&env, fence) {
+                    lock(&inner.shells).idle.push(shell);
+                }
             }
         }
         flushed.map(|_| ())
@@ -603,18 +659,20 @@ impl Allocator {
             return Ok(DevicePtr::NULL);
         }
         let inner = &self.inner;
-        if size <= inner.cfg.small_max && stream.is_per_thread() {
+        if size <= inner.cfg.small_max
+            && let Some(i) = arena_index(stream)
+        {
             let g = granules_for(size).expect("small sizes do not overflow");
             let class = class_ceil(g);
             let gc = class_granules(class);
             return with_slot(inner, |slot, inner| {
-                if let Some(a) = slot.arena.as_mut()
+                if let Some(a) = slot.arenas[i].as_mut()
                     && let Some(Some(p)) = a.with(|a| a.alloc(class, gc))
                 {
                     slot.counted_alloc(gc * GRANULE);
                     return Ok(DevicePtr(p));
                 }
-                let p = slot.alloc_small_slow(inner, class, gc)?;
+                let p = slot.alloc_small_slow(inner, i, class, gc)?;
                 slot.counted_alloc(gc * GRANULE);
                 Ok(DevicePtr(p))
             });
@@ -721,7 +779,7 @@ impl Allocator {
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
             Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, &env)?;
-            if let Some(a) = &mut slot.arena {
+            for a in slot.arenas.iter_mut().flatten() {
                 a.with(|a| a.tidy(&env));
             }
             Ok(())
@@ -755,7 +813,7 @@ impl Allocator {
         }
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
-            Slot::reclaim(&mut slot.arena, &mut slot.outbox, &mut slot.ptds, inner, &env, false);
+            Slot::reclaim(&mut slot.arenas, &mut slot.outbox, &mut slot.ptds, inner, &env, false);
             inner.pool.trim(&env.dev, blocking)
         })
     }
@@ -775,6 +833,8 @@ impl Allocator {
         self.inner.counters.fill(&mut s);
         self.inner.pool.fill_stats(&mut s);
         s.arenas = self.inner.arenas.load(Ordering::Relaxed) as u64;
+        // Counted on the pool's paths only, so the arena's fast path counts nothing extra.
+        s.arena_allocations = s.allocations.wrapping_sub(s.pool_allocations);
         s
     }
 

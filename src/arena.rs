@@ -1,4 +1,5 @@
-//! A per-thread arena: small blocks for one thread's per-thread default stream.
+//! A per-thread arena: small blocks for one stream of one thread, its *home*: the thread's
+//! per-thread default stream, or the legacy stream (a thread has one arena for each).
 //!
 //! ## Fast path
 //! `alloc` and `free_local` run on the owning thread only, touch only owner-only memory (the
@@ -104,7 +105,10 @@ pub(crate) struct ArenaShell {
 /// The owner-only arena.
 pub(crate) struct Arena {
     pub(crate) shell: Arc<ArenaShell>,
-    /// Identity of the owner thread's per-thread default stream.
+    /// The stream this arena serves: the owner's per-thread default stream, or the legacy
+    /// stream (one stream for every thread, so each thread's legacy arena serves it too).
+    pub(crate) home: Stream,
+    /// Identity of `home` (for the legacy stream, the same in every thread).
     pub(crate) key: StreamKey,
     granules: usize,
     keep_empty: usize,
@@ -129,6 +133,7 @@ pub(crate) const CACHE_DEPTH: usize = 8;
 impl Arena {
     pub(crate) fn new(
         shell: Arc<ArenaShell>,
+        home: Stream,
         key: StreamKey,
         granules: usize,
         keep_empty: usize,
@@ -136,6 +141,7 @@ impl Arena {
     ) -> Arena {
         Arena {
             shell,
+            home,
             key,
             granules,
             keep_empty,
@@ -330,7 +336,7 @@ impl Arena {
                 // SAFETY: we own every superblock in `owned`.
                 .min_by_key(|&i| unsafe { (*self.owned[i]).with_local(|l| l.live) })
                 .expect("over_held implies a superblock");
-            let fence = match env.fence(Stream::PER_THREAD, self.key) {
+            let fence = match env.fence(self.home, self.key) {
                 Ok(f) => f,
                 Err(e) => return env.defer(e), // keep the superblock; try again later
             };
@@ -408,7 +414,8 @@ impl Arena {
 
     /// Takes a superblock from the pool, for a request of `requested` bytes.
     fn grow(&mut self, env: &Env<'_>, requested: usize) -> Result<()> {
-        let sb = env.pool.lend(&env.dev, self.shell_ptr(), self.key, env.skip_fences, requested)?;
+        let sb =
+            env.pool.lend(&env.dev, self.shell_ptr(), self.home, self.key, env.skip_fences, requested)?;
         let sbp: *const Superblock = sb;
         let slot = self.owned.len();
         let lists = &mut self.lists;
@@ -507,6 +514,9 @@ impl Arena {
         while i < self.pending.len() && polls < MAX_POLLS {
             let done = match &self.pending[i].fence {
                 None => true,
+                // Freed on this arena's own stream (another thread's free on the legacy
+                // stream): work on one stream is ordered, so the blocks are free for it now.
+                Some(f) if f.stream() == self.key => true,
                 Some(f) => {
                     polls += usize::from(!f.known_done());
                     f.poll(&env.dev).unwrap_or(false)
@@ -545,7 +555,7 @@ impl Arena {
             Err(e @ Error::OutOfMemory { .. }) if !self.pending.is_empty() => {
                 while let Some(b) = self.pending.pop_front() {
                     if let Some(f) = &b.fence
-                        && let Err(w) = f.order_before(&env.dev, Stream::PER_THREAD, self.key)
+                        && let Err(w) = f.order_before(&env.dev, self.home, self.key)
                     {
                         self.pending.push_front(b);
                         env.defer(w);
@@ -644,7 +654,7 @@ impl Arena {
         } else if let Some(f) = recorded {
             f
         } else {
-            match env.fence(Stream::PER_THREAD, self.key) {
+            match env.fence(self.home, self.key) {
                 Ok(f) => f,
                 Err(e) => {
                     env.defer(e);

@@ -96,6 +96,11 @@ impl Fence {
         }))
     }
 
+    /// The identity of the stream the fence was recorded on.
+    pub(crate) fn stream(&self) -> StreamKey {
+        self.stream
+    }
+
     /// True if a query has already seen the event complete (no driver call).
     pub(crate) fn known_done(&self) -> bool {
         self.done.load(Ordering::Acquire)

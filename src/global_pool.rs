@@ -341,12 +341,13 @@ impl GlobalPool {
         Ok(())
     }
 
-    /// Lends a superblock to the arena `shell`, ordered for that thread's per-thread stream.
+    /// Lends a superblock to the arena `shell`, ordered for its stream `home` (identity `key`).
     /// `requested` is the arena's request that needed it (reported if out of memory).
     pub(crate) fn lend(
         &self,
         dev: &Counted<'_>,
         shell: *mut ArenaShell,
+        home: Stream,
         key: StreamKey,
         skip_fences: bool,
         requested: usize,
@@ -388,7 +389,7 @@ impl GlobalPool {
             sb.owner.store(shell, Ordering::Release);
             (sb, fences)
         };
-        if !skip_fences && let Err(e) = fences.order_before(dev, Stream::PER_THREAD, key) {
+        if !skip_fences && let Err(e) = fences.order_before(dev, home, key) {
             self.take_back(sb, &[], &[(sb.base, s)], fences, Vec::new());
             return Err(e);
         }

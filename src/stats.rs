@@ -66,6 +66,7 @@ counters!(
     superblocks_returned,
     superblocks_dissolved,
     arena_held_bytes,
+    pool_allocations,
 );
 
 impl Counters {
@@ -87,7 +88,7 @@ impl Counters {
 /// an operation in one counter and not yet in another. Every counter is exact once the threads
 /// that change it are quiescent, and none ever counts an exiting thread twice.
 ///
-/// The layout is C's (`#[repr(C)]`, 22 `u64`s in this order): it is also `cuarena_stats` in
+/// The layout is C's (`#[repr(C)]`, 24 `u64`s in this order): it is also `cuarena_stats` in
 /// `include/cuarena.h`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -114,7 +115,7 @@ pub struct Stats {
     pub deallocations: u64,
     /// Frees of small blocks owned by another thread's arena.
     pub cross_thread_frees: u64,
-    /// Frees of a thread's own small blocks on a stream other than its per-thread stream.
+    /// Frees of a thread's own small blocks on a stream other than the arena's stream.
     pub cross_stream_frees: u64,
     /// CUDA events recorded as fences.
     pub fences_recorded: u64,
@@ -136,8 +137,15 @@ pub struct Stats {
     pub superblocks_dissolved: u64,
     /// Bytes of superblocks held by arenas now.
     pub arena_held_bytes: u64,
-    /// Arenas alive now.
+    /// Arenas alive now (a thread has one per stream it allocates small blocks on: its
+    /// per-thread stream and the legacy stream).
     pub arenas: u64,
+    /// Allocations served by a thread's arena (small requests on the per-thread or the legacy
+    /// stream): the path with no lock and no CUDA call. `allocations - pool_allocations`.
+    pub arena_allocations: u64,
+    /// Allocations served by the global pool (large requests, small ones on user streams, and
+    /// small ones while a reclaimer briefly holds the thread's arena).
+    pub pool_allocations: u64,
 }
 
 /// The list of per-thread counter blocks of one allocator.

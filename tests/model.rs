@@ -190,9 +190,9 @@ impl Block {
     fn end(&self) -> u64 {
         self.ptr + self.bytes() as u64
     }
-    /// Served by its thread's arena (a small request on the per-thread stream).
+    /// Served by its thread's arena (a small request on the per-thread or the legacy stream).
     fn arena(&self) -> bool {
-        self.size <= SMALL_MAX && self.s == S::Ptds
+        self.size <= SMALL_MAX && matches!(self.s, S::Ptds | S::Legacy)
     }
 }
 

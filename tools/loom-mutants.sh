@@ -13,7 +13,10 @@ while read -r mutant test filter; do
   RUSTFLAGS="--cfg loom --cfg cuarena_mutant=\"$mutant\"" CARGO_TARGET_DIR=target/loom-mutant \
     cargo test -p loom-tests --release --test "$test" -- "$filter" >"$log" 2>&1
   # A failing loom model panics (and often aborts while dropping loom objects afterwards).
-  if grep -q "panicked at" "$log" && ! grep -q "test result: ok" "$log"; then
+  if grep -q "could not compile" "$log"; then
+    echo "BUILD-FAILED  $mutant ($test::$filter): see $log"
+    missed=1
+  elif grep -q "panicked at" "$log" && ! grep -q "test result: ok" "$log"; then
     why=$(grep -m1 -E "panicked at" -A1 "$log" | tr '\n' ' ' | cut -c1-240)
     echo "CAUGHT  $mutant ($test::$filter): $why"
   else
