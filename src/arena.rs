@@ -25,12 +25,15 @@
 //! second free of a block already freed is refused at once), batches it (`outbox.rs`) and pushes
 //! the batch, with one fence, into this arena's [`ArenaShell`] inbox. On its slow path the owner
 //! drains the inbox, checks each block against its tags (refusing foreign frees), marks it
-//! `PENDING`, and keeps the batch until its fence completes; only then are the blocks merged
-//! into the free lists (their flags stay set until they are handed out again). A pending block is never handed out. If
-//! the pool is out of memory, the owner instead makes its stream wait on the pending fences
-//! (still no host block) and reuses the blocks at once. When a superblock goes back to the
-//! pool, its pending blocks go with it as free ranges guarded by their own fences, and leave
-//! the pending list.
+//! `PENDING`, and keeps the batch aside. A pending block is never handed out as it is. A batch
+//! whose fence needs no wait (freed on the arena's own stream, as another thread's free on the
+//! legacy stream is, or seen complete) is merged into the free lists at the next slow path.
+//! When nothing else fits, the owner takes pending batches back behind one `cuStreamWaitEvent`
+//! each on its home stream (no event query, no host block) before it takes a new superblock;
+//! an explicit `flush` merges those whose fence a query finds complete. Merged blocks keep
+//! their freed flags until handed out again. When a superblock goes back to the pool, its
+//! pending blocks go with it as free ranges guarded by their own fences, and leave the pending
+//! list.
 //!
 //! ## Reclaim without the owner ([`Arena::reclaim`])
 //! An owner that is idle (blocked elsewhere, parked in a thread pool) never drains its inbox,
@@ -533,11 +536,14 @@ impl Arena {
         any
     }
 
-    /// Slow path: drains remote frees, completes fenced ones, and takes a superblock if still
-    /// nothing fits. On out-of-memory it reuses pending blocks by making the stream wait.
+    /// Slow path: drains remote frees, then finds room in this order, asking the device for
+    /// nothing it need not: batches whose fence needs no wait (known complete, or freed on this
+    /// arena's own stream); cached blocks merged; then pending batches, oldest first, each made
+    /// safe for the home stream by one `cuStreamWaitEvent` (no event query, no host block);
+    /// only then a new superblock.
     pub(crate) fn alloc_slow(&mut self, env: &Env<'_>, class: usize, g: usize) -> Result<u64> {
         self.drain(env);
-        if self.poll(env) {
+        if self.complete_ready(env) {
             if self.over_held() {
                 self.shrink(env);
             }
@@ -545,29 +551,44 @@ impl Arena {
                 return Ok(p);
             }
         }
-        // Cached blocks may merge into a fit before a new superblock is taken.
+        // Cached blocks may merge into a fit before anything else is done.
         self.flush_cache();
         if let Some(p) = self.alloc(class, g) {
             return Ok(p);
         }
-        match self.grow(env, g << GRANULE_SHIFT) {
-            Ok(()) => {}
-            Err(e @ Error::OutOfMemory { .. }) if !self.pending.is_empty() => {
-                while let Some(b) = self.pending.pop_front() {
-                    if let Some(f) = &b.fence
-                        && let Err(w) = f.order_before(&env.dev, self.home, self.key)
-                    {
-                        self.pending.push_front(b);
-                        env.defer(w);
-                        return Err(e);
-                    }
-                    self.complete(env, b);
-                }
-                return self.alloc(class, g).ok_or(e);
+        while let Some(b) = self.pending.pop_front() {
+            if let Some(f) = &b.fence
+                && let Err(w) = f.wait_for(&env.dev, self.home, self.key)
+            {
+                self.pending.push_front(b);
+                env.defer(w);
+                break;
             }
-            Err(e) => return Err(e),
+            self.complete(env, b);
+            if let Some(p) = self.alloc(class, g) {
+                return Ok(p);
+            }
         }
+        self.grow(env, g << GRANULE_SHIFT)?;
         Ok(self.alloc(class, g).expect("a fresh superblock fits every small class"))
+    }
+
+    /// Completes the pending batches that need no wait: fencing off, freed on this arena's
+    /// own stream (work on one stream is ordered), or fence already seen complete. No driver
+    /// call. True if any did.
+    fn complete_ready(&mut self, env: &Env<'_>) -> bool {
+        let key = self.key;
+        let ready = |b: &Batch| b.fence.as_ref().is_none_or(|f| f.stream() == key || f.known_done());
+        if !self.pending.iter().any(ready) {
+            return false;
+        }
+        let (done, rest): (VecDeque<Batch>, VecDeque<Batch>) =
+            std::mem::take(&mut self.pending).into_iter().partition(ready);
+        self.pending = rest;
+        for b in done {
+            self.complete(env, b);
+        }
+        true
     }
 
     /// Gives back to the pool every superblock that holds no used block (with `dissolve`,

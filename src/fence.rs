@@ -6,8 +6,9 @@
 //! - `N` has been made to wait on the event (`cuStreamWaitEvent`) before the block is returned.
 //!
 //! [`Fence::order_before`] applies the rule; every hand-out of a fenced block goes through it.
-//! Arenas never use the third form on their fast path: they keep fenced blocks aside until the
-//! event completes (see `arena.rs`).
+//! Arenas never touch a fence on their fast path: they keep fenced blocks aside, and their slow
+//! path takes them back behind a stream wait ([`Fence::wait_for`], no event query; see
+//! `arena.rs`).
 //!
 //! Fences are shared (`Arc`) between the blocks of one batch and the pieces of a split extent.
 //! The event goes back to the [`EventPool`] when the last reference drops; recording it again
@@ -125,6 +126,16 @@ impl Fence {
             self.done.store(true, Ordering::Release);
         }
         Ok(())
+    }
+
+    /// Orders later work on `stream` (identity `key`) after the fence with one stream wait,
+    /// unless none is needed (the same stream, or seen complete): the reuse rule without an
+    /// event query, for paths that would rather wait than ask (the arenas' slow path).
+    pub(crate) fn wait_for(&self, dev: &Counted<'_>, stream: Stream, key: StreamKey) -> Result<()> {
+        if self.stream == key || self.known_done() || cfg!(cuarena_mutant = "fence_skip_check") {
+            return Ok(());
+        }
+        dev.wait_fence(stream, self.event)
     }
 
     /// Applies the reuse rule for handing the fenced block to `stream` (identity `key`).
