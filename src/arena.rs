@@ -115,7 +115,8 @@ pub(crate) struct Arena {
     pub(crate) key: StreamKey,
     granules: usize,
     keep_empty: usize,
-    sparse: f64,
+    /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
+    dense_1024: usize,
     lists: FreeLists,
     /// Superblocks held; `SbLocal::slot` is each one's index here.
     owned: Vec<*const Superblock>,
@@ -148,7 +149,7 @@ impl Arena {
             key,
             granules,
             keep_empty,
-            sparse,
+            dense_1024: ((1.0 - sparse) * 1024.0).round() as usize,
             lists: FreeLists::default(),
             owned: Vec::new(),
             live: 0,
@@ -307,7 +308,7 @@ impl Arena {
     #[inline]
     fn over_held(&self) -> bool {
         let (u, a, s) = (self.live, self.owned.len() * self.granules, self.granules);
-        u + self.keep_empty * s < a && (u as f64) < (1.0 - self.sparse) * a as f64
+        u + self.keep_empty * s < a && u * 1024 < self.dense_1024 * a
     }
 
     /// Merges every cached block into the free lists.
