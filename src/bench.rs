@@ -1,9 +1,17 @@
 //! The benchmark suite behind `cargo run --release` and `cargo bench`.
 //!
-//! Workloads run in a rayon pool, each thread on its per-thread stream unless noted:
+//! Workloads run in a rayon pool, each thread on the stream its [`StreamMode`] gives it:
+//! `ptds` (its per-thread default stream), `legacy` (stream 0, shared by every thread) or `own`
+//! (one non-blocking stream it creates before the timed window and destroys after it).
 //! - `churn`: 256 slots per thread; each step frees a random slot's block and allocates a new
 //!   one there (log-uniform 256 B .. 1 MiB).
-//! - `handoff`: thread i allocates and hands each block to thread i+1, which frees it.
+//! - `handoff`: thread i allocates and hands each block to thread i+1 through a lock-free queue
+//!   of 256; thread i+1 frees up to two blocks per step. When the next queue is full the block
+//!   is freed by the thread that allocated it: such frees are counted as `local_frees`.
+//! - `handoff_msg`: a pipeline of thread-pool stages: each block goes to thread i+1 as one
+//!   message through a `Mutex<VecDeque>` + `Condvar` mailbox; thread i+1 waits for it and frees
+//!   it as soon as it arrives. Mailboxes are unbounded but stay short (each step sends one
+//!   message and waits for one), so no block is ever freed locally at 2 threads or more.
 //! - `prodcons`: half the threads only allocate, the other half only free.
 //! - `large`: like churn with 8 slots, 1 .. 64 MiB.
 //! - `mixed`: like churn, 1% of requests 1 .. 64 MiB.
@@ -14,14 +22,27 @@
 //! `touch` variants memset the first 4 KiB of every block on its stream after allocation, so
 //! fences are often still pending when the block is freed.
 //!
+//! Cross-thread frees honour the `cudaFreeAsync` contract (every use of the block is ordered
+//! before the free's stream). With `touch` in the `ptds` and `own` modes the producer records
+//! its event after the memset and the receiving thread makes its stream wait on it before the
+//! free (one event per producer, re-recorded per block: a wait takes the latest record, which
+//! comes after the block's memset). In `legacy` mode every thread is on the same stream, so
+//! nothing is needed. Without `touch` no stream carries any work, so there is nothing to order.
+//!
+//! In the handoff workloads (`handoff`, `handoff_msg`, `prodcons`) frees the allocating thread
+//! makes itself (a fallback, or a ring of one thread) are counted apart as `local_frees`, and
+//! blocks still queued when the window closes are freed afterwards and counted as
+//! `drain_frees` (not in `pairs`).
+//!
 //! Measures: pairs (alloc + free) per second over a timed steady state (after each thread's
 //! slots are filled), p50/p99 ns per pair (every 8th pair timed), peak live bytes (sampled every
 //! millisecond from per-thread single-writer counters), peak reserved bytes, driver calls per
 //! million operations in steady state, and host-blocking synchronisations.
 
+use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Barrier, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
@@ -33,7 +54,7 @@ use crate::config::Config;
 use crate::device::cuda::{CudaDevice, check};
 use crate::device::cuda_kernels::CudaKernels;
 use crate::device::host::{HostConfig, HostDevice};
-use crate::device::{Device, DeviceKind};
+use crate::device::{Device, DeviceKind, Event};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 
@@ -297,7 +318,10 @@ pub struct Point {
     pub allocator: String,
     pub device: &'static str,
     pub workload: String,
+    /// The stream mode's name (`ptds`, `legacy`, `own`).
+    pub streams: &'static str,
     pub threads: usize,
+    /// Alloc + free pairs completed in the timed window.
     pub pairs: u64,
     pub secs: f64,
     pub pairs_per_sec: f64,
@@ -313,6 +337,12 @@ pub struct Point {
     pub setup_secs: f64,
     /// Seconds from the end of the measurement to the allocator's drop.
     pub teardown_secs: f64,
+    /// Handoff workloads: frees in the timed window made by the thread that allocated the block
+    /// (included in `pairs`). `None` where every free is local by design.
+    pub local_frees: Option<u64>,
+    /// Handoff workloads: blocks still queued when the window closed, freed after it (not in
+    /// `pairs`).
+    pub drain_frees: Option<u64>,
 }
 
 impl Point {
@@ -324,15 +354,19 @@ impl Point {
     /// One JSON object.
     pub fn json(&self) -> String {
         format!(
-            "{{\"allocator\":\"{}\",\"device\":\"{}\",\"workload\":\"{}\",\"threads\":{},\"pairs\":{},\"secs\":{:.3},\
+            "{{\"allocator\":\"{}\",\"device\":\"{}\",\"workload\":\"{}\",\"streams\":\"{}\",\"threads\":{},\"pairs\":{},\
+             \"local_frees\":{},\"drain_frees\":{},\"secs\":{:.3},\
              \"pairs_per_sec\":{:.0},\"p50_ns\":{},\"p99_ns\":{},\"peak_live_bytes\":{},\"reserved_bytes\":{},\
              \"memory_ratio\":{:.3},\"driver_calls\":{},\"driver_calls_per_mop\":{:.1},\"host_syncs\":{},\"kernel_concurrency\":{},\
              \"setup_secs\":{:.3},\"teardown_secs\":{:.3}}}",
             self.allocator,
             self.device,
             self.workload,
+            self.streams,
             self.threads,
             self.pairs,
+            opt(self.local_frees),
+            opt(self.drain_frees),
             self.secs,
             self.pairs_per_sec,
             self.p50_ns,
@@ -343,10 +377,54 @@ impl Point {
             self.driver_calls,
             self.driver_calls_per_mop,
             self.host_syncs,
-            self.kernel_concurrency.map_or("null".to_string(), |c| c.to_string()),
+            opt(self.kernel_concurrency),
             self.setup_secs,
             self.teardown_secs
         )
+    }
+}
+
+/// A JSON number, or `null`.
+fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or("null".to_string(), |v| v.to_string())
+}
+
+/// Which streams the threads of a point allocate and free on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamMode {
+    /// Each thread on its per-thread default stream (`CU_STREAM_PER_THREAD`).
+    PerThread,
+    /// Every thread on the legacy default stream (one stream for all).
+    Legacy,
+    /// Each thread on one non-blocking stream it creates for the point.
+    Own,
+}
+
+impl StreamMode {
+    pub const ALL: [StreamMode; 3] = [StreamMode::PerThread, StreamMode::Legacy, StreamMode::Own];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamMode::PerThread => "ptds",
+            StreamMode::Legacy => "legacy",
+            StreamMode::Own => "own",
+        }
+    }
+
+    /// One line for `--help`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            StreamMode::PerThread => "each thread on its per-thread default stream (0x2)",
+            StreamMode::Legacy => "every thread on the legacy default stream (stream 0)",
+            StreamMode::Own => {
+                "each thread on one non-blocking stream it creates before the timed window \
+                 and destroys after it"
+            }
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<StreamMode> {
+        StreamMode::ALL.into_iter().find(|m| m.name() == s)
     }
 }
 
@@ -355,6 +433,7 @@ impl Point {
 pub enum Workload {
     Churn,
     Handoff,
+    HandoffMsg,
     ProdCons,
     Large,
     Mixed,
@@ -363,9 +442,10 @@ pub enum Workload {
 }
 
 impl Workload {
-    pub const ALL: [Workload; 7] = [
+    pub const ALL: [Workload; 8] = [
         Workload::Churn,
         Workload::Handoff,
+        Workload::HandoffMsg,
         Workload::ProdCons,
         Workload::Large,
         Workload::Mixed,
@@ -377,6 +457,7 @@ impl Workload {
         match self {
             Workload::Churn => "churn",
             Workload::Handoff => "handoff",
+            Workload::HandoffMsg => "handoff_msg",
             Workload::ProdCons => "prodcons",
             Workload::Large => "large",
             Workload::Mixed => "mixed",
@@ -387,6 +468,11 @@ impl Workload {
 
     pub fn parse(s: &str) -> Option<Workload> {
         Workload::ALL.into_iter().find(|w| w.name() == s)
+    }
+
+    /// Whether blocks are freed by another thread than the one that allocated them.
+    pub fn hands_off(self) -> bool {
+        matches!(self, Workload::Handoff | Workload::HandoffMsg | Workload::ProdCons)
     }
 }
 
@@ -415,20 +501,50 @@ impl Bench {
                     description: format!("cuda: GPU 0 ({} GiB)", total >> 30),
                 }
             }
-            Err(e) => {
-                let h = Arc::new(HostDevice::new(HostConfig {
-                    capacity: 1 << 40,
-                    max_delay: Duration::ZERO,
-                    ..HostConfig::default()
-                }));
-                Bench {
-                    device: h.clone(),
-                    cuda: None,
-                    host: Some(h),
-                    kernels: None,
-                    description: format!("host-simulated device (no GPU: {e})"),
-                }
-            }
+            Err(e) => Bench::on_host(
+                HostConfig { capacity: 1 << 40, max_delay: Duration::ZERO, ..HostConfig::default() },
+                format!("host-simulated device (no GPU: {e})"),
+            ),
+        }
+    }
+
+    /// The suite on a simulated device with these settings.
+    pub fn on_host(cfg: HostConfig, description: String) -> Bench {
+        let h = Arc::new(HostDevice::new(cfg));
+        Bench { device: h.clone(), cuda: None, host: Some(h), kernels: None, description }
+    }
+
+    /// Race-checker findings of the simulated device so far (empty on a GPU).
+    pub fn host_violations(&self) -> Vec<String> {
+        self.host.as_ref().map(|h| h.violations()).unwrap_or_default()
+    }
+
+    /// Creates a non-blocking stream (a `own` mode thread's).
+    fn create_stream(&self) -> Result<Stream> {
+        if let Some(d) = &self.cuda {
+            let _g = d.enter()?;
+            let mut s = std::ptr::null_mut();
+            let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+            // SAFETY: `s` is a valid out-pointer and the context is current.
+            check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, flags) })?;
+            Ok(Stream::from_raw(s as usize))
+        } else if let Some(h) = &self.host {
+            Ok(h.create_stream())
+        } else {
+            Err(Error::NoDriver)
+        }
+    }
+
+    /// Destroys a stream from [`Bench::create_stream`]; work queued on it still completes.
+    fn destroy_stream(&self, s: Stream) -> Result<()> {
+        if let Some(d) = &self.cuda {
+            let _g = d.enter()?;
+            // SAFETY: the stream came from `create_stream` and is destroyed once, by its thread.
+            check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(s.as_raw() as sys::CUstream) })
+        } else if let Some(h) = &self.host {
+            h.destroy_stream(s)
+        } else {
+            Err(Error::NoDriver)
         }
     }
 
@@ -489,6 +605,7 @@ impl Bench {
         alloc_name: &str,
         w: Workload,
         touch: bool,
+        mode: StreamMode,
         threads: usize,
         secs: f64,
     ) -> Result<Point> {
@@ -507,9 +624,17 @@ impl Bench {
             .num_threads(threads)
             .build()
             .map_err(|e| Error::Config(e.to_string()))?;
-        let shared = Shared::new(threads);
+        // Touched blocks handed to a thread on another stream need ordering: one event per
+        // producer (see the module comment).
+        let events: Vec<Event> = if touch && w.hands_off() && mode != StreamMode::Legacy {
+            (0..threads).map(|_| self.device.create_event()).collect::<Result<_>>()?
+        } else {
+            Vec::new()
+        };
+        let shared = Shared::new(threads, events);
         let barrier = Barrier::new(threads + 1);
-        let run = Run { bench: self, alloc: &*alloc, w, touch, threads, shared: &shared, barrier: &barrier };
+        let run =
+            Run { bench: self, alloc: &*alloc, w, touch, mode, threads, shared: &shared, barrier: &barrier };
         let mut start_counts = Counts::default();
         let mut elapsed = 0.0;
         let mut setup = 0.0;
@@ -527,17 +652,23 @@ impl Bench {
             }
             shared.stop.store(true, Ordering::Release);
             elapsed = t0.elapsed().as_secs_f64();
+            shared.wake_all();
             t_stop = Instant::now();
             let end_counts = alloc.counts();
             start_counts.driver_calls = end_counts.driver_calls - start_counts.driver_calls;
             start_counts.host_syncs = end_counts.host_syncs - start_counts.host_syncs;
             h.join().expect("bench pool panicked")
         });
-        let mut pairs = 0u64;
+        for &e in &shared.events {
+            self.device.destroy_event(e);
+        }
+        let (mut pairs, mut local, mut drained) = (0u64, 0u64, 0u64);
         let mut lat: Vec<u32> = Vec::new();
         for r in results {
             let wk = r?;
             pairs += wk.pairs;
+            local += wk.local_frees;
+            drained += wk.drain_frees;
             lat.extend(wk.lat);
         }
         lat.sort_unstable();
@@ -561,8 +692,11 @@ impl Bench {
             allocator: name,
             device: self.kind().name(),
             workload: format!("{}{}", w.name(), if touch { "+touch" } else { "" }),
+            streams: mode.name(),
             threads,
             pairs,
+            local_frees: w.hands_off().then_some(local),
+            drain_frees: w.hands_off().then_some(drained),
             secs: elapsed,
             pairs_per_sec: pairs as f64 / elapsed,
             p50_ns: pct(0.5),
@@ -581,24 +715,89 @@ impl Bench {
 #[derive(Default)]
 struct PaddedLive(AtomicI64);
 
+/// A block handed to another thread, with the thread that allocated it.
+#[derive(Clone, Copy, Debug)]
+struct Msg {
+    ptr: u64,
+    size: usize,
+    from: usize,
+}
+
+/// `handoff_msg`'s per-thread inbox: a locked queue and a condition variable.
+#[repr(align(128))]
+#[derive(Default)]
+struct Mailbox {
+    state: Mutex<MailState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct MailState {
+    msgs: VecDeque<Msg>,
+    /// The owner sleeps on `cv`: a sender must notify (otherwise it skips the syscall).
+    waiting: bool,
+}
+
+impl Mailbox {
+    fn lock(&self) -> MutexGuard<'_, MailState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn send(&self, m: Msg) {
+        let mut st = self.lock();
+        st.msgs.push_back(m);
+        let wake = st.waiting;
+        drop(st);
+        if wake {
+            self.cv.notify_one();
+        }
+    }
+
+    /// The next message, waiting for one; `None` once `stop` is set and none is queued.
+    fn recv(&self, stop: &AtomicBool) -> Option<Msg> {
+        let mut st = self.lock();
+        loop {
+            if let Some(m) = st.msgs.pop_front() {
+                return Some(m);
+            }
+            if stop.load(Ordering::Relaxed) {
+                return None;
+            }
+            st.waiting = true;
+            // The timeout only bounds a missed stop; senders notify a waiting owner.
+            st = self.cv.wait_timeout(st, Duration::from_millis(1)).unwrap_or_else(|p| p.into_inner()).0;
+            st.waiting = false;
+        }
+    }
+
+    fn try_recv(&self) -> Option<Msg> {
+        self.lock().msgs.pop_front()
+    }
+}
+
 struct Shared {
     go: AtomicBool,
     stop: AtomicBool,
     live: Vec<PaddedLive>,
     peak: AtomicU64,
-    queues: Vec<ArrayQueue<(u64, usize)>>,
+    queues: Vec<ArrayQueue<Msg>>,
+    mail: Vec<Mailbox>,
+    /// Each producer's ordering event (empty when blocks need no ordering).
+    events: Vec<Event>,
     /// Workers meet here after they stop producing and before they drain their queues.
     stopped: Barrier,
 }
 
 impl Shared {
-    fn new(threads: usize) -> Shared {
+    fn new(threads: usize, events: Vec<Event>) -> Shared {
         Shared {
             go: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             live: (0..threads).map(|_| PaddedLive::default()).collect(),
             peak: AtomicU64::new(0),
             queues: (0..threads).map(|_| ArrayQueue::new(256)).collect(),
+            mail: (0..threads).map(|_| Mailbox::default()).collect(),
+            events,
             stopped: Barrier::new(threads),
         }
     }
@@ -607,6 +806,14 @@ impl Shared {
         let sum: i64 = self.live.iter().map(|l| l.0.load(Ordering::Relaxed)).sum();
         self.peak.fetch_max(sum.max(0) as u64, Ordering::Relaxed);
     }
+
+    /// Wakes every thread waiting for a message (after `stop`).
+    fn wake_all(&self) {
+        for m in &self.mail {
+            let _g = m.lock();
+            m.cv.notify_all();
+        }
+    }
 }
 
 struct Run<'a> {
@@ -614,15 +821,23 @@ struct Run<'a> {
     alloc: &'a dyn BenchAlloc,
     w: Workload,
     touch: bool,
+    mode: StreamMode,
     threads: usize,
     shared: &'a Shared,
     barrier: &'a Barrier,
 }
 
+#[derive(Default)]
 struct Worker {
     pairs: u64,
     lat: Vec<u32>,
+    local_frees: u64,
+    drain_frees: u64,
 }
+
+/// Blocks each `handoff_msg` thread sends before the timed window, so that a receiver seldom
+/// finds its mailbox empty.
+const MSG_PREFILL: usize = 8;
 
 struct Rng(u64);
 
@@ -681,122 +896,169 @@ impl Run<'_> {
         Ok(())
     }
 
-    fn worker(&self, t: usize) -> Result<Worker> {
-        let r = self.work(t);
-        self.alloc.thread_end();
-        r
+    /// Allocates a block for another thread: after the allocation (and memset), the producer's
+    /// event is recorded when blocks need ordering.
+    fn produce(&self, t: usize, rng: &mut Rng, stream: Stream) -> Result<Msg> {
+        let size = self.size(rng);
+        let ptr = self.alloc(t, size, stream)?;
+        if let Some(&e) = self.shared.events.get(t) {
+            self.bench.device.record_event(e, stream)?;
+        }
+        Ok(Msg { ptr, size, from: t })
     }
 
-    fn work(&self, t: usize) -> Result<Worker> {
+    /// Frees a block another thread may have allocated, on this thread's stream, after making
+    /// that stream wait for the producer's work when it needs to. Returns whether the free was
+    /// local (made by the thread that allocated the block).
+    fn consume(&self, t: usize, m: Msg, stream: Stream) -> Result<bool> {
+        let local = m.from == t;
+        if !local && let Some(&e) = self.shared.events.get(m.from) {
+            self.bench.device.stream_wait_event(stream, e)?;
+        }
+        self.free(t, m.ptr, m.size, stream)?;
+        Ok(local)
+    }
+
+    fn worker(&self, t: usize) -> Result<Worker> {
+        let (stream, made) = match self.mode {
+            StreamMode::PerThread => (Ok(Stream::PER_THREAD), false),
+            StreamMode::Legacy => (Ok(Stream::LEGACY), false),
+            StreamMode::Own => (self.bench.create_stream(), true),
+        };
+        let (r, own) = match stream {
+            Ok(s) => (self.work(t, s, None), made.then_some(s)),
+            // Still meet the others at every barrier; drain on the per-thread stream.
+            Err(e) => (self.work(t, Stream::PER_THREAD, Some(e)), None),
+        };
+        self.alloc.thread_end();
+        match own {
+            Some(s) => {
+                let d = self.bench.destroy_stream(s);
+                r.and_then(|w| d.map(|()| w))
+            }
+            None => r,
+        }
+    }
+
+    fn work(&self, t: usize, st: Stream, mut failure: Option<Error>) -> Result<Worker> {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d) | 1);
-        let ps = Stream::PER_THREAD;
         let nslots = match self.w {
             Workload::Churn | Workload::Mixed => 256,
             Workload::Large => 8,
             _ => 0,
         };
         let mut slots: Vec<(u64, usize)> = Vec::with_capacity(nslots);
-        let mut failure = None;
-        for _ in 0..nslots {
-            let s = self.size(&mut rng);
-            match self.alloc(t, s, ps) {
-                Ok(p) => slots.push((p, s)),
-                Err(e) => {
-                    failure = Some(e);
-                    break;
+        if failure.is_none() {
+            for _ in 0..nslots {
+                let s = self.size(&mut rng);
+                match self.alloc(t, s, st) {
+                    Ok(p) => slots.push((p, s)),
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
                 }
             }
         }
-        let own_stream = match (self.w, &self.bench.kernels) {
-            (Workload::MultiStream, Some(k)) => Some(k.create_stream()?),
-            _ => None,
-        };
+        let next = (t + 1) % self.threads;
+        if self.w == Workload::HandoffMsg && failure.is_none() {
+            for _ in 0..MSG_PREFILL {
+                match self.produce(t, &mut rng, st) {
+                    Ok(m) => self.shared.mail[next].send(m),
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
         self.barrier.wait();
         while !self.shared.go.load(Ordering::Acquire) {
             std::hint::spin_loop();
         }
-        let mut lat = Vec::with_capacity(1 << 16);
-        let mut pairs = 0u64;
+        let mut wk = Worker { lat: Vec::with_capacity(1 << 16), ..Worker::default() };
         let mut random_live: Vec<(u64, usize)> = Vec::new();
         while failure.is_none() && !self.shared.stop.load(Ordering::Relaxed) {
-            let timed = pairs.is_multiple_of(8) && lat.len() < lat.capacity();
+            let timed = wk.pairs.is_multiple_of(8) && wk.lat.len() < wk.lat.capacity();
             let t0 = if timed { Some(Instant::now()) } else { None };
             let r: Result<u64> = match self.w {
                 Workload::Churn | Workload::Mixed | Workload::Large => {
                     let i = (rng.next() % slots.len() as u64) as usize;
                     let (p, s) = slots[i];
-                    self.free(t, p, s, ps).and_then(|()| {
+                    self.free(t, p, s, st).and_then(|()| {
                         let s = self.size(&mut rng);
-                        let p = self.alloc(t, s, ps)?;
+                        let p = self.alloc(t, s, st)?;
                         slots[i] = (p, s);
                         Ok(1)
                     })
                 }
-                Workload::Handoff => self.handoff(t, &mut rng),
-                Workload::ProdCons => self.prodcons(t, &mut rng),
+                Workload::Handoff => self.handoff(t, &mut rng, st, &mut wk.local_frees),
+                Workload::HandoffMsg => self.handoff_msg(t, &mut rng, st, &mut wk.local_frees),
+                Workload::ProdCons => self.prodcons(t, &mut rng, st, &mut wk.local_frees),
                 Workload::RandomAllocations => {
                     if random_live.len() < 100_000 && (random_live.is_empty() || rng.next().is_multiple_of(2))
                     {
                         let s = self.size(&mut rng);
-                        self.alloc(t, s, ps).map(|p| {
+                        self.alloc(t, s, st).map(|p| {
                             random_live.push((p, s));
                             0
                         })
                     } else {
                         let i = (rng.next() % random_live.len() as u64) as usize;
                         let (p, s) = random_live.swap_remove(i);
-                        self.free(t, p, s, ps).map(|()| 1)
+                        self.free(t, p, s, st).map(|()| 1)
                     }
                 }
                 Workload::MultiStream => {
-                    let s = own_stream.expect("multi_stream needs kernels");
-                    let k = self.bench.kernels.as_ref().expect("checked");
-                    self.alloc(t, 1 << 20, s).and_then(|p| {
-                        k.spin(200_000, s)?;
-                        self.free(t, p, 1 << 20, s).map(|()| 1)
+                    let k = self.bench.kernels.as_ref().expect("multi_stream runs only with kernels");
+                    self.alloc(t, 1 << 20, st).and_then(|p| {
+                        k.spin(200_000, st)?;
+                        self.free(t, p, 1 << 20, st).map(|()| 1)
                     })
                 }
             };
             match r {
-                Ok(n) => pairs += n,
+                Ok(n) => wk.pairs += n,
                 Err(e) => failure = Some(e),
             }
             if let Some(t0) = t0 {
-                lat.push(t0.elapsed().as_nanos().min(u32::MAX as u128) as u32);
+                wk.lat.push(t0.elapsed().as_nanos().min(u32::MAX as u128) as u32);
             }
         }
-        // Drain: every block back, after every thread has stopped pushing.
+        // Drain: every block back, after every thread has stopped sending.
         self.shared.stopped.wait();
+        let mut drained = Ok(());
         for (p, s) in slots.drain(..).chain(random_live.drain(..)) {
-            self.free(t, p, s, ps)?;
+            drained = drained.and_then(|()| self.free(t, p, s, st));
         }
-        while let Some((p, s)) = self.shared.queues[t].pop() {
-            self.free(t, p, s, ps)?;
+        while let Some(m) = self.shared.queues[t].pop().or_else(|| self.shared.mail[t].try_recv()) {
+            wk.drain_frees += 1;
+            drained = drained.and_then(|()| self.consume(t, m, st).map(drop));
         }
-        if let (Some(s), Some(k)) = (own_stream, &self.bench.kernels) {
-            k.synchronize()?;
-            k.destroy_stream(s)?;
+        if let (Workload::MultiStream, Some(k)) = (self.w, &self.bench.kernels) {
+            drained = drained.and_then(|()| k.synchronize());
         }
         match failure {
             Some(e) => Err(e),
-            None => Ok(Worker { pairs, lat }),
+            None => drained.map(|()| wk),
         }
     }
 
-    /// Allocates one block for the next thread and frees what the previous one sent.
-    fn handoff(&self, t: usize, rng: &mut Rng) -> Result<u64> {
-        let s = self.size(rng);
-        let p = self.alloc(t, s, Stream::PER_THREAD)?;
+    /// Allocates one block for the next thread and frees up to two the previous one sent. When
+    /// the next thread's queue is full, the block is freed here: a local free.
+    fn handoff(&self, t: usize, rng: &mut Rng, st: Stream, local: &mut u64) -> Result<u64> {
+        let m = self.produce(t, rng, st)?;
         let next = (t + 1) % self.threads;
         let mut n = 0;
-        if let Err((p, s)) = self.shared.queues[next].push((p, s)) {
-            self.free(t, p, s, Stream::PER_THREAD)?;
+        if let Err(m) = self.shared.queues[next].push(m) {
+            self.consume(t, m, st)?;
+            *local += 1;
             n += 1;
         }
         for _ in 0..2 {
             match self.shared.queues[t].pop() {
-                Some((p, s)) => {
-                    self.free(t, p, s, Stream::PER_THREAD)?;
+                Some(m) => {
+                    *local += u64::from(self.consume(t, m, st)?);
                     n += 1;
                 }
                 None => break,
@@ -805,26 +1067,111 @@ impl Run<'_> {
         Ok(n)
     }
 
+    /// Sends one block to the next thread as one message, then waits for the previous
+    /// thread's message and frees its block at once.
+    fn handoff_msg(&self, t: usize, rng: &mut Rng, st: Stream, local: &mut u64) -> Result<u64> {
+        let m = self.produce(t, rng, st)?;
+        self.shared.mail[(t + 1) % self.threads].send(m);
+        match self.shared.mail[t].recv(&self.shared.stop) {
+            Some(m) => {
+                *local += u64::from(self.consume(t, m, st)?);
+                Ok(1)
+            }
+            None => Ok(0),
+        }
+    }
+
     /// Producers (even threads) allocate into their queue; consumers (odd) free from their
-    /// producer's queue. A single thread does both.
-    fn prodcons(&self, t: usize, rng: &mut Rng) -> Result<u64> {
+    /// producer's queue. A single thread, or the last even one of an odd count, does both
+    /// (local frees).
+    fn prodcons(&self, t: usize, rng: &mut Rng, st: Stream, local: &mut u64) -> Result<u64> {
         let producer = t.is_multiple_of(2);
         let q = &self.shared.queues[t & !1];
         let mut n = 0;
         if producer && q.len() < q.capacity() {
-            let s = self.size(rng);
-            let p = self.alloc(t, s, Stream::PER_THREAD)?;
-            if let Err((p, s)) = q.push((p, s)) {
-                self.free(t, p, s, Stream::PER_THREAD)?;
+            let m = self.produce(t, rng, st)?;
+            if let Err(m) = q.push(m) {
+                self.consume(t, m, st)?;
+                *local += 1;
                 n += 1;
             }
         }
         if (!producer || self.threads == 1 || t + 1 == self.threads)
-            && let Some((p, s)) = q.pop()
+            && let Some(m) = q.pop()
         {
-            self.free(t, p, s, Stream::PER_THREAD)?;
+            *local += u64::from(self.consume(t, m, st)?);
             n += 1;
         }
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host_bench(max_delay: Duration) -> Bench {
+        Bench::on_host(
+            HostConfig { capacity: 1 << 36, min_delay: Duration::ZERO, max_delay, ..HostConfig::default() },
+            "test".into(),
+        )
+    }
+
+    #[test]
+    fn stream_modes_round_trip_their_names() {
+        for m in StreamMode::ALL {
+            assert_eq!(StreamMode::parse(m.name()), Some(m));
+        }
+        assert_eq!(StreamMode::parse("null"), None);
+        assert_eq!(Workload::parse("handoff_msg"), Some(Workload::HandoffMsg));
+    }
+
+    /// Touched blocks freed by another thread, on another stream, are ordered after the
+    /// producer's memset: the simulated device's race checker (memsets take up to 300 µs here)
+    /// finds nothing, in every stream mode and every handoff workload.
+    #[test]
+    fn handed_off_touched_blocks_are_ordered_in_every_mode() {
+        let b = host_bench(Duration::from_micros(300));
+        for w in [Workload::Handoff, Workload::HandoffMsg, Workload::ProdCons] {
+            for mode in StreamMode::ALL {
+                let p = b.run("cuarena", w, true, mode, 3, 0.05).expect("a point");
+                assert!(p.pairs > 0, "{}", p.json());
+                assert_eq!(p.streams, mode.name());
+                let v = b.host_violations();
+                assert!(v.is_empty(), "{} {}: {} races, first: {}", w.name(), mode.name(), v.len(), v[0]);
+            }
+        }
+    }
+
+    /// `handoff_msg` frees every block on another thread than the one that allocated it at 2
+    /// threads or more; with one thread every free is local, and says so.
+    #[test]
+    fn handoff_msg_counts_local_frees_apart() {
+        let b = host_bench(Duration::ZERO);
+        for mode in StreamMode::ALL {
+            let p = b.run("cuarena", Workload::HandoffMsg, false, mode, 2, 0.03).expect("a point");
+            assert!(p.pairs > 0, "{}", p.json());
+            assert_eq!(p.local_frees, Some(0), "{}", p.json());
+            // Each thread sent MSG_PREFILL blocks ahead, so some are still queued at the end.
+            let d = p.drain_frees.expect("counted");
+            assert!(d <= 2 * (MSG_PREFILL as u64 + 1), "{}", p.json());
+            let p = b.run("cuarena", Workload::HandoffMsg, false, mode, 1, 0.02).expect("a point");
+            assert_eq!(p.local_frees, Some(p.pairs), "{}", p.json());
+        }
+        let p = b.run("cuarena", Workload::Churn, false, StreamMode::Own, 1, 0.02).expect("a point");
+        assert_eq!((p.local_frees, p.drain_frees), (None, None));
+    }
+
+    #[test]
+    fn json_rows_carry_the_stream_mode_and_the_pairs() {
+        let b = host_bench(Duration::ZERO);
+        let p =
+            b.run("mutex-first-fit", Workload::Handoff, false, StreamMode::Legacy, 2, 0.02).expect("a point");
+        let j = p.json();
+        assert!(j.contains("\"streams\":\"legacy\""), "{j}");
+        assert!(j.contains(&format!("\"pairs\":{},", p.pairs)) && p.pairs > 0, "{j}");
+        assert!(j.contains(&format!("\"local_frees\":{},", p.local_frees.expect("handoff"))), "{j}");
+        let p = b.run("cuarena", Workload::Churn, false, StreamMode::Own, 1, 0.02).expect("a point");
+        assert!(p.json().contains("\"streams\":\"own\"") && p.json().contains("\"local_frees\":null"));
     }
 }

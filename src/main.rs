@@ -2,11 +2,13 @@
 //! on the GPU if there is one, otherwise on the host-simulated device.
 //!
 //! Usage: cuarena [--quick] [--json] [--secs S] [--threads 1,2,4] [--workloads churn,handoff]
-//!                [--allocators cuarena,cuMemAllocAsync] [--baseline-threads 1,16] [--no-touch] [--touch-only]
+//!                [--allocators cuarena,cuMemAllocAsync] [--streams ptds,legacy,own]
+//!                [--baseline-threads 1,16] [--no-touch] [--touch-only]
+//! (`--help` describes each option and its default.)
 
 use std::io::Write;
 
-use cuarena::bench::{Bench, Point, Workload};
+use cuarena::bench::{Bench, Point, StreamMode, Workload};
 
 struct Args {
     quick: bool,
@@ -15,6 +17,7 @@ struct Args {
     threads: Option<Vec<usize>>,
     workloads: Option<Vec<Workload>>,
     allocators: Option<Vec<String>>,
+    streams: Vec<StreamMode>,
     touch: Vec<bool>,
     /// Thread counts at which `cuMemAlloc` runs (default: 1 and the most); never with touch.
     baseline_threads: Option<Vec<usize>>,
@@ -28,6 +31,7 @@ fn parse() -> Result<Args, String> {
         threads: None,
         workloads: None,
         allocators: None,
+        streams: StreamMode::ALL.to_vec(),
         touch: vec![false, true],
         baseline_threads: None,
     };
@@ -49,6 +53,7 @@ fn parse() -> Result<Args, String> {
                         .collect::<Result<_, _>>()?,
                 );
             }
+            "--streams" => a.streams = parse_streams(&val("--streams")?)?,
             "--allocators" => {
                 a.allocators = Some(val("--allocators")?.split(',').map(str::to_string).collect())
             }
@@ -56,16 +61,52 @@ fn parse() -> Result<Args, String> {
                 a.baseline_threads = Some(parse_list("--baseline-threads", &val("--baseline-threads")?)?)
             }
             "-h" | "--help" => {
-                println!(
-                    "cuarena benchmark: [--quick] [--json] [--secs S] [--threads 1,2,4] [--workloads churn,...] \
-                     [--allocators cuarena,...] [--baseline-threads 1,16] [--no-touch] [--touch-only]"
-                );
+                print!("{}", help());
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
         }
     }
     Ok(a)
+}
+
+/// The `--help` text.
+fn help() -> String {
+    let workloads: Vec<&str> = Workload::ALL.iter().map(|w| w.name()).collect();
+    let modes: String =
+        StreamMode::ALL.iter().map(|m| format!("    {:<7} {}\n", m.name(), m.describe())).collect();
+    format!(
+        "cuarena benchmark: alloc+free pairs per second of cuarena against the baselines, on the GPU if\n\
+         there is one, otherwise on the host-simulated device.\n\n\
+         Options:\n  \
+         --quick                  short run: threads 1,4,16 (capped at the cores), 0.15 s a point\n  \
+         --json                   one JSON object per point on stdout instead of the table\n  \
+         --secs S                 seconds each point is timed (default 0.5; 0.15 with --quick)\n  \
+         --threads 1,2,4          thread counts (default 1,2,4,8,16 capped at the cores)\n  \
+         --workloads W,...        default all: {}\n  \
+         --allocators A,...       default every allocator this device runs\n  \
+         --streams M,...          stream modes (default all: ptds,legacy,own):\n{}  \
+         --baseline-threads 1,16  thread counts at which cuMemAlloc runs (default 1 and the most)\n  \
+         --no-touch               only the variants without a memset per allocation\n  \
+         --touch-only             only the variants with a 4 KiB memset per allocation\n",
+        workloads.join(","),
+        modes
+    )
+}
+
+/// Parses a comma-separated list of stream modes (repeats are dropped).
+fn parse_streams(v: &str) -> Result<Vec<StreamMode>, String> {
+    let mut out = Vec::new();
+    for m in v.split(',') {
+        let mode = StreamMode::parse(m.trim()).ok_or_else(|| {
+            let valid: Vec<&str> = StreamMode::ALL.iter().map(|m| m.name()).collect();
+            format!("--streams: unknown stream mode `{m}` (valid: {})", valid.join(", "))
+        })?;
+        if !out.contains(&mode) {
+            out.push(mode);
+        }
+    }
+    Ok(out)
 }
 
 /// Parses a comma-separated list of thread counts, each at least 1.
@@ -153,15 +194,17 @@ fn main() {
             continue;
         }
         for &touch in &args.touch {
-            let ts: Vec<usize> = if w == Workload::RandomAllocations { vec![1] } else { threads.clone() };
-            for &t in &ts {
-                for a in &allocators {
-                    // cuMemAlloc synchronises the device on every free: a short run says enough.
-                    let s = if a == "cuMemAlloc" { secs.min(0.2) } else { secs };
-                    if a == "cuMemAlloc" && (touch || !baseline_threads.contains(&t)) {
-                        continue;
+            for &mode in &args.streams {
+                let ts: Vec<usize> = if w == Workload::RandomAllocations { vec![1] } else { threads.clone() };
+                for &t in &ts {
+                    for a in &allocators {
+                        // cuMemAlloc synchronises the device on every free: a short run says enough.
+                        let s = if a == "cuMemAlloc" { secs.min(0.2) } else { secs };
+                        if a == "cuMemAlloc" && (touch || !baseline_threads.contains(&t)) {
+                            continue;
+                        }
+                        plan.push((w, touch, mode, t, a.clone(), s));
                     }
-                    plan.push((w, touch, t, a.clone(), s));
                 }
             }
         }
@@ -173,16 +216,17 @@ fn main() {
         eprintln!("error: nothing to measure: every requested workload was skipped on this device");
         std::process::exit(1);
     }
-    for (i, (w, touch, t, a, s)) in plan.into_iter().enumerate() {
+    for (i, (w, touch, mode, t, a, s)) in plan.into_iter().enumerate() {
         eprint!(
-            "\r[{:>3}/{n}] {:<24} {:>2} threads {:<16}",
+            "\r[{:>3}/{n}] {:<24} {:<6} {:>2} threads {:<16}",
             i + 1,
             format!("{}{}", w.name(), if touch { "+touch" } else { "" }),
+            mode.name(),
             t,
             a
         );
         let _ = std::io::stderr().flush();
-        match bench.run(&a, w, touch, t, s) {
+        match bench.run(&a, w, touch, mode, t, s) {
             Ok(p) => {
                 if args.json {
                     println!("{}", p.json());
@@ -190,8 +234,12 @@ fn main() {
                 points.push(p);
             }
             Err(e) => {
-                let what =
-                    format!("{a} {}{} {t} threads failed: {e}", w.name(), if touch { "+touch" } else { "" });
+                let what = format!(
+                    "{a} {}{} streams={} {t} threads failed: {e}",
+                    w.name(),
+                    if touch { "+touch" } else { "" },
+                    mode.name()
+                );
                 eprintln!("\n{what}");
                 failures.push(what);
             }
@@ -213,8 +261,9 @@ fn main() {
 fn print_table(bench: &Bench, points: &[Point]) {
     println!("device: {}", bench.description);
     println!(
-        "{:<24} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6} {:>10} {:>6} {:>5}",
+        "{:<24} {:<6} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6} {:>10} {:>6} {:>5} {:>6}",
         "workload",
+        "stream",
         "thr",
         "allocator",
         "pairs/s",
@@ -224,12 +273,14 @@ fn print_table(bench: &Bench, points: &[Point]) {
         "res/pk",
         "calls/Mop",
         "syncs",
-        "conc"
+        "conc",
+        "local"
     );
     for p in points {
         println!(
-            "{:<24} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6.2} {:>10.1} {:>6} {:>5}",
+            "{:<24} {:<6} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6.2} {:>10.1} {:>6} {:>5} {:>6}",
             p.workload,
+            p.streams,
             p.threads,
             p.allocator,
             human(p.pairs_per_sec),
@@ -239,8 +290,25 @@ fn print_table(bench: &Bench, points: &[Point]) {
             p.memory_ratio(),
             p.driver_calls_per_mop,
             p.host_syncs,
-            p.kernel_concurrency.map_or("-".into(), |c| c.to_string())
+            p.kernel_concurrency.map_or("-".into(), |c| c.to_string()),
+            local_share(p)
         );
+    }
+    if points.iter().any(|p| p.local_frees.is_some()) {
+        println!(
+            "local: share of the timed pairs whose block the allocating thread freed itself (a full \
+             handoff queue, a ring of one thread, prodcons' last even thread); '-' where every free is \
+             local by design. Blocks still queued at the end are freed after the window, not counted."
+        );
+    }
+}
+
+/// `local_frees` as a share of the point's pairs, or `-`.
+fn local_share(p: &Point) -> String {
+    match p.local_frees {
+        None => "-".into(),
+        Some(0) => "0".into(),
+        Some(l) => format!("{:.1}%", 100.0 * l as f64 / p.pairs.max(1) as f64),
     }
 }
 
@@ -265,6 +333,30 @@ mod tests {
         for bad in ["-1", "0", "-0", "NaN", "inf", "-inf", "", "soon"] {
             assert!(parse_secs(bad).is_err(), "{bad} accepted");
         }
+    }
+
+    #[test]
+    fn stream_modes_parse_and_unknown_ones_are_refused() {
+        assert_eq!(parse_streams("ptds,legacy,own"), Ok(StreamMode::ALL.to_vec()));
+        assert_eq!(parse_streams("own"), Ok(vec![StreamMode::Own]));
+        assert_eq!(parse_streams("legacy, ptds,legacy"), Ok(vec![StreamMode::Legacy, StreamMode::PerThread]));
+        let e = parse_streams("ptds,null").unwrap_err();
+        assert!(e.contains("`null`") && e.contains("ptds, legacy, own"), "{e}");
+        assert!(parse_streams("").is_err());
+        assert!(parse_streams("ptds,").is_err());
+        assert!(parse_streams("PTDS").is_err());
+    }
+
+    #[test]
+    fn help_lists_every_stream_mode_and_workload() {
+        let h = help();
+        for m in StreamMode::ALL {
+            assert!(h.contains(m.name()) && h.contains(m.describe()), "{h}");
+        }
+        for w in Workload::ALL {
+            assert!(h.contains(w.name()), "{h}");
+        }
+        assert!(h.contains("default all: ptds,legacy,own"), "{h}");
     }
 
     #[test]

@@ -109,3 +109,87 @@ fn a_run_in_which_every_measurement_failed_fails() {
     assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.stdout.is_empty());
 }
+
+#[test]
+fn an_unknown_stream_mode_is_refused_with_exit_2_and_the_valid_ones_listed() {
+    for bad in ["foo", "ptds,foo", "", "ptds,", "PTDS", "null"] {
+        let out = run(&["--streams", bad, "--secs", "0.01"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--streams {bad:?}: {err}");
+        assert!(err.contains("unknown stream mode") && err.contains("ptds, legacy, own"), "{bad:?}: {err}");
+        assert!(out.stdout.is_empty(), "--streams {bad:?} printed: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    refused(&["--streams"], "--streams needs a value");
+}
+
+#[test]
+fn help_lists_the_stream_modes_and_their_default() {
+    let out = run(&["--help"]);
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for needle in ["--streams", "ptds", "legacy", "own", "default all: ptds,legacy,own", "handoff_msg"] {
+        assert!(help.contains(needle), "--help lacks `{needle}`: {help}");
+    }
+}
+
+#[test]
+fn every_json_row_names_its_stream_mode_and_counts_its_pairs() {
+    let out = run(&[
+        "--workloads",
+        "churn,handoff_msg",
+        "--threads",
+        "2",
+        "--secs",
+        "0.02",
+        "--no-touch",
+        "--allocators",
+        "cuarena",
+        "--json",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let rows: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+    assert_eq!(rows.len(), 6, "2 workloads x 3 stream modes by default: {rows:?}");
+    for mode in ["ptds", "legacy", "own"] {
+        let n = rows.iter().filter(|r| r.contains(&format!("\"streams\":\"{mode}\""))).count();
+        assert_eq!(n, 2, "{mode}: {rows:?}");
+    }
+    for r in &rows {
+        let pairs: u64 = r
+            .split("\"pairs\":")
+            .nth(1)
+            .and_then(|s| s.split(',').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no pairs in {r}"));
+        assert!(pairs > 0, "{r}");
+        if r.contains("handoff_msg") {
+            assert!(r.contains("\"local_frees\":0,"), "2 threads hand every block off: {r}");
+        } else {
+            assert!(r.contains("\"local_frees\":null"), "{r}");
+        }
+    }
+}
+
+#[test]
+fn the_table_shows_the_stream_mode() {
+    let out = run(&[
+        "--workloads",
+        "handoff",
+        "--threads",
+        "1",
+        "--secs",
+        "0.02",
+        "--no-touch",
+        "--allocators",
+        "cuarena",
+        "--streams",
+        "legacy",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("stream") && table.contains("local"), "{table}");
+    let row = table.lines().find(|l| l.starts_with("handoff")).unwrap_or_else(|| panic!("{table}"));
+    assert!(row.contains("legacy") && row.ends_with("100.0%"), "a ring of one thread frees locally: {row}");
+    assert!(!table.contains("ptds") && !table.contains(" own "), "only the requested mode: {table}");
+}
