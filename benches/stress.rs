@@ -1,7 +1,9 @@
-//! `cargo bench`: the rayon stress suite of `src/bench.rs` (churn, handoff, prodcons, large,
-//! mixed, random_allocations, multi_stream, each with a touch variant) through the main binary,
-//! so both run the same code. Arguments after `--` go to it, e.g.
-//! `cargo bench -- --json --workloads churn --threads 1,16`. Without any, it runs `--quick`.
+//! `cargo bench`: the rayon stress suite of `src/bench.rs` (churn, handoff, handoff_msg,
+//! prodcons, large, mixed, random_allocations, multi_stream, each with a touch variant, each in
+//! the stream modes ptds, legacy and own) through the main binary, so both run the same code.
+//! Arguments after `--` go to it, e.g.
+//! `cargo bench -- --json --workloads churn --threads 1,16 --streams ptds,own`. Without any, it
+//! runs `--quick`.
 
 fn main() {
     let mut args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();

@@ -11,7 +11,8 @@
 //! - `handoff_msg`: a pipeline of thread-pool stages: each block goes to thread i+1 as one
 //!   message through a `Mutex<VecDeque>` + `Condvar` mailbox; thread i+1 waits for it and frees
 //!   it as soon as it arrives. Mailboxes are unbounded but stay short (each step sends one
-//!   message and waits for one), so no block is ever freed locally at 2 threads or more.
+//!   message and waits for one; each thread sends 8 ahead before the window), so no block is
+//!   ever freed locally at 2 threads or more. p50/p99 include the wait for the message.
 //! - `prodcons`: half the threads only allocate, the other half only free.
 //! - `large`: like churn with 8 slots, 1 .. 64 MiB.
 //! - `mixed`: like churn, 1% of requests 1 .. 64 MiB.
