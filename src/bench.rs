@@ -65,6 +65,8 @@ pub struct Counts {
     pub peak_reserved: u64,
     pub driver_calls: u64,
     pub host_syncs: u64,
+    /// Allocations served by a thread's arena and by the pool (allocators that report them).
+    pub by_path: Option<(u64, u64)>,
 }
 
 /// An allocator under test.
@@ -97,6 +99,7 @@ impl BenchAlloc for Cuarena {
             peak_reserved: s.peak_reserved_bytes,
             driver_calls: s.driver_calls,
             host_syncs: s.host_syncs,
+            by_path: Some((s.arena_allocations, s.pool_allocations)),
         }
     }
     fn thread_end(&self) {
@@ -153,6 +156,7 @@ impl BenchAlloc for CuMemAlloc {
             peak_reserved: t.peak.load(Ordering::Relaxed),
             driver_calls: t.calls.load(Ordering::Relaxed),
             host_syncs: t.syncs.load(Ordering::Relaxed),
+            by_path: None,
         }
     }
 }
@@ -229,7 +233,12 @@ impl BenchAlloc for CuMemAllocAsync {
                 )
             };
         }
-        Counts { peak_reserved: high, driver_calls: self.tally.calls.load(Ordering::Relaxed), host_syncs: 0 }
+        Counts {
+            peak_reserved: high,
+            driver_calls: self.tally.calls.load(Ordering::Relaxed),
+            host_syncs: 0,
+            by_path: None,
+        }
     }
 }
 
@@ -309,6 +318,7 @@ impl BenchAlloc for MutexPool {
             peak_reserved: self.reserved.load(Ordering::Relaxed),
             driver_calls: self.tally.calls.load(Ordering::Relaxed),
             host_syncs: 0,
+            by_path: None,
         }
     }
 }
@@ -344,6 +354,10 @@ pub struct Point {
     /// Handoff workloads: blocks still queued when the window closed, freed after it (not in
     /// `pairs`).
     pub drain_frees: Option<u64>,
+    /// Allocations in the timed window served by a thread's arena (cuarena only).
+    pub arena_allocations: Option<u64>,
+    /// Allocations in the timed window served by the pool (cuarena only).
+    pub pool_allocations: Option<u64>,
 }
 
 impl Point {
@@ -359,7 +373,7 @@ impl Point {
              \"local_frees\":{},\"drain_frees\":{},\"secs\":{:.3},\
              \"pairs_per_sec\":{:.0},\"p50_ns\":{},\"p99_ns\":{},\"peak_live_bytes\":{},\"reserved_bytes\":{},\
              \"memory_ratio\":{:.3},\"driver_calls\":{},\"driver_calls_per_mop\":{:.1},\"host_syncs\":{},\"kernel_concurrency\":{},\
-             \"setup_secs\":{:.3},\"teardown_secs\":{:.3}}}",
+             \"setup_secs\":{:.3},\"teardown_secs\":{:.3},\"arena_allocations\":{},\"pool_allocations\":{}}}",
             self.allocator,
             self.device,
             self.workload,
@@ -380,7 +394,9 @@ impl Point {
             self.host_syncs,
             opt(self.kernel_concurrency),
             self.setup_secs,
-            self.teardown_secs
+            self.teardown_secs,
+            opt(self.arena_allocations),
+            opt(self.pool_allocations)
         )
     }
 }
@@ -658,6 +674,10 @@ impl Bench {
             let end_counts = alloc.counts();
             start_counts.driver_calls = end_counts.driver_calls - start_counts.driver_calls;
             start_counts.host_syncs = end_counts.host_syncs - start_counts.host_syncs;
+            start_counts.by_path = match (start_counts.by_path, end_counts.by_path) {
+                (Some((a0, p0)), Some((a1, p1))) => Some((a1 - a0, p1 - p0)),
+                _ => None,
+            };
             h.join().expect("bench pool panicked")
         });
         for &e in &shared.events {
@@ -707,6 +727,8 @@ impl Bench {
             driver_calls: start_counts.driver_calls,
             driver_calls_per_mop: start_counts.driver_calls as f64 * 1e6 / (2 * pairs).max(1) as f64,
             host_syncs: start_counts.host_syncs,
+            arena_allocations: start_counts.by_path.map(|b| b.0),
+            pool_allocations: start_counts.by_path.map(|b| b.1),
             kernel_concurrency: concurrency,
         })
     }
@@ -1174,5 +1196,8 @@ mod tests {
         assert!(j.contains(&format!("\"local_frees\":{},", p.local_frees.expect("handoff"))), "{j}");
         let p = b.run("cuarena", Workload::Churn, false, StreamMode::Own, 1, 0.02).expect("a point");
         assert!(p.json().contains("\"streams\":\"own\"") && p.json().contains("\"local_frees\":null"));
+        let by_path = p.arena_allocations.zip(p.pool_allocations).expect("cuarena reports its paths");
+        assert!(by_path.0 + by_path.1 > 0, "{}", p.json());
+        assert!(j.contains("\"arena_allocations\":null"), "the baseline has no paths: {j}");
     }
 }

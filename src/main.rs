@@ -261,7 +261,7 @@ fn main() {
 fn print_table(bench: &Bench, points: &[Point]) {
     println!("device: {}", bench.description);
     println!(
-        "{:<24} {:<6} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6} {:>10} {:>6} {:>5} {:>6}",
+        "{:<24} {:<6} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6} {:>10} {:>6} {:>5} {:>6} {:>6}",
         "workload",
         "stream",
         "thr",
@@ -274,11 +274,12 @@ fn print_table(bench: &Bench, points: &[Point]) {
         "calls/Mop",
         "syncs",
         "conc",
-        "local"
+        "local",
+        "arena"
     );
     for p in points {
         println!(
-            "{:<24} {:<6} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6.2} {:>10.1} {:>6} {:>5} {:>6}",
+            "{:<24} {:<6} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6.2} {:>10.1} {:>6} {:>5} {:>6} {:>6}",
             p.workload,
             p.streams,
             p.threads,
@@ -291,7 +292,8 @@ fn print_table(bench: &Bench, points: &[Point]) {
             p.driver_calls_per_mop,
             p.host_syncs,
             p.kernel_concurrency.map_or("-".into(), |c| c.to_string()),
-            local_share(p)
+            local_share(p),
+            arena_share(p)
         );
     }
     if points.iter().any(|p| p.local_frees.is_some()) {
@@ -300,6 +302,19 @@ fn print_table(bench: &Bench, points: &[Point]) {
              handoff queue, a ring of one thread, prodcons' last even thread); '-' where every free is \
              local by design. Blocks still queued at the end are freed after the window, not counted."
         );
+    }
+    if points.iter().any(|p| p.arena_allocations.is_some()) {
+        println!(
+            "arena: share of cuarena's timed allocations served by a thread's arena (the rest by the pool)"
+        );
+    }
+}
+
+/// The arena's share of the timed allocations, or `-` for an allocator without paths.
+fn arena_share(p: &Point) -> String {
+    match (p.arena_allocations, p.pool_allocations) {
+        (Some(a), Some(b)) if a + b > 0 => format!("{:.0}%", 100.0 * a as f64 / (a + b) as f64),
+        _ => "-".into(),
     }
 }
 
