@@ -44,8 +44,10 @@ if args.allocator == "cuarena":
     import cuarena
     s = cuarena.stats()
     peak, reserved = s["peak_live_bytes"], s["peak_reserved_bytes"]
+    paths = {k: s[k] for k in ("allocations", "arena_allocations", "pool_allocations", "driver_calls")}
 else:
     peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    paths = {}
 steady = times[10:]
 print(json.dumps({"allocator": args.allocator, "losses": losses, "step_ms": 1000 * sum(steady) / len(steady),
-                  "peak_live_bytes": peak, "peak_reserved_bytes": reserved}))
+                  "peak_live_bytes": peak, "peak_reserved_bytes": reserved, **paths}))
