@@ -325,9 +325,6 @@ impl Slot {
         let ptds = Self::ptds_key(&mut self.ptds, &env)?;
         let home = HOMES[i];
         let key = if i == 0 { ptds } else { Self::legacy_key(&mut self.legacy, &env)? };
-        if let Err(e) = self.outbox.flush(&env, ptds) {
-            env.defer(e);
-        }
         let own = self.shells();
         let owned = match &mut self.arenas[i] {
             Some(a) => a,
@@ -619,6 +616,7 @@ fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R
 impl Allocator {
     /// An allocator over `device`.
     pub fn new(device: Arc<dyn Device>, config: Config) -> Result<Allocator> {
+        crate::sync::prepare_barriers();
         let total = device.total_memory()?;
         Ok(Allocator {
             inner: Arc::new(Inner {

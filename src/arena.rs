@@ -183,7 +183,9 @@ impl Arena {
                     l.live += g;
                 })
             };
-            sb.unfree(first as usize);
+            if sb.is_freed(first as usize) {
+                sb.unfree(first as usize); // skipped when clear: no write to a shared line
+            }
             self.live += g;
             return Some(sb.base + ((first as u64) << GRANULE_SHIFT));
         }
@@ -203,7 +205,9 @@ impl Arena {
                 l.live += g;
             })
         };
-        sb.unfree(b.first);
+        if sb.is_freed(b.first) {
+            sb.unfree(b.first);
+        }
         self.live += g;
         Some(sb.base + ((b.first as u64) << GRANULE_SHIFT))
     }
@@ -580,16 +584,17 @@ impl Arena {
     fn complete_ready(&mut self, env: &Env<'_>) -> bool {
         let key = self.key;
         let ready = |b: &Batch| b.fence.as_ref().is_none_or(|f| f.stream() == key || f.known_done());
-        if !self.pending.iter().any(ready) {
-            return false;
+        let (mut i, mut any) = (0, false);
+        while i < self.pending.len() {
+            if ready(&self.pending[i]) {
+                let b = self.pending.remove(i).expect("index in range");
+                self.complete(env, b);
+                any = true;
+            } else {
+                i += 1;
+            }
         }
-        let (done, rest): (VecDeque<Batch>, VecDeque<Batch>) =
-            std::mem::take(&mut self.pending).into_iter().partition(ready);
-        self.pending = rest;
-        for b in done {
-            self.complete(env, b);
-        }
-        true
+        any
     }
 
     /// Gives back to the pool every superblock that holds no used block (with `dissolve`,

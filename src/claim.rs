@@ -32,8 +32,10 @@
 
 use crate::sync::{AtomicBool, Mutex, MutexGuard, Ordering, heavy_barrier, light_barrier, lock, yield_now};
 
-/// The flags of one arena (see the module comment).
+/// The flags of one arena (see the module comment). On a cache line of their own: the owner
+/// touches them on every operation, and other threads push into the inbox beside them.
 #[derive(Default)]
+#[repr(align(128))]
 pub(crate) struct Claim {
     /// Written by the owner only.
     busy: AtomicBool,

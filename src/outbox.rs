@@ -1,9 +1,11 @@
 //! A thread's outbox: remote frees gathered into batches, one fence per batch.
 //!
-//! A free of a small block that is not the calling thread's own block on its own per-thread
-//! stream lands here. Frees on the per-thread or the legacy stream, which cannot be destroyed,
-//! gather per destination arena until the outbox holds `batch_blocks` blocks or `batch_bytes`
-//! bytes, the free stream changes, or the thread reaches a slow path, flushes or exits. A flush
+//! A free of a small block that is not the calling thread's own block on that arena's stream
+//! lands here. Frees on the per-thread or the legacy stream, which cannot be destroyed, gather
+//! per destination arena until the outbox holds `batch_blocks` blocks or `batch_bytes` bytes,
+//! the free stream changes, or the thread flushes, reclaims memory (out of memory, `trim`) or
+//! exits. (Not at every slow path: a thread that both allocates and frees others' blocks would
+//! then send batches of a few blocks, one event each.) A flush
 //! records **one** event on the free stream and pushes one batch per destination. So at most
 //! one batch's worth of freed memory per thread waits unsent: the bound on memory a thread
 //! strands this way.

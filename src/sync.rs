@@ -49,6 +49,13 @@ pub(crate) fn light_barrier() {
     }
 }
 
+/// Decides now, off any fast path, how the barriers are made (registering `membarrier` can
+/// take milliseconds). Called when an allocator is made.
+pub(crate) fn prepare_barriers() {
+    #[cfg(not(loom))]
+    membarrier::available();
+}
+
 /// The expensive half: after it returns, every thread that called [`light_barrier`] has either
 /// made its earlier stores visible to us or will see our earlier stores in its later loads.
 /// False if it could not be done (then the caller must not rely on it).
