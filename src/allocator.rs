@@ -552,7 +552,7 @@ impl Slot {
             // A fence just recorded on an arena's stream also covers its blocks (every local
             // free came before it): exit reuses it.
             let fence = match &flushed {
-                Ok(Some((stream, f))) if arena_index(*stream) == Some(i) => Some(f.clone()),
+                Ok(Some((stream, Some(f)))) if arena_index(*stream) == Some(i) => Some(Some(f.clone())),
                 _ => None,
             };
             if let Some(arena) = slot.take() {

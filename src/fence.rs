@@ -161,37 +161,96 @@ impl Drop for Fence {
 /// implies its earlier ones there. Fences of *different* threads on one stream are all kept:
 /// which of them was queued last is not known (see [`Fence::seq`]). The set is bounded by the
 /// (stream, thread) pairs that freed into the extent and whose fences are not yet known done.
+///
+/// `legacy`: some of the extent was freed on the legacy stream with no event recorded (a
+/// *lazy* fence). The legacy stream is one stream for every thread, so whoever needs the fence
+/// can record it then, and it covers every earlier use there (a record on the legacy stream
+/// also follows all earlier work on per-thread and blocking streams, which the free's contract
+/// may have relied on). Reuse on the legacy stream needs nothing; on any other stream one
+/// event is recorded on the legacy stream and that stream waits on it
+/// ([`FenceSet::order_before`]). (Not even a per-thread stream may skip it: it waits for
+/// earlier *legacy* work, but the block's last use may have been on another per-thread stream,
+/// ordered before the free only through work queued on the legacy stream later.)
 #[derive(Default, Clone)]
-pub(crate) struct FenceSet(Vec<Arc<Fence>>);
+pub(crate) struct FenceSet {
+    fences: Vec<Arc<Fence>>,
+    legacy: bool,
+}
+
+/// What a fence set needs to record a lazy legacy fence: the event pool and the legacy
+/// stream's identity.
+pub(crate) struct Legacy<'a> {
+    pub(crate) events: &'a Arc<EventPool>,
+    pub(crate) key: StreamKey,
+}
 
 impl FenceSet {
     pub(crate) fn one(f: Option<Arc<Fence>>) -> FenceSet {
-        FenceSet(f.into_iter().collect())
+        FenceSet { fences: f.into_iter().collect(), legacy: false }
+    }
+
+    /// A lazy fence for frees made on the legacy stream (see the type's comment).
+    pub(crate) fn lazy_legacy() -> FenceSet {
+        FenceSet { fences: Vec::new(), legacy: true }
+    }
+
+    /// True if the set holds a lazy legacy fence.
+    pub(crate) fn has_lazy_legacy(&self) -> bool {
+        self.legacy
     }
 
     /// Adds the fences of `other`, keeping the invariant.
     pub(crate) fn merge(&mut self, other: FenceSet) {
-        self.0.retain(|f| !f.known_done());
-        for f in other.0 {
+        self.legacy |= other.legacy;
+        self.fences.retain(|f| !f.known_done());
+        for f in other.fences {
             if f.known_done() {
                 continue;
             }
-            match self.0.iter_mut().find(|g| g.stream == f.stream && g.recorder == f.recorder) {
+            match self.fences.iter_mut().find(|g| g.stream == f.stream && g.recorder == f.recorder) {
                 Some(g) if g.seq >= f.seq => {}
                 Some(g) => *g = f,
-                None => self.0.push(f),
+                None => self.fences.push(f),
             }
         }
     }
 
-    /// Orders every fence before `stream`; see [`Fence::order_before`].
-    pub(crate) fn order_before(&self, dev: &Counted<'_>, stream: Stream, key: StreamKey) -> Result<()> {
-        self.0.iter().try_for_each(|f| f.order_before(dev, stream, key))
+    /// Orders every fence before `stream` (identity `key`); see [`Fence::order_before`]. A
+    /// lazy legacy fence is recorded now unless `stream` is the legacy stream. `legacy` is
+    /// asked for only then.
+    pub(crate) fn order_before<'a>(
+        &self,
+        dev: &Counted<'_>,
+        stream: Stream,
+        key: StreamKey,
+        legacy: impl FnOnce() -> Result<Legacy<'a>>,
+    ) -> Result<()> {
+        self.fences.iter().try_for_each(|f| f.order_before(dev, stream, key))?;
+        if self.legacy && !stream.is_legacy() {
+            let l = legacy()?;
+            if key != l.key {
+                Fence::record(l.events, dev, Stream::LEGACY, l.key)?.wait_for(dev, stream, key)?;
+            }
+        }
+        Ok(())
     }
 
-    /// True if every fence has completed (queries each pending one).
+    /// Replaces a lazy legacy fence by a recorded one, so that it can be polled or waited for
+    /// (trim, shutdown).
+    pub(crate) fn materialize(&mut self, dev: &Counted<'_>, legacy: Legacy<'_>) -> Result<()> {
+        if self.legacy {
+            let f = Fence::record(legacy.events, dev, Stream::LEGACY, legacy.key)?;
+            self.fences.push(f);
+            self.legacy = false;
+        }
+        Ok(())
+    }
+
+    /// True if every fence has completed (queries each pending one). A set with a lazy legacy
+    /// fence must be [`FenceSet::materialize`]d first.
     pub(crate) fn poll_all(&self, dev: &Counted<'_>) -> Result<bool> {
-        for f in &self.0 {
+        debug_assert!(!self.legacy, "materialize a lazy fence before polling");
+        for f in &self.fences {
             if !f.poll(dev)? {
                 return Ok(false);
             }
@@ -199,9 +258,16 @@ impl FenceSet {
         Ok(true)
     }
 
-    /// Blocks until every fence has completed.
+    /// Blocks until every fence has completed (after [`FenceSet::materialize`]).
     pub(crate) fn wait_host(&self, dev: &Counted<'_>) -> Result<()> {
-        self.0.iter().try_for_each(|f| f.wait_host(dev))
+        debug_assert!(!self.legacy, "materialize a lazy fence before waiting");
+        self.wait_host_recorded(dev)
+    }
+
+    /// Blocks until every recorded fence has completed; a lazy legacy fence is the caller's
+    /// (shutdown waits for the legacy stream once for all sets).
+    pub(crate) fn wait_host_recorded(&self, dev: &Counted<'_>) -> Result<()> {
+        self.fences.iter().try_for_each(|f| f.wait_host(dev))
     }
 }
 
@@ -224,12 +290,12 @@ mod tests {
         for _ in 0..100 {
             let f = Fence::record(&pool, &dev, a, ka).unwrap();
             let g = Fence::record(&pool, &dev, b, kb).unwrap();
-            set.merge(FenceSet(vec![f, g]));
+            set.merge(FenceSet { fences: vec![f, g], legacy: false });
         }
-        assert_eq!(set.0.len(), 2);
+        assert_eq!(set.fences.len(), 2);
         let latest = Fence::record(&pool, &dev, a, ka).unwrap();
-        set.merge(FenceSet(vec![Arc::clone(&latest)]));
-        assert!(set.0.iter().any(|f| Arc::ptr_eq(f, &latest)));
-        assert_eq!(set.0.len(), 2);
+        set.merge(FenceSet::one(Some(Arc::clone(&latest))));
+        assert!(set.fences.iter().any(|f| Arc::ptr_eq(f, &latest)));
+        assert_eq!(set.fences.len(), 2);
     }
 }

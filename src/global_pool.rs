@@ -29,13 +29,13 @@ use crate::config::Config;
 use crate::device::Device;
 use crate::device::counted::Counted;
 use crate::error::{Error, InvalidFree, Result};
-use crate::fence::{EventPool, Fence, FenceSet};
+use crate::fence::{EventPool, Fence, FenceSet, Legacy};
 use crate::registry::Registry;
 use crate::size_class::{GRANULE, block_bytes};
 use crate::stats::{Counters, Stats};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::Superblock;
-use crate::sync::{AtomicUsize, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
 use std::sync::Arc;
 
 /// Where a free comes from, for the freed flags of blocks left by dissolved superblocks.
@@ -91,6 +91,8 @@ pub(crate) struct GlobalPool {
     total: usize,
     pub(crate) registry: Registry,
     pub(crate) events: Arc<EventPool>,
+    /// The legacy stream's identity, asked once (0 until then), for lazy legacy fences.
+    legacy_key: AtomicU64,
     state: Mutex<PoolState>,
 }
 
@@ -104,6 +106,7 @@ impl GlobalPool {
             small_max: cfg.small_max,
             registry: Registry::new(cfg.superblock),
             events: Arc::new(EventPool::new(Arc::clone(&device))),
+            legacy_key: AtomicU64::new(0),
             device,
             state: Mutex::new(PoolState {
                 free: AddressTree::new(cfg.superblock as u64),
@@ -114,6 +117,16 @@ impl GlobalPool {
                 in_use: 0,
             }),
         }
+    }
+
+    /// What a lazy legacy fence needs to be recorded (see `FenceSet`).
+    fn legacy(&self, dev: &Counted<'_>) -> Result<Legacy<'_>> {
+        let mut k = self.legacy_key.load(Ordering::Relaxed);
+        if k == 0 {
+            k = dev.stream_key(Stream::LEGACY)?.0;
+            self.legacy_key.store(k, Ordering::Relaxed);
+        }
+        Ok(Legacy { events: &self.events, key: StreamKey(k) })
     }
 
     /// The cap on reserved bytes.
@@ -232,7 +245,7 @@ impl GlobalPool {
             st.in_use += bytes;
             (addr, fences)
         };
-        if !skip_fences && let Err(e) = fences.order_before(dev, stream, key) {
+        if !skip_fences && let Err(e) = fences.order_before(dev, stream, key, || self.legacy(dev)) {
             let mut st = lock(&self.state);
             let u = st.used.remove(&addr).expect("just allocated");
             st.in_use -= u.len;
@@ -266,14 +279,14 @@ impl GlobalPool {
         }
     }
 
-    /// Frees blocks accepted by [`GlobalPool::begin_free`], all guarded by `fence`.
-    pub(crate) fn finish_frees(&self, blocks: impl Iterator<Item = u64>, fence: Option<Arc<Fence>>) {
+    /// Frees blocks accepted by [`GlobalPool::begin_free`], all guarded by `fences`.
+    pub(crate) fn finish_frees(&self, blocks: impl Iterator<Item = u64>, fences: FenceSet) {
         let mut st = lock(&self.state);
         for ptr in blocks {
             match st.used.remove(&ptr) {
                 Some(u) if u.freeing => {
                     st.in_use -= u.len;
-                    Self::insert_free(&mut st, ptr, u.len, u.chunk, FenceSet::one(fence.clone()));
+                    Self::insert_free(&mut st, ptr, u.len, u.chunk, fences.clone());
                 }
                 other => {
                     debug_assert!(false, "finishing a free not begun at {ptr:#x}");
@@ -389,7 +402,7 @@ impl GlobalPool {
             sb.owner.store(shell, Ordering::Release);
             (sb, fences)
         };
-        if !skip_fences && let Err(e) = fences.order_before(dev, home, key) {
+        if !skip_fences && let Err(e) = fences.order_before(dev, home, key, || self.legacy(dev)) {
             self.take_back(sb, &[], &[(sb.base, s)], fences, Vec::new());
             return Err(e);
         }
@@ -450,6 +463,12 @@ impl GlobalPool {
             .map(|(&b, &l)| (b, l))
             .collect();
         for (base, len) in empty {
+            if st.free.get(base).expect("checked").1.fences.has_lazy_legacy() {
+                let (l, mut e) = st.free.remove(base).expect("checked");
+                let r = e.fences.materialize(dev, self.legacy(dev)?);
+                st.free.insert(base, l, e);
+                r?;
+            }
             let fences = &st.free.get(base).expect("checked").1.fences;
             if blocking {
                 fences.wait_host(dev)?;
@@ -534,8 +553,18 @@ impl Drop for GlobalPool {
         let counters = Counters::new_shared();
         let dev = Counted::new(&*self.device, &counters);
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let mut lazy = false;
+        st.free.for_each(|_, _, v| lazy |= v.fences.has_lazy_legacy());
+        if lazy {
+            // One record on the legacy stream, waited for, covers every lazy legacy fence.
+            if let Ok(k) = dev.stream_key(Stream::LEGACY)
+                && let Ok(f) = Fence::record(&self.events, &dev, Stream::LEGACY, k)
+            {
+                let _ = f.wait_host(&dev);
+            }
+        }
         st.free.for_each(|_, _, v| {
-            let _ = v.fences.wait_host(&dev);
+            let _ = v.fences.wait_host_recorded(&dev);
         });
         for (&base, &len) in &st.chunks {
             // SAFETY: the allocator is being dropped: no block may be used any more (the

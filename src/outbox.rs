@@ -20,7 +20,7 @@
 use crate::arena::{ArenaShell, Batch, Freed};
 use crate::env::Env;
 use crate::error::Result;
-use crate::fence::Fence;
+use crate::fence::{Fence, FenceSet};
 use crate::stream::{Stream, StreamKey};
 use std::sync::Arc;
 
@@ -89,11 +89,19 @@ impl Outbox {
         let dests = std::mem::take(&mut self.dests);
         self.count = 0;
         self.bytes = 0;
+        // Frees on the legacy stream that all go to the pool need no event now: the pool keeps
+        // a lazy legacy fence, recorded only if a user stream reuses the memory (`FenceSet`).
+        if stream.is_legacy() && !env.skip_fences && dests.iter().all(|(d, _)| d.is_null()) {
+            for (_, blocks) in dests {
+                env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy());
+            }
+            return Ok(Some((stream, None)));
+        }
         let key = if stream.is_per_thread() { Ok(ptds) } else { env.dev.stream_key(stream) };
         let fence = key.and_then(|k| env.fence(stream, k))?;
         for (dest, blocks) in dests {
             if dest.is_null() {
-                env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), fence.clone());
+                env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::one(fence.clone()));
             } else {
                 deliver(env, dest, Batch { fence: fence.clone(), blocks });
             }

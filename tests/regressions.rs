@@ -244,3 +244,54 @@ fn arena_oom_reports_the_request_and_a_bad_pool_free_records_no_event() {
     a.trim(true).unwrap();
     assert_eq!((a.stats().live_bytes, a.stats().reserved_bytes), (0, 0));
 }
+
+/// Lazy legacy fences (`src/fence.rs`): a pool block used on one thread's per-thread stream and
+/// freed on the legacy stream gets no event at its free. Reused on another thread's per-thread
+/// stream, or on a user stream, it must still wait for that use (one legacy event, recorded at
+/// reuse); reused on the legacy stream it needs nothing.
+#[test]
+fn a_block_freed_on_the_legacy_stream_is_fenced_when_reused_elsewhere() {
+    let sim = host(0);
+    let cfg = Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20).batch_blocks(1);
+    let a = Allocator::host(sim.clone(), cfg.build().unwrap()).unwrap();
+    let size = 512 << 10; // a pool block
+    for reuse in ["other thread's per-thread stream", "user stream", "legacy stream"] {
+        let (a1, s1) = (a.clone(), sim.clone());
+        let p = std::thread::spawn(move || {
+            let p = a1.allocate(size, Stream::LEGACY).unwrap();
+            s1.hold_and_check(p.0, size, 0xfeed, Duration::from_millis(150), Stream::PER_THREAD).unwrap();
+            // The caller's own ordering: its per-thread work precedes later legacy work.
+            a1.deallocate(p, size, Stream::LEGACY).unwrap();
+            a1.release_thread().unwrap();
+            p
+        })
+        .join()
+        .unwrap();
+        let before = a.stats().fences_recorded;
+        let (a2, s2) = (a.clone(), sim.clone());
+        let reuse_on = move |stream: Stream| {
+            let q = a2.allocate(size, stream).unwrap();
+            assert_eq!(q, p, "the freed block is reused");
+            s2.write_tag(q.0, size, 0x1, stream).unwrap();
+            a2.deallocate(q, size, stream).unwrap();
+            a2.flush().unwrap();
+        };
+        match reuse {
+            "user stream" => reuse_on(sim.create_stream()),
+            "legacy stream" => reuse_on(Stream::LEGACY),
+            _ => std::thread::spawn(move || reuse_on(Stream::PER_THREAD)).join().unwrap(),
+        }
+        sim.synchronize();
+        assert!(sim.violations().is_empty(), "{reuse}: {:?}", sim.violations());
+        assert_eq!(sim.tag_errors(), 0, "{reuse}");
+        let recorded = a.stats().fences_recorded - before;
+        if reuse == "legacy stream" {
+            assert_eq!(recorded, 0, "reuse on the legacy stream needs no event");
+        } else {
+            assert!(recorded >= 1, "{reuse}: the lazy fence was recorded at reuse");
+        }
+    }
+    a.release_thread().unwrap();
+    a.trim(true).unwrap();
+    assert_eq!((a.stats().live_bytes, a.stats().reserved_bytes), (0, 0));
+}
