@@ -30,6 +30,32 @@
 //! positive multiple of the superblock; `max`: at least one superblock, or a fraction in (0, 1];
 //! `keep_empty`: 0 ..= [`MAX_KEEP_EMPTY`]; `sparse`: in (0, 1); `batch`: 1 ..= [`MAX_BATCH`];
 //! `batch_bytes`: at least 1.
+//!
+//! ## The `CUARENA_CONF` string ([`Config::parse`])
+//! Items `key=value` or, as in `PYTORCH_CUDA_ALLOC_CONF`, `key:value`, separated by commas
+//! (`max:80%,small_max:1MiB`); spaces around items, keys and values are ignored and a later
+//! item overrides an earlier one. Keys are exact and lowercase: `small_max`, `superblock`,
+//! `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`; the builder's
+//! names are aliases with the same meaning: `max_bytes` for `max`, `sparse_fraction` for
+//! `sparse`, `batch_blocks` for `batch`. Every error names `CUARENA_CONF` and lists the keys.
+//!
+//! Sizes (`small_max`, `superblock`, `chunk`, `max`, `batch_bytes`) follow one rule:
+//! - a number and a unit, in any case, with or without a space between: `B`; `K`, `Ki`, `KiB`,
+//!   `M`, `Mi`, `MiB`, `G`, `Gi`, `GiB`, `T`, `Ti`, `TiB` (powers of 1024); `KB`, `MB`, `GB`,
+//!   `TB` (powers of 1000). So `4096B`, `64 KiB`, `2M`, `1g`, `512mb` (512·10^6) and `2MiB`;
+//! - with a unit other than `B`, the number may have a decimal fraction, and the size is
+//!   rounded down to a whole byte: `1.5GiB` is 1.5·2^30 = 1,610,612,736 B;
+//! - a bare number (no unit) is a whole number of bytes of at least 1 KiB ([`MIN_BARE_BYTES`]):
+//!   `small_max=1` or `chunk=32` is far likelier a forgotten unit than a size in bytes, so it is
+//!   refused; write `512B` for 512 bytes;
+//! - negative, empty, non-numeric (`NaN`, `inf`, `1e9`) and sizes over `usize::MAX` bytes are
+//!   refused.
+//!
+//! `max` is a size or a percentage of the device's memory (`80%`, `12.5%`). A bare `max` that is
+//! surely a percentage without its `%` is refused with the value it probably meant: a fraction
+//! in (0, 1] (`max=0.8`: "did you mean max=80%?") or a whole number in 1 ..= 100 (`max=80`,
+//! which would be 80 bytes). Other bare numbers follow the size rule, and any byte cap below
+//! one superblock is refused by the range check (nothing could ever be reserved under it).
 
 use crate::error::{Error, Result};
 use crate::size_class::{GRANULE, MAX_CLASSED_GRANULES};
@@ -43,7 +69,9 @@ pub const MAX_KEEP_EMPTY: usize = 1024;
 pub const MAX_BATCH: usize = 1 << 16;
 
 /// The keys of a `CUARENA_CONF` string, for error messages.
-const KEYS: &str = "small_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough";
+const KEYS: &str = "small_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough; \
+                    aliases: max_bytes = max, sparse_fraction = sparse, batch_blocks = batch; \
+                    items are key=value or key:value, separated by commas";
 
 /// A configuration error that says where configuration comes from and what the keys are.
 fn config_error(msg: impl std::fmt::Display) -> Error {
@@ -105,10 +133,22 @@ impl Config {
         }
     }
 
-    /// Parses `key=value` pairs separated by commas, over the defaults, e.g.
-    /// `small_max=1MiB,superblock=2MiB,max=80%`. Keys: `small_max`, `superblock`, `chunk`,
-    /// `max` (bytes or a percentage), `keep_empty`, `sparse` (a fraction), `batch`, `batch_bytes`,
-    /// and `passthrough` (a bare key, or `passthrough=true|false|1|0`).
+    /// Parses a `CUARENA_CONF` string over the defaults, e.g. `small_max=1MiB,superblock=2MiB,max=80%`
+    /// or, in `PYTORCH_CUDA_ALLOC_CONF`'s form, `max:80%,small_max:1MiB`.
+    ///
+    /// Items are `key=value` or `key:value`, separated by commas; a later item overrides an
+    /// earlier one. Keys (exact, lowercase): `small_max`, `superblock`, `chunk`, `max` (alias
+    /// `max_bytes`), `keep_empty`, `sparse` (alias `sparse_fraction`), `batch` (alias
+    /// `batch_blocks`), `batch_bytes`, and `passthrough` (a bare key, or `true|false|1|0`).
+    ///
+    /// Sizes are a number and a unit in any case: `4096B`, `64 KiB`, `2M`, `1g`, `512mb`,
+    /// `1.5GiB` (binary units: `K`/`Ki`/`KiB` … `T`/`Ti`/`TiB`; decimal: `KB` … `TB`). A fraction
+    /// needs a unit other than `B` and is rounded down to a whole byte. A bare number is bytes
+    /// and must be a whole number of at least 1024, so that a forgotten unit (`small_max=1`)
+    /// is refused instead of meaning one byte. `max` is a size or a percentage of device
+    /// memory (`80%`); a bare `max` such as `max=0.8` or `max=80` is refused with the
+    /// percentage it probably meant. The module comment has the full rules; every error names
+    /// `CUARENA_CONF` and lists the keys.
     pub fn parse(s: &str) -> Result<Config> {
         let mut b = Config::builder();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
@@ -116,21 +156,41 @@ impl Config {
                 b = b.passthrough(true);
                 continue;
             }
-            let (k, v) =
-                item.split_once('=').ok_or_else(|| config_error(format!("`{item}` is not key=value")))?;
-            let (k, v) = (k.trim(), v.trim());
+            let Some(at) = item.find(['=', ':']) else {
+                return Err(config_error(format!(
+                    "`{item}` is not key=value or key:value (items are separated by commas)"
+                )));
+            };
+            let (k, sep, v) = (item[..at].trim(), &item[at..at + 1], item[at + 1..].trim());
+            if k.is_empty() {
+                return Err(config_error(format!("`{item}` has no key")));
+            }
+            if v.is_empty() {
+                return Err(config_error(format!("`{item}` has no value")));
+            }
+            if v.contains(['=', ':', ';']) {
+                return Err(config_error(format!(
+                    "`{item}` holds more than one item: items are separated by commas"
+                )));
+            }
+            let size = |x: &str| size_of(x).map_err(|e| config_error(format!("{k}{sep}{v}: {e}")));
+            let whole = |x: &str| parse_usize(x).map_err(|e| config_error(format!("{k}{sep}{v}: {e}")));
+            let number = |x: &str| parse_f64(x).map_err(|e| config_error(format!("{k}{sep}{v}: {e}")));
             b = match k {
-                "small_max" => b.small_max(parse_bytes(v)?),
-                "superblock" => b.superblock(parse_bytes(v)?),
-                "chunk" => b.chunk(parse_bytes(v)?),
-                "max" => match v.strip_suffix('%') {
-                    Some(p) => b.max_fraction(parse_f64(p)? / 100.0),
-                    None => b.max_bytes(parse_bytes(v)?),
+                "small_max" => b.small_max(size(v)?),
+                "superblock" => b.superblock(size(v)?),
+                "chunk" => b.chunk(size(v)?),
+                "max" | "max_bytes" => match v.strip_suffix('%') {
+                    Some(p) => b.max_fraction(number(p.trim())? / 100.0),
+                    None => {
+                        check_bare_max(k, sep, v)?;
+                        b.max_bytes(size(v)?)
+                    }
                 },
-                "keep_empty" => b.keep_empty(parse_usize(v)?),
-                "sparse" => b.sparse_fraction(parse_f64(v)?),
-                "batch" => b.batch_blocks(parse_usize(v)?),
-                "batch_bytes" => b.batch_bytes(parse_bytes(v)?),
+                "keep_empty" => b.keep_empty(whole(v)?),
+                "sparse" | "sparse_fraction" => b.sparse_fraction(number(v)?),
+                "batch" | "batch_blocks" => b.batch_blocks(whole(v)?),
+                "batch_bytes" => b.batch_bytes(size(v)?),
                 "passthrough" => b.passthrough(match v {
                     "true" | "1" => true,
                     "false" | "0" => false,
@@ -171,31 +231,143 @@ impl Config {
     }
 }
 
-fn parse_usize(v: &str) -> Result<usize> {
-    v.parse().map_err(|_| config_error(format!("`{v}` is not a whole number")))
+fn parse_usize(v: &str) -> Result<usize, String> {
+    if v.starts_with('-') {
+        return Err("must not be negative".into());
+    }
+    v.parse().map_err(|_| format!("`{v}` is not a whole number (or is over {})", usize::MAX))
 }
 
-fn parse_f64(v: &str) -> Result<f64> {
-    v.parse().map_err(|_| config_error(format!("`{v}` is not a number")))
+fn parse_f64(v: &str) -> Result<f64, String> {
+    v.parse().map_err(|_| format!("`{v}` is not a number"))
 }
 
-/// Parses `4096`, `4KiB`, `2MiB`, `1GiB`, `1TiB` (binary) or `4KB`, `2MB`, `1GB` (decimal).
-pub fn parse_bytes(v: &str) -> Result<usize> {
-    let split = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
-    let (num, unit) = v.split_at(split);
-    let n: usize = num.parse().map_err(|_| config_error(format!("`{v}` is not a byte size")))?;
-    let mul: usize = match unit.trim() {
-        "" | "B" => 1,
-        "K" | "KiB" => 1 << 10,
-        "M" | "MiB" => 1 << 20,
-        "G" | "GiB" => 1 << 30,
-        "T" | "TiB" => 1 << 40,
-        "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        u => return Err(config_error(format!("unknown unit `{u}` in `{v}`"))),
+/// Refuses a bare number for `max` that is surely a percentage or fraction written without its
+/// `%`: in (0, 1] (`max=0.8`), or a whole number in 1 ..= 100 (`max=80`, 80 bytes). Anything
+/// else is left to [`parse_bytes`] and the range check.
+fn check_bare_max(k: &str, sep: &str, v: &str) -> Result<()> {
+    let bare =
+        v.starts_with(|c: char| c.is_ascii_digit()) && v.chars().all(|c| c.is_ascii_digit() || c == '.');
+    let Some(x) = v.parse::<f64>().ok().filter(|_| bare) else {
+        return Ok(());
     };
-    n.checked_mul(mul).ok_or_else(|| config_error(format!("`{v}` overflows")))
+    let why = if x > 0.0 && x <= 1.0 {
+        "a bare fraction is not a size (the share of device memory is written as a percentage)"
+    } else if x.fract() == 0.0 && (1.0..=100.0).contains(&x) {
+        "a bare number is bytes, and so few bytes are less than one superblock"
+    } else {
+        return Ok(());
+    };
+    let pct = if x <= 1.0 { times_100(v) } else { v.to_string() };
+    Err(config_error(format!(
+        "{k}{sep}{v}: {why}; did you mean {k}{sep}{pct}%? (or a size with a unit, e.g. {k}{sep}8GiB)"
+    )))
+}
+
+/// `v` (digits with at most one `.`) times 100, written without floating-point rounding:
+/// `0.8` → `80`, `0.125` → `12.5`, `1` → `100`.
+fn times_100(v: &str) -> String {
+    let (int, frac) = v.split_once('.').unwrap_or((v, ""));
+    let frac = format!("{frac:0<2}");
+    let (moved, rest) = frac.split_at(2);
+    let int = format!("{int}{moved}");
+    let int = match int.trim_start_matches('0') {
+        "" => "0",
+        i => i,
+    };
+    match rest.trim_end_matches('0') {
+        "" => int.to_string(),
+        r => format!("{int}.{r}"),
+    }
+}
+
+/// The units of a size (lowercase) and their multipliers.
+const UNITS: [(&str, u64); 17] = [
+    ("b", 1),
+    ("k", 1 << 10),
+    ("ki", 1 << 10),
+    ("kib", 1 << 10),
+    ("m", 1 << 20),
+    ("mi", 1 << 20),
+    ("mib", 1 << 20),
+    ("g", 1 << 30),
+    ("gi", 1 << 30),
+    ("gib", 1 << 30),
+    ("t", 1 << 40),
+    ("ti", 1 << 40),
+    ("tib", 1 << 40),
+    ("kb", 1_000),
+    ("mb", 1_000_000),
+    ("gb", 1_000_000_000),
+    ("tb", 1_000_000_000_000),
+];
+
+/// The smallest size that may be written as a bare number (no unit).
+pub const MIN_BARE_BYTES: usize = 1024;
+
+/// Parses a size as `CUARENA_CONF` writes it (see [`Config::parse`]): a number and a unit in
+/// any case (`4096B`, `64 KiB`, `2M`, `1g`, `512mb`, `1.5GiB`; `K`, `Ki`, `KiB` … `TiB` are
+/// powers of 1024, `KB` … `TB` powers of 1000), a fraction only with a unit other than `B`
+/// (rounded down to a whole byte), or a bare whole number of bytes of at least
+/// [`MIN_BARE_BYTES`].
+pub fn parse_bytes(v: &str) -> Result<usize> {
+    size_of(v).map_err(config_error)
+}
+
+/// [`parse_bytes`], with an error that says what is wrong but neither the key nor where
+/// configuration comes from (the caller adds both).
+fn size_of(v: &str) -> Result<usize, String> {
+    let v = v.trim();
+    if v.is_empty() {
+        return Err("no size given".into());
+    }
+    if v.starts_with('-') {
+        return Err(format!("`{v}` is negative; a size must not be"));
+    }
+    let int_end = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
+    let (int, rest) = v.split_at(int_end);
+    let (frac, unit) = match rest.strip_prefix('.') {
+        Some(r) => r.split_at(r.find(|c: char| !c.is_ascii_digit()).unwrap_or(r.len())),
+        None => ("", rest),
+    };
+    if int.is_empty() || (rest.starts_with('.') && frac.is_empty()) {
+        return Err(format!("`{v}` is not a size (a number and a unit, e.g. 512MiB, 1.5GiB, 4096B)"));
+    }
+    let unit = unit.trim();
+    let lower = unit.to_ascii_lowercase();
+    let mul = match UNITS.iter().find(|(u, _)| *u == lower) {
+        Some(&(_, m)) => m,
+        None if unit.is_empty() => 1,
+        None => {
+            return Err(format!(
+                "unknown unit `{unit}` in `{v}` (units, any case: B; K, KiB, M, MiB, G, GiB, T, TiB; KB, MB, GB, TB)"
+            ));
+        }
+    };
+    if !frac.is_empty() && mul == 1 {
+        return Err(if unit.is_empty() {
+            format!("`{v}` has a fraction but no unit (write e.g. {v}MiB or {v}GiB)")
+        } else {
+            format!("`{v}` is not a whole number of bytes")
+        });
+    }
+    let overflow = || format!("`{v}` overflows (more than {} bytes)", usize::MAX);
+    let int: u128 = int.parse().map_err(|_| overflow())?;
+    // floor(0.frac × mul), exactly, by Horner's rule from the last digit: floor((d·mul + y)/10)
+    // equals floor((d·mul + floor(y))/10), so every step may round down.
+    let frac_bytes = frac.bytes().rev().fold(0u128, |y, d| (u128::from(d - b'0') * u128::from(mul) + y) / 10);
+    let bytes = int
+        .checked_mul(u128::from(mul))
+        .and_then(|b| b.checked_add(frac_bytes))
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(overflow)?;
+    if unit.is_empty() && bytes < MIN_BARE_BYTES {
+        return Err(format!(
+            "`{v}` has no unit: a bare number is bytes and must be at least {MIN_BARE_BYTES} \
+             (a forgotten unit is the likelier mistake); write {v}B if bytes are meant, or add a unit (KiB, MiB, GiB)"
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Builds a validated [`Config`].
@@ -288,7 +460,11 @@ impl ConfigBuilder {
                 return err(format!("max fraction {f} must be in (0, 1] (a percentage in (0%, 100%])"));
             }
             Limit::Bytes(b) if b < c.superblock => {
-                return err(format!("max {b} must be at least one superblock ({})", c.superblock));
+                return err(format!(
+                    "max {b} B is less than one superblock ({} B), so nothing could be reserved; \
+                     give a size with a unit (e.g. max=8GiB) or a percentage of device memory (max=80%)",
+                    c.superblock
+                ));
             }
             _ => {}
         }
@@ -394,8 +570,9 @@ mod tests {
 
     #[test]
     fn batch_bytes_must_be_positive() {
+        assert_helpful(&message(Config::parse("batch_bytes=0B")), "batch_bytes");
         assert_helpful(&message(Config::parse("batch_bytes=0")), "batch_bytes");
-        assert_eq!(Config::parse("batch_bytes=1").unwrap().batch_bytes, 1);
+        assert_eq!(Config::parse("batch_bytes=1B").unwrap().batch_bytes, 1);
     }
 
     #[test]
@@ -442,6 +619,244 @@ mod tests {
         assert_helpful(&message(Config::parse("keep_empty=two")), "two");
         assert_helpful(&message(Config::parse("chunk=1XB")), "XB");
         assert_helpful(&message(Config::parse("chunk=99999999TiB")), "overflows");
+    }
+
+    fn size(v: &str) -> usize {
+        parse_bytes(v).unwrap_or_else(|e| panic!("`{v}` refused: {e}"))
+    }
+
+    #[test]
+    fn sizes_take_every_usual_form_in_any_case() {
+        for (v, want) in [
+            ("4096", 4096),
+            ("1024", 1024),
+            ("4096B", 4096),
+            ("4096 b", 4096),
+            ("512B", 512),
+            ("1b", 1),
+            ("2M", 2 << 20),
+            ("2m", 2 << 20),
+            ("2Mi", 2 << 20),
+            ("2MiB", 2 << 20),
+            ("2mib", 2 << 20),
+            ("2MIB", 2 << 20),
+            ("64 KiB", 64 << 10),
+            ("64k", 64 << 10),
+            ("1g", 1 << 30),
+            ("1GiB", 1 << 30),
+            ("1T", 1 << 40),
+            ("1tib", 1 << 40),
+            ("512mb", 512_000_000),
+            ("512MB", 512_000_000),
+            ("3GB", 3_000_000_000),
+            ("4kb", 4_000),
+            ("2TB", 2_000_000_000_000),
+            (" 007MiB ", 7 << 20),
+        ] {
+            assert_eq!(size(v), want, "{v}");
+        }
+    }
+
+    #[test]
+    fn fractions_with_a_unit_round_down_to_a_byte() {
+        assert_eq!(size("1.5GiB"), 3 << 29);
+        assert_eq!(size("1.5 gib"), 3 << 29);
+        assert_eq!(size("0.5M"), 1 << 19);
+        assert_eq!(size("1.5KB"), 1500);
+        // 0.1 KiB = 102.4 B, 0.999 KiB = 1022.976 B, 1.0009765625 KiB = 1025 B exactly.
+        assert_eq!(size("0.1KiB"), 102);
+        assert_eq!(size("0.999KiB"), 1022);
+        assert_eq!(size("1.0009765625KiB"), 1025);
+        // Below a byte: rounded down to zero (the range check then refuses a zero size).
+        assert_eq!(size("0.0000001KiB"), 0);
+        // Many digits stay exact: 0.(40 nines) TiB is one byte short of a TiB.
+        assert_eq!(size(&format!("0.{}TiB", "9".repeat(40))), (1 << 40) - 1);
+        assert_eq!(size("1.25GB"), 1_250_000_000);
+        assert_eq!(Config::parse("small_max=1.5MiB,superblock=2MiB").unwrap().small_max, 3 << 19);
+    }
+
+    #[test]
+    fn bad_sizes_are_refused_with_the_reason() {
+        for (v, why) in [
+            ("", "no size"),
+            ("-1MiB", "negative"),
+            ("-4096", "negative"),
+            ("NaN", "not a size"),
+            ("nanMiB", "not a size"),
+            ("inf", "not a size"),
+            ("+4096", "not a size"),
+            (".5GiB", "not a size"),
+            ("1.GiB", "not a size"),
+            ("1e9", "unknown unit `e9`"),
+            ("1XB", "unknown unit `XB`"),
+            ("1.5", "fraction but no unit"),
+            ("1.5B", "not a whole number of bytes"),
+            ("99999999999999999999TiB", "overflows"),
+            ("99999999999999999999999999999999999999999", "overflows"),
+            ("16777216TiB", "overflows"),
+            ("18446744073709551616", "overflows"),
+            ("1", "must be at least 1024"),
+            ("1023", "must be at least 1024"),
+            ("0", "must be at least 1024"),
+        ] {
+            match parse_bytes(v) {
+                Err(Error::Config(m)) => {
+                    assert!(m.contains(why), "`{v}`: {m}");
+                    assert!(m.contains("CUARENA_CONF") && m.contains("small_max"), "`{v}`: {m}");
+                }
+                other => panic!("`{v}` gave {other:?}"),
+            }
+        }
+        assert_eq!(size("18446744073709551615"), usize::MAX);
+    }
+
+    #[test]
+    fn a_bare_size_below_a_kib_is_refused_for_every_size_key() {
+        for k in ["small_max", "superblock", "chunk", "batch_bytes", "max"] {
+            for v in ["0", "1", "1000", "1023"] {
+                let m = message(Config::parse(&format!("{k}={v}")));
+                assert_helpful(&m, &format!("{k}={v}"));
+                if v != "1" {
+                    assert!(m.contains(&format!("write {v}B")), "{m}");
+                }
+            }
+        }
+        // With an explicit unit, or at 1 KiB and above, the range check alone decides.
+        assert_eq!(Config::parse("small_max=512B").unwrap().small_max, 512);
+        assert_eq!(Config::parse("small_max=1024").unwrap().small_max, 1024);
+        assert_eq!(Config::parse("batch_bytes=1024").unwrap().batch_bytes, 1024);
+        assert_eq!(Config::parse("max=4194304").unwrap().max, Limit::Bytes(4 << 20));
+        assert_eq!(Config::parse("chunk=67108864").unwrap().chunk, 64 << 20);
+    }
+
+    #[test]
+    fn a_bare_max_that_is_surely_a_percentage_is_refused_with_a_suggestion() {
+        for (v, meant) in [
+            ("0.8", "max=80%?"),
+            ("0.125", "max=12.5%?"),
+            ("0.05", "max=5%?"),
+            ("1", "max=100%?"),
+            ("1.0", "max=100%?"),
+            ("80", "max=80%?"),
+            ("100", "max=100%?"),
+            ("5", "max=5%?"),
+        ] {
+            let m = message(Config::parse(&format!("max={v}")));
+            assert_helpful(&m, &format!("did you mean {meant}"));
+        }
+        // The alias is named as written.
+        assert_helpful(&message(Config::parse("max_bytes=0.8")), "did you mean max_bytes=80%?");
+        assert_helpful(&message(Config::parse("max:0.8")), "did you mean max:80%?");
+        // Not a percentage in disguise: the size rule's message.
+        for v in ["101", "1.5", "0", "0.0"] {
+            let m = message(Config::parse(&format!("max={v}")));
+            assert!(!m.contains("did you mean"), "{v}: {m}");
+            assert_helpful(&m, &format!("max={v}"));
+        }
+        assert_eq!(Config::parse("max=80%").unwrap().max, Limit::Fraction(0.8));
+        assert_eq!(Config::parse("max=12.5 %").unwrap().max, Limit::Fraction(0.125));
+    }
+
+    #[test]
+    fn a_max_below_one_superblock_says_so() {
+        let m = message(Config::parse("max=1MiB"));
+        assert_helpful(&m, "less than one superblock (2097152 B)");
+        assert!(m.contains("max=80%"), "{m}");
+        let m = message(Config::parse("max=2047KiB,superblock=2MiB"));
+        assert_helpful(&m, "less than one superblock");
+        let m = message(Config::builder().max_bytes(80).build());
+        assert_helpful(&m, "max 80 B is less than one superblock");
+        assert_eq!(
+            Config::parse("max=64KiB,superblock=64KiB,small_max=64KiB,chunk=64KiB").unwrap().max,
+            Limit::Bytes(64 << 10)
+        );
+    }
+
+    #[test]
+    fn pytorch_key_colon_value_form_is_accepted() {
+        let c = Config::parse("max:80%,small_max:1MiB").unwrap();
+        assert_eq!((c.max, c.small_max), (Limit::Fraction(0.8), 1 << 20));
+        let c = Config::parse(" superblock : 4MiB , chunk:64MiB,small_max=2MiB, batch:16, passthrough:true")
+            .unwrap();
+        assert_eq!((c.superblock, c.chunk, c.small_max, c.batch_blocks), (4 << 20, 64 << 20, 2 << 20, 16));
+        assert!(c.passthrough);
+        assert_eq!(
+            Config::parse("max:80%,small_max:1MiB").unwrap(),
+            Config::parse("max=80%,small_max=1MiB").unwrap()
+        );
+    }
+
+    #[test]
+    fn builder_names_are_aliases() {
+        let c = Config::parse("batch_blocks=8,max_bytes=4GiB,sparse_fraction=0.5").unwrap();
+        assert_eq!((c.batch_blocks, c.max, c.sparse), (8, Limit::Bytes(4 << 30), 0.5));
+        let built =
+            Config::builder().batch_blocks(8).max_bytes(4 << 30).sparse_fraction(0.5).build().unwrap();
+        assert_eq!(c, built);
+        assert_eq!(Config::parse("max_bytes=50%").unwrap().max, Limit::Fraction(0.5));
+        // An alias and its key are one setting: the later wins.
+        assert_eq!(Config::parse("batch=4,batch_blocks=8").unwrap().batch_blocks, 8);
+        assert_eq!(Config::parse("batch_blocks=8,batch=4").unwrap().batch_blocks, 4);
+        // Aliases are range-checked like their keys.
+        assert_helpful(&message(Config::parse("batch_blocks=0")), "batch");
+        assert_helpful(&message(Config::parse("max_bytes=1MiB")), "superblock");
+        assert_helpful(&message(Config::parse("sparse_fraction=1")), "sparse");
+    }
+
+    #[test]
+    fn malformed_items_are_refused_with_every_key_listed() {
+        for (bad, what) in [
+            ("small_max", "not key=value or key:value"),
+            ("=1MiB", "has no key"),
+            (":1MiB", "has no key"),
+            ("small_max=", "has no value"),
+            ("small_max:", "has no value"),
+            ("small_max=1MiB;superblock=2MiB", "separated by commas"),
+            ("small_max=1MiB superblock=2MiB", "separated by commas"),
+            ("max:80%:1", "separated by commas"),
+            ("SMALL_MAX=1MiB", "unknown key `SMALL_MAX`"),
+            ("max_fraction=0.8", "unknown key"),
+            ("keep_empty=-1", "negative"),
+            ("batch=1.5", "not a whole number"),
+            ("sparse=half", "not a number"),
+            ("max=abc%", "not a number"),
+        ] {
+            let m = message(Config::parse(bad));
+            assert_helpful(&m, what);
+            for alias in ["max_bytes", "sparse_fraction", "batch_blocks", "passthrough", "key:value"] {
+                assert!(m.contains(alias), "{bad}: {m}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_error_names_cuarena_conf_and_the_keys() {
+        // One of each error path of `parse` and `build`.
+        for bad in [
+            "x",
+            "bogus=1",
+            "small_max=1",
+            "small_max=1.5",
+            "small_max=-1",
+            "small_max=1ZiB",
+            "small_max=99999999999999999999TiB",
+            "max=0.8",
+            "max=1MiB",
+            "max=0%",
+            "superblock=3MiB",
+            "superblock=128MiB",
+            "small_max=4MiB",
+            "chunk=3MiB",
+            "keep_empty=2000",
+            "sparse=2",
+            "batch=0",
+            "batch_bytes=0B",
+            "passthrough=maybe",
+        ] {
+            let m = message(Config::parse(bad));
+            assert_helpful(&m, "");
+            assert!(m.contains("batch_blocks") && m.contains("passthrough"), "{bad}: {m}");
+        }
     }
 
     #[test]

@@ -1,4 +1,18 @@
-//! The error type. Every failure the allocator can meet is a value here; nothing panics.
+//! The error type: every failure a caller can cause or meet is a value here.
+//!
+//! What that guarantees:
+//! - Public APIs return errors, not panics, for bad input (sizes, pointers and sizes of frees,
+//!   streams, device ordinals, configuration) and for what the device does (no driver, driver
+//!   failures, out of memory). Once process exit has begun, the C ABI's allocations fail with
+//!   [`Error::ShutDown`].
+//! - Internal invariants are checked by `debug_assert!`s, and by `expect`s and `unreachable!`s
+//!   on states the code makes impossible (an entry just validated or just inserted, a fresh
+//!   superblock that fits every small class). One firing is a bug in cuarena, not a misuse.
+//!   The hidden test aid `Allocator::check_invariants` panics on a violation by design, and
+//!   the simulated device of the tests (`HostDevice`) panics if the OS refuses it a thread.
+//! - No panic crosses the C ABI: every entry point of `ffi.rs` runs under `catch_unwind` and
+//!   turns a panic into a failed call whose `cuarena_last_error` begins
+//!   "internal error (caught panic)".
 
 use std::fmt;
 
@@ -39,7 +53,8 @@ pub enum Error {
     NoDevice { ordinal: i32, count: i32 },
     /// A configuration string or value is invalid.
     Config(String),
-    /// The allocator has been shut down (process exit has begun).
+    /// The allocator has been shut down: process exit has begun, and no driver call is made
+    /// any more (the C ABI's allocations fail with this error from then on).
     ShutDown,
     /// The device did something cuarena cannot work with (the message says what).
     Unsupported(String),
@@ -73,7 +88,7 @@ impl fmt::Display for Error {
                 write!(f, "no CUDA device {ordinal}: the driver reports {count} device(s)")
             }
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
-            Error::ShutDown => write!(f, "the allocator has shut down"),
+            Error::ShutDown => write!(f, "the allocator has shut down: process exit has begun"),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
         }
     }

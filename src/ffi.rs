@@ -3,7 +3,8 @@
 //!
 //! Every entry point catches panics: none crosses the boundary. A failure returns NULL or -1
 //! and sets this thread's [`cuarena_last_error`]. Once process exit has begun, frees are no-ops
-//! and allocations fail, so no CUDA call is made into a driver that is being torn down.
+//! and allocations fail with [`Error::ShutDown`]'s message, so no CUDA call is made into a
+//! driver that is being torn down.
 
 use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_void};
@@ -12,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 
 use crate::allocator::DevicePtr;
+use crate::error::Error;
 use crate::global::{created, global};
 use crate::shutdown::process_exiting;
 use crate::stats::Stats;
@@ -150,7 +152,7 @@ pub extern "C" fn cuarena_malloc(size: usize, device: c_int, stream_: *mut c_voi
     }
     guard(std::ptr::null_mut(), || {
         if process_exiting() {
-            return Err("the process is exiting".into());
+            return Err(Error::ShutDown.to_string());
         }
         let a = global(device).map_err(|e| e.to_string())?;
         a.allocate(size, stream(stream_)).map(|p| p.0 as *mut c_void).map_err(|e| e.to_string())

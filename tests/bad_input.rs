@@ -450,7 +450,20 @@ fn a_bad_cuarena_conf_is_a_config_error() {
         "=1MiB",
         "small_max=1XB",
         "small_max=-1",
-        "small_max=1.5MiB",
+        "small_max=1.5",
+        "small_max=1.5B",
+        "small_max=1",
+        "small_max=-1MiB",
+        "small_max=NaN",
+        "chunk=32",
+        "max=80",
+        "max=0.8",
+        "max:0.8",
+        "max_bytes=1MiB",
+        "batch_blocks=0",
+        "sparse_fraction=1",
+        "max_fraction=0.8",
+        "max=80%;small_max=1MiB",
         "superblock=3MiB",
         "superblock=1TiB",
         "chunk=3MiB",
@@ -474,11 +487,21 @@ fn a_bad_cuarena_conf_is_a_config_error() {
         match Config::parse(bad) {
             Err(Error::Config(m)) => {
                 assert!(m.contains("CUARENA_CONF") && m.contains("keep_empty"), "{bad}: {m}");
+                assert!(m.contains("batch_blocks") && m.contains("key:value"), "{bad}: {m}");
                 let full = Error::Config(m).to_string();
                 assert!(full.starts_with("invalid cuarena configuration"), "{full}");
             }
             other => panic!("`{bad}` gave {other:?}"),
         }
+    }
+    // The same settings in every accepted spelling give one configuration.
+    let want = config().max_bytes(3 << 29).batch_bytes(512).build().unwrap();
+    for good in [
+        "superblock=256KiB,small_max=64KiB,chunk=1MiB,batch=8,max=1.5GiB,batch_bytes=512B",
+        "superblock:256kib, small_max:64 KiB, chunk:1m, batch_blocks:8, max_bytes:1.5gib, batch_bytes:512b",
+        "superblock=262144,small_max=65536,chunk=1048576,batch=8,max=1610612736,batch_bytes=512B",
+    ] {
+        assert_eq!(Config::parse(good).unwrap(), want, "{good}");
     }
 }
 
