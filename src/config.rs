@@ -7,7 +7,7 @@
 //!   address with one mask and a table load.
 //! - `small_max = 1 MiB`: half a superblock. A superblock then always holds at least two of the
 //!   largest small blocks, so the tail a thread cannot use is bounded, while requests above it
-//!   are large enough (and rare enough in the workloads of `../shared/anchors.md`) that the
+//!   are large enough (and rare enough in the workloads of `BENCHMARKS.md`) that the
 //!   global pool's lock is not hot.
 //! - `chunk = 32 MiB`: the pool grows by at least this much per driver call, enough to serve 16
 //!   superblocks and keep driver calls rare, small next to a GPU shared with other processes.
