@@ -12,7 +12,8 @@ echo "streams: $(wc -l < "$out/streams.jsonl") rows, exit $?"
 if [ -x gpu-bundle/cuarena-old ]; then
   for i in 1 2; do
     for b in cuarena cuarena-old; do
-      ./gpu-bundle/$b --json --secs 0.5 --threads 1,16 --workloads churn,handoff --allocators cuarena --no-touch 2>/dev/null |
+      extra=""; [ $b = cuarena ] && extra="--streams ptds"
+      ./gpu-bundle/$b --json --secs 0.5 --threads 1,16 --workloads churn,handoff --allocators cuarena --no-touch $extra 2>/dev/null |
         sed "s/\"allocator\":\"cuarena\"/\"allocator\":\"$b\",\"round\":$i/" >> "$out/old-vs-new.jsonl"
     done
   done
