@@ -232,8 +232,8 @@ fn gpu_torture(mode: StreamMode) {
     check_fenced(&format!("gpu torture {}", mode.name()), &r, &[&a]);
 }
 
-/// The test of the test: fencing off, small blocks reused at once, long holds, most frees
-/// cross-stream or handed off. Reuse before the fence must show as overwritten tags.
+/// The test of the test: fencing off, remote frees sent one by one, small blocks reused at
+/// once, long holds, most frees cross-stream or handed off. Reuse before the fence must show as overwritten tags.
 ///
 /// On the legacy stream a handoff stays on one stream, so only cross-stream frees can be
 /// caught: there the legacy kernels are short (so the legacy stream has little queued) and the
@@ -242,7 +242,9 @@ fn gpu_torture(mode: StreamMode) {
 fn gpu_torture_unfenced(mode: StreamMode) {
     let Some(dev) = gpu() else { return };
     let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
-    let cfg = Config::builder().skip_fences_for_testing().build().unwrap();
+    // Remote frees sent one at a time (not gathered into batches), so a freed block reaches its
+    // owner, and is reused, while the freeing side's work may still run.
+    let cfg = Config::builder().skip_fences_for_testing().batch_blocks(1).build().unwrap();
     let a = Allocator::new(dev, cfg).unwrap();
     let legacy = mode == StreamMode::Legacy;
     let p = TortureParams {
