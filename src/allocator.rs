@@ -325,6 +325,13 @@ impl Slot {
         let ptds = Self::ptds_key(&mut self.ptds, &env)?;
         let home = HOMES[i];
         let key = if i == 0 { ptds } else { Self::legacy_key(&mut self.legacy, &env)? };
+        // Frees of pool blocks waiting here keep their ranges from coalescing (a superblock
+        // range with one such block cannot be lent): send them before the arena may grow.
+        if self.outbox.holds_pool_frees()
+            && let Err(e) = self.outbox.flush(&env, ptds)
+        {
+            env.defer(e);
+        }
         let own = self.shells();
         let owned = match &mut self.arenas[i] {
             Some(a) => a,

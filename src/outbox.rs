@@ -4,8 +4,10 @@
 //! lands here. Frees on the per-thread or the legacy stream, which cannot be destroyed, gather
 //! per destination arena until the outbox holds `batch_blocks` blocks or `batch_bytes` bytes,
 //! the free stream changes, or the thread flushes, reclaims memory (out of memory, `trim`) or
-//! exits. (Not at every slow path: a thread that both allocates and frees others' blocks would
-//! then send batches of a few blocks, one event each.) A flush
+//! exits, and, if frees of pool blocks wait, when the thread's arena reaches its slow path
+//! (they keep superblock ranges from coalescing). (Not at every slow path otherwise: a thread
+//! that both allocates and frees others' blocks would then send batches of a few blocks, one
+//! event each.) A flush
 //! records **one** event on the free stream and pushes one batch per destination. So at most
 //! one batch's worth of freed memory per thread waits unsent: the bound on memory a thread
 //! strands this way.
@@ -62,6 +64,11 @@ impl Outbox {
         self.count += 1;
         self.bytes += fr.size;
         Ok(())
+    }
+
+    /// True if frees of pool blocks wait here.
+    pub(crate) fn holds_pool_frees(&self) -> bool {
+        self.dests.iter().any(|(d, _)| d.is_null())
     }
 
     /// True once `blocks` frees or `bytes` bytes are gathered: time to flush.
