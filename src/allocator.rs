@@ -105,6 +105,14 @@ const HOMES: [Stream; 2] = [Stream::PER_THREAD, Stream::LEGACY];
 /// Which of a thread's arenas serves small requests on `stream`: 0 for its per-thread stream,
 /// 1 for the legacy stream (NULL or `0x1`, one stream for all threads, whose identity is fixed).
 /// User streams have none: their handles are reused by CUDA, so they are served by the pool.
+///
+/// Only the per-thread arena frees on its fast path. A free on the legacy stream, even of the
+/// thread's own legacy-arena block, goes the batched way with one event per batch: that event
+/// is a legacy-stream operation, and without one, a block freed on the legacy stream after use
+/// on one per-thread stream and handed out again could be used on another per-thread stream
+/// with nothing ordering the two (per-thread streams wait for earlier legacy *operations*).
+/// The legacy arena's own stream needs no wait on that event: its pending batch is reusable at
+/// once (`Arena::complete_ready`).
 #[inline]
 fn arena_index(stream: Stream) -> Option<usize> {
     if stream.is_per_thread() {
@@ -326,8 +334,9 @@ impl Slot {
         let home = HOMES[i];
         let key = if i == 0 { ptds } else { Self::legacy_key(&mut self.legacy, &env)? };
         // Frees of pool blocks waiting here keep their ranges from coalescing (a superblock
-        // range with one such block cannot be lent): send them before the arena may grow.
-        if self.outbox.holds_pool_frees()
+        // range with one such block cannot be lent), and the legacy arena's own frees wait
+        // here too: send them before the arena may grow.
+        if (self.outbox.holds_pool_frees() || (i == 1 && !self.outbox.is_empty()))
             && let Err(e) = self.outbox.flush(&env, ptds)
         {
             env.defer(e);
@@ -495,7 +504,7 @@ impl Slot {
                     a.with(|a| {
                         if !a.owns(sb) {
                             Local::NotOurs
-                        } else if arena_index(stream) == Some(i) {
+                        } else if i == 0 && stream.is_per_thread() {
                             Local::Freed(a.free_local(&env, sb, ptr, size, bytes))
                         } else {
                             Local::Checked(Arena::check_live(sb, ptr, size, bytes))

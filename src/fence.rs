@@ -163,14 +163,15 @@ impl Drop for Fence {
 /// (stream, thread) pairs that freed into the extent and whose fences are not yet known done.
 ///
 /// `legacy`: some of the extent was freed on the legacy stream with no event recorded (a
-/// *lazy* fence). The legacy stream is one stream for every thread, so whoever needs the fence
-/// can record it then, and it covers every earlier use there (a record on the legacy stream
-/// also follows all earlier work on per-thread and blocking streams, which the free's contract
-/// may have relied on). Reuse on the legacy stream needs nothing; on any other stream one
-/// event is recorded on the legacy stream and that stream waits on it
-/// ([`FenceSet::order_before`]). (Not even a per-thread stream may skip it: it waits for
-/// earlier *legacy* work, but the block's last use may have been on another per-thread stream,
-/// ordered before the free only through work queued on the legacy stream later.)
+/// *lazy* fence). The legacy stream is one stream for every thread, so whoever hands the
+/// memory out again can record the event then: the record is a legacy-stream operation queued
+/// after the free, so it follows every use the free's contract covers (legacy work waits for
+/// earlier work on the per-thread streams, CUDA's implicit synchronisation), and any work
+/// queued later on a per-thread stream waits for it. Reuse therefore always records it (one
+/// event per reuse of such an extent, none per free); a stream other than the legacy stream
+/// also waits on it ([`FenceSet::order_before`]). Reuse on the legacy stream cannot skip the
+/// record: the block may next be used on a per-thread stream, which orders itself only after
+/// legacy *operations*.
 #[derive(Default, Clone)]
 pub(crate) struct FenceSet {
     fences: Vec<Arc<Fence>>,
@@ -216,8 +217,8 @@ impl FenceSet {
     }
 
     /// Orders every fence before `stream` (identity `key`); see [`Fence::order_before`]. A
-    /// lazy legacy fence is recorded now unless `stream` is the legacy stream. `legacy` is
-    /// asked for only then.
+    /// lazy legacy fence is recorded now (and waited on unless `stream` is the legacy stream).
+    /// `legacy` is asked for only then.
     pub(crate) fn order_before<'a>(
         &self,
         dev: &Counted<'_>,
@@ -226,10 +227,14 @@ impl FenceSet {
         legacy: impl FnOnce() -> Result<Legacy<'a>>,
     ) -> Result<()> {
         self.fences.iter().try_for_each(|f| f.order_before(dev, stream, key))?;
-        if self.legacy && !stream.is_legacy() {
+        if self.legacy {
+            // The record is a legacy-stream operation queued after the free: it waits for the
+            // work the free's contract covers, and any later per-thread-stream work waits for
+            // it. A stream that is not the legacy stream also waits on it.
             let l = legacy()?;
+            let f = Fence::record(l.events, dev, Stream::LEGACY, l.key)?;
             if key != l.key {
-                Fence::record(l.events, dev, Stream::LEGACY, l.key)?.wait_for(dev, stream, key)?;
+                f.wait_for(dev, stream, key)?;
             }
         }
         Ok(())

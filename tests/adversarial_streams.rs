@@ -144,7 +144,7 @@ fn reference_a_legacy_operation_between_two_ptds_uses_orders_them() {
     }
 }
 
-/// FINDING (lazy legacy fences, d037828). A pool block used on thread A's per-thread stream
+/// FINDING (lazy legacy fences, d037828), fixed (the lazy fence is recorded at every reuse). A pool block used on thread A's per-thread stream
 /// and freed on the legacy stream (legal: later legacy work waits for A's work) records no
 /// event. Thread B allocates it on the legacy stream (nothing needed, says the lazy fence) and
 /// uses it on its own per-thread stream, which CUDA orders after the legacy stream. Nothing was
@@ -178,11 +178,13 @@ fn lazy_legacy_pool_block_reused_on_legacy_then_used_on_another_ptds() {
     assert_all_back(&a, &sim, 0);
 }
 
-/// FINDING (legacy arenas, a79fbf2). The same hole on the arena path, with no pool and no other
-/// thread's free: thread A allocates a small block on the legacy stream (its legacy arena),
-/// uses it on its per-thread stream, frees it on the legacy stream (the fast path: no event)
-/// and allocates it again on the legacy stream at once (the block cache). It hands the block to
-/// thread B, which uses it on B's per-thread stream: not ordered after A's still running work.
+/// FINDING (legacy arenas, a79fbf2), fixed: the same hole on the arena path, with no pool and
+/// no other thread's free: thread A allocates a small block on the legacy stream (its legacy
+/// arena), uses it on its per-thread stream, frees it on the legacy stream and allocates it
+/// again on the legacy stream. It hands the block to thread B, which uses it on B's per-thread
+/// stream: that must be ordered after A's still running work. (Legacy frees were on the fast
+/// path, with no legacy-stream operation queued; now they go out in batches under a legacy
+/// event.)
 #[test]
 fn legacy_arena_local_free_then_use_on_another_ptds() {
     let sim = host(0);
@@ -191,8 +193,11 @@ fn legacy_arena_local_free_then_use_on_another_ptds() {
     let p = a.allocate(size, Stream::LEGACY).unwrap();
     sim.hold_and_check(p.0, size, 0xa, HOLD, Stream::PER_THREAD).unwrap();
     a.deallocate(p, size, Stream::LEGACY).unwrap();
+    // A free on the legacy stream goes the batched way, with a legacy-stream event per batch
+    // (the fix): once sent, the block comes back at once, ordered by that event.
+    a.flush().unwrap();
     let q = a.allocate(size, Stream::LEGACY).unwrap();
-    assert_eq!(q, p, "the block cache hands the block out again");
+    assert_eq!(q, p, "the freed block is handed out again");
     let s2 = sim.clone();
     std::thread::spawn(move || s2.write_tag(q.0, size, 0xb, Stream::PER_THREAD).unwrap()).join().unwrap();
     a.deallocate(q, size, Stream::LEGACY).unwrap();
