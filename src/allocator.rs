@@ -334,9 +334,8 @@ impl Slot {
         let home = HOMES[i];
         let key = if i == 0 { ptds } else { Self::legacy_key(&mut self.legacy, &env)? };
         // Frees of pool blocks waiting here keep their ranges from coalescing (a superblock
-        // range with one such block cannot be lent), and the legacy arena's own frees wait
-        // here too: send them before the arena may grow.
-        if (self.outbox.holds_pool_frees() || (i == 1 && !self.outbox.is_empty()))
+        // range with one such block cannot be lent): send them before the arena may grow.
+        if self.outbox.holds_pool_frees()
             && let Err(e) = self.outbox.flush(&env, ptds)
         {
             env.defer(e);
@@ -379,12 +378,12 @@ impl Slot {
         self.arenas.each_ref().map(|a| a.as_ref().map_or(std::ptr::null(), |a| Arc::as_ptr(&a.shell)))
     }
 
-    /// The legacy stream's identity, asked of the device once per thread.
+    /// The legacy stream's identity (asked of the device once per allocator).
     fn legacy_key(legacy: &mut Option<StreamKey>, env: &Env<'_>) -> Result<StreamKey> {
         if let Some(k) = *legacy {
             return Ok(k);
         }
-        let k = env.dev.stream_key(Stream::LEGACY)?;
+        let k = env.pool.legacy_key(&env.dev)?;
         *legacy = Some(k);
         Ok(k)
     }

@@ -119,14 +119,20 @@ impl GlobalPool {
         }
     }
 
-    /// What a lazy legacy fence needs to be recorded (see `FenceSet`).
-    fn legacy(&self, dev: &Counted<'_>) -> Result<Legacy<'_>> {
+    /// The legacy stream's identity, asked of the device once per allocator (it is one stream
+    /// for every thread, and its identity never changes).
+    pub(crate) fn legacy_key(&self, dev: &Counted<'_>) -> Result<StreamKey> {
         let mut k = self.legacy_key.load(Ordering::Relaxed);
         if k == 0 {
             k = dev.stream_key(Stream::LEGACY)?.0;
             self.legacy_key.store(k, Ordering::Relaxed);
         }
-        Ok(Legacy { events: &self.events, key: StreamKey(k) })
+        Ok(StreamKey(k))
+    }
+
+    /// What a lazy legacy fence needs to be recorded (see `FenceSet`).
+    fn legacy(&self, dev: &Counted<'_>) -> Result<Legacy<'_>> {
+        Ok(Legacy { events: &self.events, key: self.legacy_key(dev)? })
     }
 
     /// The cap on reserved bytes.

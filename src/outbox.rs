@@ -104,7 +104,13 @@ impl Outbox {
             }
             return Ok(Some((stream, None)));
         }
-        let key = if stream.is_per_thread() { Ok(ptds) } else { env.dev.stream_key(stream) };
+        let key = if stream.is_per_thread() {
+            Ok(ptds)
+        } else if stream.is_legacy() {
+            env.pool.legacy_key(&env.dev)
+        } else {
+            env.dev.stream_key(stream)
+        };
         let fence = key.and_then(|k| env.fence(stream, k))?;
         for (dest, blocks) in dests {
             if dest.is_null() {
