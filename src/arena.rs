@@ -518,27 +518,20 @@ impl Arena {
 
     /// Completes pending batches whose fences have completed; returns true if any did.
     fn poll(&mut self, env: &Env<'_>) -> bool {
-        let (mut i, mut polls, mut any) = (0, 0, false);
-        while i < self.pending.len() && polls < MAX_POLLS {
-            let done = match &self.pending[i].fence {
-                None => true,
-                // Freed on this arena's own stream (another thread's free on the legacy
-                // stream): work on one stream is ordered, so the blocks are free for it now.
-                Some(f) if f.stream() == self.key => true,
-                Some(f) => {
-                    polls += usize::from(!f.known_done());
-                    f.poll(&env.dev).unwrap_or(false)
-                }
-            };
-            if done {
-                let b = self.pending.remove(i).expect("index in range");
-                self.complete(env, b);
-                any = true;
-            } else {
-                i += 1;
+        let (key, dev) = (self.key, env.dev);
+        let mut polls = 0;
+        self.complete_where(env, |b| match &b.fence {
+            None => true,
+            // Freed on this arena's own stream (another thread's free on the legacy stream):
+            // work on one stream is ordered, so the blocks are free for it now.
+            Some(f) if f.stream() == key => true,
+            // At most MAX_POLLS queries per call (each is a driver call).
+            Some(_) if polls >= MAX_POLLS => false,
+            Some(f) => {
+                polls += usize::from(!f.known_done());
+                f.poll(&dev).unwrap_or(false)
             }
-        }
-        any
+        })
     }
 
     /// Slow path: drains remote frees, then finds room in this order, asking the device for
@@ -583,10 +576,14 @@ impl Arena {
     /// call. True if any did.
     fn complete_ready(&mut self, env: &Env<'_>) -> bool {
         let key = self.key;
-        let ready = |b: &Batch| b.fence.as_ref().is_none_or(|f| f.stream() == key || f.known_done());
+        self.complete_where(env, |b| b.fence.as_ref().is_none_or(|f| f.stream() == key || f.known_done()))
+    }
+
+    /// Completes, in order, every pending batch for which `done` holds; true if any did.
+    fn complete_where(&mut self, env: &Env<'_>, mut done: impl FnMut(&Batch) -> bool) -> bool {
         let (mut i, mut any) = (0, false);
         while i < self.pending.len() {
-            if ready(&self.pending[i]) {
+            if done(&self.pending[i]) {
                 let b = self.pending.remove(i).expect("index in range");
                 self.complete(env, b);
                 any = true;

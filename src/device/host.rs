@@ -326,21 +326,7 @@ impl HostDevice {
                 .push(format!("stream {idx}: access to [{ptr:#x}, {end:#x}) outside reserved memory"));
             return Ok(());
         }
-        st.sync_implicitly(sh, idx);
-        let seq = st.streams[idx].bump();
-        let clock = &st.streams[idx].clock;
-        let races: Vec<String> = st
-            .inflight
-            .iter()
-            .filter(|x| x.stream != idx && x.start < end && ptr < x.end && clock[x.stream] < x.seq)
-            .map(|x| {
-                format!(
-                    "race: stream {idx} op {seq} on [{ptr:#x}, {end:#x}) overlaps unfinished op {} of stream {} on [{:#x}, {:#x})",
-                    x.seq, x.stream, x.start, x.end
-                )
-            })
-            .collect();
-        st.violations.extend(races);
+        let seq = st.submit_checked(sh, idx, ptr, end, "op");
         st.inflight.push(Inflight { stream: idx, seq, start: ptr, end });
         let delay = st.streams[idx].delay(&sh.cfg);
         st.enqueue(sh, idx, Op { seq, delay, kind: OpKind::Mem { start: ptr, end, action } });
@@ -401,6 +387,28 @@ impl State {
             per_thread: false,
         });
         idx
+    }
+
+    /// Takes the sequence number of a new op on stream `idx` touching `[ptr, end)`, after
+    /// implicit synchronisation, and records a violation for every unfinished op of another
+    /// stream on overlapping bytes that is not ordered before it (the race checker's rule).
+    fn submit_checked(&mut self, sh: &Arc<Shared>, idx: usize, ptr: u64, end: u64, what: &str) -> u64 {
+        self.sync_implicitly(sh, idx);
+        let seq = self.streams[idx].bump();
+        let clock = &self.streams[idx].clock;
+        let races: Vec<String> = self
+            .inflight
+            .iter()
+            .filter(|x| x.stream != idx && x.start < end && ptr < x.end && clock[x.stream] < x.seq)
+            .map(|x| {
+                format!(
+                    "race: stream {idx} {what} {seq} on [{ptr:#x}, {end:#x}) overlaps unfinished op {} of stream {} on [{:#x}, {:#x})",
+                    x.seq, x.stream, x.start, x.end
+                )
+            })
+            .collect();
+        self.violations.extend(races);
+        seq
     }
 
     /// Orders the next op on stream `idx` after the work CUDA's implicit synchronisation puts
@@ -642,21 +650,7 @@ impl Device for HostDevice {
             _ => return Err(Error::Driver { call: "free_async", code: 1 }),
         }
         let end = ptr + bytes as u64;
-        st.sync_implicitly(sh, idx);
-        let seq = st.streams[idx].bump();
-        let clock = &st.streams[idx].clock;
-        let races: Vec<String> = st
-            .inflight
-            .iter()
-            .filter(|x| x.stream != idx && x.start < end && ptr < x.end && clock[x.stream] < x.seq)
-            .map(|x| {
-                format!(
-                    "race: free_async on stream {idx} (op {seq}) of [{ptr:#x}, {end:#x}) while unordered op {} of stream {} on [{:#x}, {:#x}) is unfinished",
-                    x.seq, x.stream, x.start, x.end
-                )
-            })
-            .collect();
-        st.violations.extend(races);
+        let seq = st.submit_checked(sh, idx, ptr, end, "free_async");
         st.regions.get_mut(&ptr).expect("checked above").freeing = true;
         st.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::Free { start: ptr, end } });
         Ok(())
