@@ -6,93 +6,18 @@
 
 #![allow(clippy::manual_is_multiple_of, clippy::type_complexity)]
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use cuarena::{Allocator, Config, DevicePtr, Error, HostConfig, HostDevice, Stream};
+use cuarena::{Allocator, DevicePtr, Error, HostDevice, Stream};
 
-fn host(max_delay_us: u64) -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity: 1 << 30,
-        min_delay: Duration::ZERO,
-        max_delay: Duration::from_micros(max_delay_us),
-        ..HostConfig::default()
-    })
-}
-
-fn small() -> cuarena::ConfigBuilder {
-    Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20)
-}
+mod common;
+use common::*;
 
 fn is_invalid(r: &cuarena::Result<()>) -> bool {
     matches!(r, Err(Error::InvalidFree { .. }))
-}
-
-fn rng(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
-/// Live blocks of every thread: a second hand-out of a live byte is an overlap.
-#[derive(Default)]
-struct Live {
-    map: Mutex<BTreeMap<u64, u64>>,
-    errors: Mutex<Vec<String>>,
-}
-
-impl Live {
-    fn insert(&self, p: DevicePtr, len: usize) {
-        let (s, e) = (p.0, p.0 + len as u64);
-        let mut m = self.map.lock().unwrap();
-        let below = m.range(..e).next_back().map(|(&a, &b)| (a, b));
-        if let Some((a, b)) = below
-            && b > s
-        {
-            self.errors.lock().unwrap().push(format!("[{s:#x},{e:#x}) overlaps live [{a:#x},{b:#x})"));
-        }
-        m.insert(s, e);
-    }
-    fn remove(&self, p: DevicePtr) {
-        self.map.lock().unwrap().remove(&p.0);
-    }
-    fn assert_clean(&self) {
-        let e = self.errors.lock().unwrap();
-        assert!(e.is_empty(), "{} overlaps, first: {:?}", e.len(), &e[..e.len().min(5)]);
-    }
-}
-
-/// Frees nothing; checks that everything is back once every thread has released its arena.
-fn assert_all_back(a: &Allocator, sim: &HostDevice, bad_frees: u64) {
-    a.release_thread().unwrap();
-    sim.synchronize();
-    assert!(sim.violations().is_empty(), "{:?}", &sim.violations()[..sim.violations().len().min(5)]);
-    assert_eq!(sim.tag_errors(), 0, "tag errors: a block was reused under running work");
-    a.check_invariants();
-    let s = a.stats();
-    assert_eq!(s.live_bytes, 0, "{s:?}");
-    assert_eq!(s.invalid_frees, bad_frees, "{s:?}");
-    assert_eq!(s.allocations, s.deallocations, "{s:?}");
-    a.trim(true).unwrap();
-    let s = a.stats();
-    assert_eq!(a.pool_in_use(), 0, "still handed out: {:?}", a.pool_used_ranges());
-    assert_eq!((s.arena_held_bytes, s.reserved_bytes, s.arenas), (0, 0, 0), "{s:?}");
-}
-
-/// Runs `f` on a fresh thread that releases its arena at the end.
-fn on_thread<R: Send + 'static>(a: &Allocator, f: impl FnOnce(&Allocator) -> R + Send + 'static) -> R {
-    let a = a.clone();
-    std::thread::spawn(move || {
-        let r = f(&a);
-        a.release_thread().unwrap();
-        r
-    })
-    .join()
-    .unwrap()
 }
 
 /// A thread that owns an arena and stays alive (idle) until told to exit, running commands.

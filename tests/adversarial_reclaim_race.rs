@@ -5,73 +5,14 @@
 
 #![allow(clippy::manual_is_multiple_of, clippy::type_complexity)]
 
-use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cuarena::{Allocator, Config, DevicePtr, Error, HostConfig, HostDevice, Stream};
+use cuarena::{Allocator, Error, Stream};
 
-fn host(max_delay_us: u64) -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity: 1 << 30,
-        min_delay: Duration::ZERO,
-        max_delay: Duration::from_micros(max_delay_us),
-        ..HostConfig::default()
-    })
-}
-
-fn small() -> cuarena::ConfigBuilder {
-    Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20)
-}
-
-fn rng(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
-#[derive(Default)]
-struct Live {
-    map: Mutex<BTreeMap<u64, u64>>,
-    errors: Mutex<Vec<String>>,
-}
-
-impl Live {
-    fn insert(&self, p: DevicePtr, len: usize) {
-        let (s, e) = (p.0, p.0 + len as u64);
-        let mut m = self.map.lock().unwrap();
-        let below = m.range(..e).next_back().map(|(&a, &b)| (a, b));
-        if let Some((a, b)) = below
-            && b > s
-        {
-            self.errors.lock().unwrap().push(format!("[{s:#x},{e:#x}) overlaps live [{a:#x},{b:#x})"));
-        }
-        m.insert(s, e);
-    }
-    fn remove(&self, p: DevicePtr) {
-        self.map.lock().unwrap().remove(&p.0);
-    }
-    fn assert_clean(&self) {
-        let e = self.errors.lock().unwrap();
-        assert!(e.is_empty(), "{} overlaps, first: {:?}", e.len(), &e[..e.len().min(5)]);
-    }
-}
-
-fn assert_all_back(a: &Allocator, sim: &HostDevice) {
-    a.release_thread().unwrap();
-    sim.synchronize();
-    assert!(sim.violations().is_empty(), "{:?}", &sim.violations()[..sim.violations().len().min(5)]);
-    assert_eq!(sim.tag_errors(), 0);
-    a.check_invariants();
-    let s = a.stats();
-    assert_eq!((s.live_bytes, s.invalid_frees), (0, 0), "{s:?}");
-    a.trim(true).unwrap();
-    let s = a.stats();
-    assert_eq!(a.pool_in_use(), 0, "still handed out: {:?}", a.pool_used_ranges());
-    assert_eq!((s.arena_held_bytes, s.reserved_bytes, s.arenas), (0, 0, 0), "{s:?}");
-}
+mod common;
+use common::*;
 
 /// Targets the window in `Slot::free` between reading a superblock's owner (outside the
 /// owner's claim) and entering the claim for the local free: a reclaimer that dissolves the
@@ -140,5 +81,5 @@ fn race_owner_fast_free_against_dissolving_reclaim() {
         s.superblocks_dissolved, s.superblocks_returned, s.superblocks_taken
     );
     assert!(a.take_deferred_error().is_none(), "{:?}", a.take_deferred_error());
-    assert_all_back(&a, &sim);
+    assert_all_back(&a, &sim, 0);
 }

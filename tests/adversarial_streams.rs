@@ -18,65 +18,15 @@ use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cuarena::{Allocator, Config, Device, DevicePtr, Error, HostConfig, HostDevice, InvalidFree, Stream};
+use cuarena::{Allocator, Device, DevicePtr, Error, HostDevice, InvalidFree, Stream};
+
+mod common;
+use common::*;
 
 const HOLD: Duration = Duration::from_millis(150);
 
-fn host(max_delay_us: u64) -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity: 1 << 30,
-        min_delay: Duration::ZERO,
-        max_delay: Duration::from_micros(max_delay_us),
-        ..HostConfig::default()
-    })
-}
-
-fn small() -> cuarena::ConfigBuilder {
-    Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20)
-}
-
 fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
     Allocator::host(sim.clone(), cfg.build().unwrap()).unwrap()
-}
-
-fn rng(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
-/// Checks the device's findings, the statistics and that everything comes back. The calling
-/// thread is released; other threads must have released theirs.
-fn assert_all_back(a: &Allocator, sim: &HostDevice, bad_frees: u64) {
-    a.release_thread().unwrap();
-    sim.synchronize();
-    let v = sim.violations();
-    assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
-    assert_eq!(sim.tag_errors(), 0, "tag errors: a block was reused under running work");
-    a.check_invariants();
-    let s = a.stats();
-    assert_eq!(s.live_bytes, 0, "{s:?}");
-    assert_eq!(s.invalid_frees, bad_frees, "{s:?}");
-    assert_eq!(s.allocations, s.deallocations, "{s:?}");
-    a.trim(true).unwrap();
-    let s = a.stats();
-    assert_eq!(a.pool_in_use(), 0, "still handed out: {:?}", a.pool_used_ranges());
-    assert_eq!((s.arena_held_bytes, s.reserved_bytes, s.pool_in_use_bytes, s.arenas), (0, 0, 0, 0), "{s:?}");
-    assert_eq!(sim.reserved_bytes(), 0, "the device still holds memory");
-    assert!(a.take_deferred_error().is_none() || bad_frees > 0);
-}
-
-/// Runs `f` on a fresh thread that releases its arenas at the end.
-fn on_thread<R: Send + 'static>(a: &Allocator, f: impl FnOnce(&Allocator) -> R + Send + 'static) -> R {
-    let a = a.clone();
-    std::thread::spawn(move || {
-        let r = f(&a);
-        a.release_thread().unwrap();
-        r
-    })
-    .join()
-    .unwrap()
 }
 
 /// A thread that stays alive (idle between commands) until dropped.
