@@ -63,6 +63,17 @@ pub struct Allocator {
     inner: Arc<Inner>,
 }
 
+impl std::fmt::Debug for Allocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Allocator")
+            .field("device", &self.inner.device.kind().name())
+            .field("ordinal", &self.inner.device.ordinal())
+            .field("config", &self.inner.cfg)
+            .field("pool_in_use_bytes", &self.inner.pool.in_use())
+            .finish_non_exhaustive()
+    }
+}
+
 pub(crate) struct Inner {
     id: u64,
     device: Arc<dyn Device>,

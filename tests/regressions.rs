@@ -291,3 +291,11 @@ fn a_block_freed_on_the_legacy_stream_is_fenced_when_reused_elsewhere() {
     a.trim(true).unwrap();
     assert_eq!((a.stats().live_bytes, a.stats().reserved_bytes), (0, 0));
 }
+
+/// `Allocator` is `Debug` (issue 10): it names its device and configuration.
+#[test]
+fn an_allocator_prints_its_device_and_configuration() {
+    let a = Allocator::host(host(0), Config::default()).unwrap();
+    let s = format!("{a:?}");
+    assert!(s.starts_with("Allocator") && s.contains("\"host\"") && s.contains("small_max"), "{s}");
+}
