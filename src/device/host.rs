@@ -389,6 +389,23 @@ impl State {
         idx
     }
 
+    /// Reserves `bytes` of host memory aligned to `align` as a device region, or `None` if
+    /// that would exceed `capacity` (the device is full) or the host refuses.
+    fn reserve(&mut self, bytes: usize, align: usize, capacity: usize) -> Option<u64> {
+        if bytes == 0 || self.reserved.saturating_add(bytes) > capacity {
+            return None;
+        }
+        let layout = std::alloc::Layout::from_size_align(bytes, align).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc(layout) };
+        if p.is_null() {
+            return None;
+        }
+        self.reserved += bytes;
+        self.regions.insert(p as u64, Region { len: bytes, layout, freeing: false });
+        Some(p as u64)
+    }
+
     /// Takes the sequence number of a new op on stream `idx` touching `[ptr, end)`, after
     /// implicit synchronisation, and records a violation for every unfinished op of another
     /// stream on overlapping bytes that is not ordered before it (the race checker's rule).
@@ -605,40 +622,14 @@ impl Device for HostDevice {
     fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
         let sh = self.sh();
         let mut st = sh.lock();
-        if bytes == 0 || st.reserved.saturating_add(bytes) > sh.cfg.capacity {
-            return Ok(None);
-        }
-        let Ok(layout) = std::alloc::Layout::from_size_align(bytes, sh.cfg.alignment) else {
-            return Ok(None);
-        };
-        // SAFETY: the layout has a non-zero size.
-        let p = unsafe { std::alloc::alloc(layout) };
-        if p.is_null() {
-            return Ok(None);
-        }
-        st.reserved += bytes;
-        st.regions.insert(p as u64, Region { len: bytes, layout, freeing: false });
-        Ok(Some(p as u64))
+        Ok(st.reserve(bytes, sh.cfg.alignment, sh.cfg.capacity))
     }
 
     fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<Option<u64>> {
         let sh = self.sh();
         let mut st = sh.lock();
         st.resolve(stream)?;
-        if bytes == 0 || st.reserved.saturating_add(bytes) > sh.cfg.capacity {
-            return Ok(None);
-        }
-        let Ok(layout) = std::alloc::Layout::from_size_align(bytes, ASYNC_ALIGNMENT) else {
-            return Ok(None);
-        };
-        // SAFETY: the layout has a non-zero size.
-        let p = unsafe { std::alloc::alloc(layout) };
-        if p.is_null() {
-            return Ok(None);
-        }
-        st.reserved += bytes;
-        st.regions.insert(p as u64, Region { len: bytes, layout, freeing: false });
-        Ok(Some(p as u64))
+        Ok(st.reserve(bytes, ASYNC_ALIGNMENT, sh.cfg.capacity))
     }
 
     unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> Result<()> {
