@@ -68,7 +68,7 @@ typedef struct cuarena_stats {
     uint64_t allocations;
     uint64_t deallocations;
     uint64_t cross_thread_frees;    /* small blocks freed by a thread other than their owner */
-    uint64_t cross_stream_frees;    /* own small blocks freed on another stream */
+    uint64_t cross_stream_frees;    /* own small blocks freed the batched way: on another stream, or on the legacy stream */
     uint64_t fences_recorded;       /* CUDA events recorded as fences */
     uint64_t fence_waits;           /* cuStreamWaitEvent calls */
     uint64_t fence_polls;           /* cuEventQuery calls */

@@ -115,7 +115,8 @@ pub struct Stats {
     pub deallocations: u64,
     /// Frees of small blocks owned by another thread's arena.
     pub cross_thread_frees: u64,
-    /// Frees of a thread's own small blocks on a stream other than the arena's stream.
+    /// Frees of a thread's own small blocks that went the batched, fenced way: on a stream other
+    /// than the arena's, or on the legacy stream (see `arena_index` in `allocator.rs`).
     pub cross_stream_frees: u64,
     /// CUDA events recorded as fences.
     pub fences_recorded: u64,
