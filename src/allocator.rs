@@ -198,6 +198,12 @@ impl OwnedArena {
 /// lower bound; `stats()` samples too).
 const PEAK_SAMPLE_EVERY: u32 = 64;
 
+// Why `std::thread_local!` (through `sync.rs`) plus the allocator's own registry of shells, and
+// not the `thread_local` crate the design names: its `ThreadLocal<T>` keeps each thread's value
+// until the `ThreadLocal` itself is dropped, and hands it to the next thread that gets the same
+// thread id. An arena must instead be given back when its thread exits (its superblocks to the
+// pool, its inbox closed), which only a `std` thread-local's destructor does; and loom models
+// `std`'s form, not the crate's.
 thread_local! {
     // Not `const { .. }`: loom's `thread_local!` has no such form.
     #[allow(clippy::missing_const_for_thread_local)]
