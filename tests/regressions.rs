@@ -299,3 +299,75 @@ fn an_allocator_prints_its_device_and_configuration() {
     let s = format!("{a:?}");
     assert!(s.starts_with("Allocator") && s.contains("\"host\"") && s.contains("small_max"), "{s}");
 }
+
+/// The reliability suite's OOM row: several owners fill the cap, other threads free everything,
+/// some owners stay idle (blocked) and some exit. The next allocations, large and small,
+/// succeed without a host synchronisation, and all memory comes back.
+#[test]
+fn oom_recovers_with_several_idle_owners_and_remote_frees() {
+    let sim = host(20);
+    let cfg = Config::builder().max_bytes(16 << 20).batch_blocks(8).build().unwrap();
+    let a = Allocator::host(sim.clone(), cfg).unwrap();
+    let (blocks_tx, blocks_rx) = mpsc::channel::<Vec<DevicePtr>>();
+    let mut gates = Vec::new();
+    let mut owners = Vec::new();
+    for t in 0..4 {
+        let (go, wait) = mpsc::channel::<()>();
+        gates.push(go);
+        let (ao, tx) = (a.clone(), blocks_tx.clone());
+        owners.push(std::thread::spawn(move || {
+            let mut v = Vec::new();
+            while let Ok(p) = ao.allocate_per_thread(16 << 10) {
+                v.push(p);
+                if v.len() >= 300 {
+                    break;
+                }
+            }
+            tx.send(v).unwrap();
+            if t % 2 == 0 {
+                wait.recv().unwrap(); // idle, alive
+            }
+            ao.release_thread().unwrap();
+        }));
+    }
+    drop(blocks_tx);
+    let all: Vec<DevicePtr> = (0..4).flat_map(|_| blocks_rx.recv().unwrap()).collect();
+    assert!(all.len() * (16 << 10) >= 12 << 20, "the cap was filled: {} blocks", all.len());
+    assert!(
+        matches!(a.allocate(8 << 20, Stream::LEGACY), Err(Error::OutOfMemory { .. })),
+        "out of memory before the frees"
+    );
+    let halves: Vec<Vec<DevicePtr>> = all.chunks(all.len() / 2 + 1).map(|c| c.to_vec()).collect();
+    let freers: Vec<_> = halves
+        .into_iter()
+        .map(|h| {
+            let af = a.clone();
+            std::thread::spawn(move || {
+                for p in h {
+                    af.deallocate_per_thread(p, 16 << 10).unwrap();
+                }
+                af.flush().unwrap();
+                af.release_thread().unwrap();
+            })
+        })
+        .collect();
+    freers.into_iter().for_each(|h| h.join().unwrap());
+    assert_eq!(a.stats().live_bytes, 0);
+    // Two owners are still alive and idle, holding their arenas.
+    let big = a.allocate(8 << 20, Stream::LEGACY).expect("a large allocation after reclaim");
+    let small = a.allocate_per_thread(16 << 10).expect("a small allocation after reclaim");
+    assert_eq!(a.stats().host_syncs, 0, "the reclaim blocked the host");
+    a.deallocate(big, 8 << 20, Stream::LEGACY).unwrap();
+    a.deallocate_per_thread(small, 16 << 10).unwrap();
+    for g in gates {
+        let _ = g.send(());
+    }
+    owners.into_iter().for_each(|h| h.join().unwrap());
+    a.release_thread().unwrap();
+    sim.synchronize();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    a.check_invariants();
+    a.trim(true).unwrap();
+    let s = a.stats();
+    assert_eq!((s.live_bytes, s.reserved_bytes, s.arena_held_bytes, a.pool_in_use()), (0, 0, 0, 0), "{s:?}");
+}
