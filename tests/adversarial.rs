@@ -20,39 +20,6 @@ fn is_invalid(r: &cuarena::Result<()>) -> bool {
     matches!(r, Err(Error::InvalidFree { .. }))
 }
 
-/// A thread that owns an arena and stays alive (idle) until told to exit, running commands.
-struct Owner {
-    tx: mpsc::Sender<Box<dyn FnOnce(&Allocator) + Send>>,
-    h: std::thread::JoinHandle<()>,
-}
-
-impl Owner {
-    fn new(a: &Allocator) -> Owner {
-        let (tx, rx) = mpsc::channel::<Box<dyn FnOnce(&Allocator) + Send>>();
-        let a = a.clone();
-        let h = std::thread::spawn(move || {
-            while let Ok(f) = rx.recv() {
-                f(&a);
-            }
-            a.release_thread().unwrap();
-        });
-        Owner { tx, h }
-    }
-    fn run<R: Send + 'static>(&self, f: impl FnOnce(&Allocator) -> R + Send + 'static) -> R {
-        let (rtx, rrx) = mpsc::channel();
-        self.tx
-            .send(Box::new(move |a| {
-                rtx.send(f(a)).unwrap();
-            }))
-            .unwrap();
-        rrx.recv().unwrap()
-    }
-    fn exit(self) {
-        drop(self.tx);
-        self.h.join().unwrap();
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Double frees, deterministic
 // ---------------------------------------------------------------------------------------------
@@ -65,7 +32,7 @@ fn double_free_matrix() {
     let a = Allocator::host(sim.clone(), small().batch_blocks(64).build().unwrap()).unwrap();
     let user = sim.create_stream();
     let mut bad = 0u64;
-    let o = Owner::new(&a);
+    let o = Worker::new(&a);
     for size in [256usize, 4096, 48 << 10, 64 << 10] {
         // 1. Owner, per-thread, twice (cached class and merged class).
         let r = o.run(move |a| {
@@ -102,7 +69,7 @@ fn double_free_matrix() {
         bad += 1;
         // 4. Remote free parked in an outbox, reclaim by trim from a third thread, again.
         let p = o.run(move |a| a.allocate_per_thread(size).unwrap());
-        let remote = Owner::new(&a);
+        let remote = Worker::new(&a);
         remote.run(move |a| a.deallocate_per_thread(p, size).unwrap());
         on_thread(&a, |a| a.trim(false).map(|_| ())).unwrap();
         let r = remote.run(move |a| a.deallocate_per_thread(p, size));
@@ -116,10 +83,10 @@ fn double_free_matrix() {
         remote.exit();
     }
     // 5. Remote free parked, owner exits (dissolving), remote again; then after exit.
-    let o2 = Owner::new(&a);
+    let o2 = Worker::new(&a);
     let p = o2.run(|a| a.allocate_per_thread(4096).unwrap());
     let q = o2.run(|a| a.allocate_per_thread(4096).unwrap());
-    let remote = Owner::new(&a);
+    let remote = Worker::new(&a);
     remote.run(move |a| a.deallocate_per_thread(p, 4096).unwrap());
     o2.exit();
     let r = remote.run(move |a| a.deallocate(p, 4096, Stream::LEGACY));
@@ -144,7 +111,7 @@ fn double_free_matrix() {
 fn interior_pointers_and_wrong_sizes_are_refused_and_change_nothing() {
     let sim = host(20);
     let a = Allocator::host(sim.clone(), small().batch_blocks(2).build().unwrap()).unwrap();
-    let o = Owner::new(&a);
+    let o = Worker::new(&a);
     let mut bad = 0;
     let p = o.run(|a| a.allocate_per_thread(8192).unwrap());
     // Local interior pointer, unaligned pointer, wrong sizes.
@@ -183,9 +150,9 @@ fn interior_pointers_and_wrong_sizes_are_refused_and_change_nothing() {
 fn a_wrong_size_remote_free_does_not_block_the_correct_free() {
     let sim = host(20);
     let a = Allocator::host(sim.clone(), small().batch_blocks(64).build().unwrap()).unwrap();
-    let o = Owner::new(&a);
+    let o = Worker::new(&a);
     let p = o.run(|a| a.allocate_per_thread(4096).unwrap());
-    let remote = Owner::new(&a);
+    let remote = Worker::new(&a);
     // 8192 is a different class: invalid, but only the owner can tell (later).
     let r = remote.run(move |a| a.deallocate_per_thread(p, 8192));
     let mut bad = 1;
@@ -216,10 +183,10 @@ fn a_wrong_size_remote_free_does_not_block_the_correct_free() {
 fn a_wrong_size_remote_free_does_not_block_a_correct_remote_free() {
     let sim = host(20);
     let a = Allocator::host(sim.clone(), small().batch_blocks(64).build().unwrap()).unwrap();
-    let o = Owner::new(&a);
+    let o = Worker::new(&a);
     let p = o.run(|a| a.allocate_per_thread(4096).unwrap());
-    let r1 = Owner::new(&a);
-    let r2 = Owner::new(&a);
+    let r1 = Worker::new(&a);
+    let r2 = Worker::new(&a);
     r1.run(move |a| a.deallocate_per_thread(p, 256)).unwrap();
     let legit = r2.run(move |a| a.deallocate_per_thread(p, 4096));
     let legit_ok = legit.is_ok();
@@ -244,7 +211,7 @@ fn handed_blocks_freed_on_every_stream_with_reclaim_and_exit() {
     let sim = host(200);
     let a = Allocator::host(sim.clone(), small().batch_blocks(16).build().unwrap()).unwrap();
     for round in 0..6u32 {
-        let o = Owner::new(&a);
+        let o = Worker::new(&a);
         let blocks: Vec<(DevicePtr, usize)> = o.run(move |a| {
             (0..200)
                 .map(|i| {
@@ -627,7 +594,7 @@ fn legacy_frees_of_arena_blocks_then_reclaim_then_user_stream_reuse() {
     let cfg = small().max_bytes(4 << 20).batch_blocks(4).build().unwrap();
     let a = Allocator::host(sim.clone(), cfg).unwrap();
     for round in 0..3u32 {
-        let owners: Vec<Owner> = (0..3).map(|_| Owner::new(&a)).collect();
+        let owners: Vec<Worker> = (0..3).map(|_| Worker::new(&a)).collect();
         let mut all = Vec::new();
         for o in &owners {
             all.extend(

@@ -29,42 +29,6 @@ fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
     Allocator::host(sim.clone(), cfg.build().unwrap()).unwrap()
 }
 
-/// A thread that stays alive (idle between commands) until dropped.
-struct Worker {
-    tx: Option<mpsc::Sender<Box<dyn FnOnce(&Allocator) + Send>>>,
-    h: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Worker {
-    fn new(a: &Allocator) -> Worker {
-        let (tx, rx) = mpsc::channel::<Box<dyn FnOnce(&Allocator) + Send>>();
-        let a = a.clone();
-        let h = std::thread::spawn(move || {
-            while let Ok(f) = rx.recv() {
-                f(&a);
-            }
-            a.release_thread().unwrap();
-        });
-        Worker { tx: Some(tx), h: Some(h) }
-    }
-    fn run<R: Send + 'static>(&self, f: impl FnOnce(&Allocator) -> R + Send + 'static) -> R {
-        let (rtx, rrx) = mpsc::channel();
-        let job: Box<dyn FnOnce(&Allocator) + Send> = Box::new(move |a| rtx.send(f(a)).unwrap());
-        self.tx.as_ref().unwrap().send(job).unwrap();
-        rrx.recv().expect("the worker panicked")
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        drop(self.tx.take());
-        let r = self.h.take().unwrap().join();
-        if !std::thread::panicking() {
-            r.expect("the worker panicked");
-        }
-    }
-}
-
 /// The reference for the two findings below, on the simulated device alone. A block used on
 /// thread A's per-thread stream and then used on thread B's per-thread stream is ordered if an
 /// operation was queued on the legacy stream in between (what `cudaFreeAsync` on the legacy

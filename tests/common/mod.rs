@@ -4,7 +4,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, mpsc};
 use std::time::Duration;
 
 use cuarena::{Allocator, Config, DevicePtr, HostConfig, HostDevice};
@@ -88,4 +88,47 @@ pub fn on_thread<R: Send + 'static>(a: &Allocator, f: impl FnOnce(&Allocator) ->
     })
     .join()
     .unwrap()
+}
+
+/// A thread that stays alive (idle between commands) until dropped.
+pub struct Worker {
+    tx: Option<mpsc::Sender<Box<dyn FnOnce(&Allocator) + Send>>>,
+    h: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Worker {
+    pub fn new(a: &Allocator) -> Worker {
+        let (tx, rx) = mpsc::channel::<Box<dyn FnOnce(&Allocator) + Send>>();
+        let a = a.clone();
+        let h = std::thread::spawn(move || {
+            while let Ok(f) = rx.recv() {
+                f(&a);
+            }
+            a.release_thread().unwrap();
+        });
+        Worker { tx: Some(tx), h: Some(h) }
+    }
+    pub fn run<R: Send + 'static>(&self, f: impl FnOnce(&Allocator) -> R + Send + 'static) -> R {
+        let (rtx, rrx) = mpsc::channel();
+        let job: Box<dyn FnOnce(&Allocator) + Send> = Box::new(move |a| rtx.send(f(a)).unwrap());
+        self.tx.as_ref().unwrap().send(job).unwrap();
+        rrx.recv().expect("the worker panicked")
+    }
+}
+
+impl Worker {
+    /// Ends the thread (it releases its arena) and waits for it.
+    pub fn exit(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        let r = self.h.take().unwrap().join();
+        if !std::thread::panicking() {
+            r.expect("the worker panicked");
+        }
+    }
 }
