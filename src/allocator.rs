@@ -6,15 +6,27 @@
 //!   arena; on the legacy stream (NULL or `0x1`): the calling thread's legacy arena (see
 //!   [`arena_index`]). Neither asks the driver anything on the fast path: the per-thread
 //!   stream's and the legacy stream's identities are asked once per thread.
-//! - anything else (large, or small on a user stream): the global pool.
+//! - `size <= small_max` on a user stream: the calling thread's arena for that stream, found
+//!   by the stream's identity (one `cuStreamGetId` per call, never the handle; see
+//!   [`Arenas`]), made on first use; a thread keeps [`MAX_USER_ARENAS`] of them.
+//! - anything else (large): the global pool.
 //! - A free of a small block goes to its superblock's owner: the owner's fast path if the
-//!   caller is the owner and frees on that arena's stream; otherwise, with the block's freed
+//!   caller is the owner and frees on that arena's stream (the per-thread arena on `0x2`, a
+//!   user arena on a stream of its identity); otherwise, with the block's freed
 //!   flag taken, the caller's outbox, and from there, fenced, to the owner's inbox. A block
 //!   whose superblock has no owner, and every large block, goes to the pool: on the
 //!   per-thread and legacy streams accepted at once and fenced with the outbox's next batch,
 //!   on a user stream with a fence recorded at once.
 //! - On out-of-memory, memory held without live blocks in this thread's and idle threads'
 //!   arenas is taken back and the request tried once more (`Slot::reclaim`).
+//!
+//! ## Arenas of destroyed streams
+//! A user-stream arena's local frees record no event. If its stream is destroyed while the
+//! arena holds memory freed on it, no event can follow that stream's queued work any more:
+//! when the arena is given up it is parked ([`Zombies`]) until one device synchronise gives
+//! back everything parked (more than `ZOMBIE_BYTES` parked, out-of-memory, or `trim(true)`).
+//! While its stream lives, memory leaves it (return rule, reclaim, replacement, thread exit)
+//! under an event recorded on that stream after checking its identity (`Env::home_fence`).
 
 use std::cell::RefCell;
 
@@ -25,7 +37,7 @@ use crate::device::counted::Counted;
 use crate::device::cuda::CudaDevice;
 use crate::device::host::HostDevice;
 use crate::device::{Device, DeviceKind};
-use crate::env::Env;
+use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::Fence;
 use crate::global_pool::{GlobalPool, Origin};
@@ -81,6 +93,8 @@ pub(crate) struct Inner {
     pool: GlobalPool,
     counters: CounterRegistry,
     shells: Mutex<Shells>,
+    /// Arenas of destroyed user streams, waiting for a device synchronise (see [`Zombies`]).
+    zombies: Mutex<Zombies>,
     deferred: Mutex<Option<Error>>,
     arenas: AtomicUsize,
     /// Pass-through mode (passthrough.rs): when set, every request goes straight to it.
@@ -94,13 +108,34 @@ struct Shells {
     idle: Vec<Arc<ArenaShell>>,
 }
 
+/// Arenas of destroyed streams.
+///
+/// A user-stream arena holds memory its owner freed on that stream with no event recorded (the
+/// fast path records none). If the stream is destroyed before that memory leaves the arena,
+/// no event can follow the stream's queued work any more (`Env::home_fence` finds it gone),
+/// and only a device synchronise makes the memory safe for another stream. So when such an
+/// arena is given up (thread exit, or replacement of the least recently used user arena), it
+/// is parked here, its superblocks kept, rather than synchronising at once; a thread that
+/// parks one that brings the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives
+/// them all back, as do the out-of-memory path and `trim(true)`.
+///
+/// **Bound:** memory parked here is at most `ZOMBIE_BYTES` plus one arena's superblocks.
+/// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas.
+#[derive(Default)]
+struct Zombies {
+    arenas: Vec<OwnedArena>,
+    bytes: usize,
+}
+
+/// Parked bytes of destroyed streams' arenas above which they are given back (see [`Zombies`]).
+const ZOMBIE_BYTES: usize = 64 << 20;
+
 /// One thread's state for one allocator.
 struct Slot {
     id: u64,
     inner: Weak<Inner>,
-    /// The thread's arenas, by [`arena_index`]: for its per-thread stream, and for the legacy
-    /// stream.
-    arenas: [Option<OwnedArena>; 2],
+    /// The thread's arenas: for its per-thread stream, the legacy stream and its user streams.
+    arenas: Arenas,
     outbox: Outbox,
     counters: Arc<Counters>,
     ptds: Option<StreamKey>,
@@ -113,9 +148,10 @@ struct Slot {
 /// The streams a thread's arenas serve, by index: see [`arena_index`].
 const HOMES: [Stream; 2] = [Stream::PER_THREAD, Stream::LEGACY];
 
-/// Which of a thread's arenas serves small requests on `stream`: 0 for its per-thread stream,
-/// 1 for the legacy stream (NULL or `0x1`, one stream for all threads, whose identity is fixed).
-/// User streams have none: their handles are reused by CUDA, so they are served by the pool.
+/// Which of a thread's fixed arenas serves small requests on `stream`: 0 for its per-thread
+/// stream, 1 for the legacy stream (NULL or `0x1`, one stream for all threads, whose identity
+/// is fixed). `None` for a user stream: its arena is found by the stream's identity (see
+/// [`Arenas`]).
 ///
 /// Only the per-thread arena frees on its fast path. A free on the legacy stream, even of the
 /// thread's own legacy-arena block, goes the batched way with one event per batch: that event
@@ -138,6 +174,81 @@ fn arena_index(stream: Stream) -> Option<usize> {
 /// What an outbox flush sent: the stream and the fence it recorded there, if it sent anything.
 type Flushed = Option<(Stream, Option<Arc<Fence>>)>;
 
+/// User-stream arenas a thread keeps at most. A thread that allocates small blocks on more
+/// user streams than this gives back the least recently used one (see [`Arenas::users`]).
+pub(crate) const MAX_USER_ARENAS: usize = 4;
+
+/// A thread's arena for one user stream, found by the stream's identity.
+struct UserArena {
+    /// The stream's identity (`cuStreamGetId`), never its handle: CUDA gives a destroyed
+    /// stream's handle to the next new stream, which then has another identity and so another
+    /// arena.
+    key: StreamKey,
+    arena: OwnedArena,
+    /// `Arenas::tick` at its last allocation, for least-recently-used replacement.
+    last_use: u64,
+}
+
+/// Which of a thread's arenas: a fixed one by [`arena_index`], or a user-stream one by its
+/// position in [`Arenas::users`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Which {
+    Fixed(usize),
+    User(usize),
+}
+
+/// A thread's arenas.
+///
+/// Invariants: `users` holds at most [`MAX_USER_ARENAS`] entries with distinct keys, none of
+/// them the per-thread or the legacy stream's; every arena's shell is this thread's alone.
+#[derive(Default)]
+struct Arenas {
+    /// By [`arena_index`]: the per-thread stream's arena, and the legacy stream's.
+    fixed: [Option<OwnedArena>; 2],
+    /// Arenas of user streams. A user stream's identity costs one `cuStreamGetId` per call (a
+    /// cached handle could name a new stream by then); it scales across threads, unlike the
+    /// same call on `0x2`, which is why the per-thread stream's identity is asked once.
+    users: Vec<UserArena>,
+    /// Counts user-stream allocations, for `UserArena::last_use`.
+    tick: u64,
+}
+
+impl Arenas {
+    /// Which of these arenas has the shell `owner`, if any.
+    #[inline]
+    fn find(&self, owner: *const ArenaShell) -> Option<Which> {
+        let is = |a: &OwnedArena| std::ptr::eq(Arc::as_ptr(&a.shell), owner);
+        if let Some(i) = self.fixed.iter().position(|a| a.as_ref().is_some_and(is)) {
+            return Some(Which::Fixed(i));
+        }
+        self.users.iter().position(|u| is(&u.arena)).map(Which::User)
+    }
+
+    #[inline]
+    fn get_mut(&mut self, w: Which) -> Option<&mut OwnedArena> {
+        match w {
+            Which::Fixed(i) => self.fixed[i].as_mut(),
+            Which::User(j) => self.users.get_mut(j).map(|u| &mut u.arena),
+        }
+    }
+
+    /// The user arena for the stream identity `key`, if there is one.
+    #[inline]
+    fn user(&self, key: StreamKey) -> Option<usize> {
+        self.users.iter().position(|u| u.key == key)
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut OwnedArena> {
+        self.fixed.iter_mut().flatten().chain(self.users.iter_mut().map(|u| &mut u.arena))
+    }
+
+    /// The shells of all these arenas.
+    fn shells(&self) -> Vec<*const ArenaShell> {
+        let fixed = self.fixed.iter().flatten();
+        fixed.chain(self.users.iter().map(|u| &u.arena)).map(|a| Arc::as_ptr(&a.shell)).collect()
+    }
+}
+
 /// What the owner found when it looked at its own block inside its claim.
 enum Local {
     /// Freed on the fast path (or refused: the error).
@@ -156,6 +267,13 @@ struct OwnedArena {
     ptr: std::ptr::NonNull<Arena>,
     shell: Arc<ArenaShell>,
 }
+
+// SAFETY: an `OwnedArena` is the only owner-side handle on its arena, and the arena (with its
+// superblocks' owner-only state) is touched only through it or by a reclaimer holding the
+// shell's claim. Moving it to another thread (parking a destroyed stream's arena, see
+// `Zombies`) moves that sole ownership; the zombie list's mutex orders the two threads' uses,
+// and every use runs inside the claim, so it never races a reclaimer.
+unsafe impl Send for OwnedArena {}
 
 impl OwnedArena {
     fn new(arena: Arena) -> OwnedArena {
@@ -234,12 +352,64 @@ impl Inner {
         sh
     }
 
+    /// Gives up a user-stream arena (thread exit, or replacement): back to the pool under a
+    /// fence on its stream, or, if that stream was destroyed, parked (see [`Zombies`]).
+    fn retire_user(&self, env: &Env<'_>, mut owned: OwnedArena) {
+        let gone = owned
+            .with(|a| {
+                a.held_bytes() > 0 && !env.skip_fences && env.dev.stream_key(a.home).ok() != Some(a.key)
+            })
+            .unwrap_or(false);
+        self.arenas.fetch_sub(1, Ordering::Relaxed);
+        if !gone {
+            if let Some(shell) = owned.exit(env, None) {
+                lock(&self.shells).idle.push(shell);
+            }
+            return;
+        }
+        let over = {
+            let mut z = lock(&self.zombies);
+            z.bytes += owned.with(|a| a.held_bytes()).unwrap_or(0);
+            z.arenas.push(owned);
+            z.bytes > ZOMBIE_BYTES
+        };
+        if over && let Err(e) = self.bury_zombies(env) {
+            env.defer(e);
+        }
+    }
+
+    /// Gives back every parked arena of a destroyed stream (see [`Zombies`]), after one device
+    /// synchronise if there are any. Returns the bytes they held.
+    #[cold]
+    fn bury_zombies(&self, env: &Env<'_>) -> Result<usize> {
+        let z = std::mem::take(&mut *lock(&self.zombies));
+        if z.arenas.is_empty() {
+            return Ok(0);
+        }
+        if let Err(e) = env.dev.synchronize() {
+            // Nothing given back: park them again.
+            let mut back = lock(&self.zombies);
+            back.bytes += z.bytes;
+            back.arenas.extend(z.arenas);
+            return Err(e);
+        }
+        for owned in z.arenas {
+            // All work queued before the synchronise, on every stream, has completed.
+            if let Some(shell) = owned.exit(env, Some(None)) {
+                lock(&self.shells).idle.push(shell);
+            }
+        }
+        Ok(z.bytes)
+    }
+
     /// Takes memory back from other threads' arenas whose owners are idle, without their
     /// help (see `claim.rs`): each gives back its superblocks that hold no used block (with
     /// `dissolve`, all with free or pending space). Arenas whose owner is inside an allocator
     /// call are skipped: they drain on their own. `own` are the caller's shells, skipped. Free
     /// ranges go back behind a fence on the legacy stream, which follows the owners' earlier
-    /// per-thread-stream work. Returns the bytes given back. Never blocks on the device.
+    /// per-thread-stream work, or, for a user-stream arena, on that stream (`Env::home_fence`).
+    /// Returns the bytes given back. Blocks on the device only where a user stream that an
+    /// arena holds frees of was destroyed (see `Env::home_fence`).
     #[cold]
     fn reclaim_others(&self, env: &Env<'_>, own: &[*const ArenaShell], dissolve: bool) -> usize {
         let shells: Vec<Arc<ArenaShell>> = lock(&self.shells).all.clone();
@@ -257,9 +427,20 @@ impl Inner {
             // arena outlives the claim (its owner unpublishes it, inside its claim, before
             // freeing it).
             let arena = unsafe { &mut *p };
+            // A per-thread or legacy arena's local frees are ordered before later legacy-stream
+            // work; a user stream's are not (user streams may be non-blocking): its own stream
+            // is fenced, if it still exists (`Env::home_fence`).
+            let (home, key) = (arena.home, arena.key);
             bytes += arena.reclaim(env, dissolve, || {
+                if home.is_user() {
+                    return if dissolve {
+                        env.home_fence_or_sync(home, key)
+                    } else {
+                        env.home_fence(home, key)
+                    };
+                }
                 let k = env.dev.stream_key(Stream::LEGACY)?;
-                env.fence(Stream::LEGACY, k)
+                env.fence(Stream::LEGACY, k).map(HomeFence::Fence)
             });
         }
         bytes
@@ -283,7 +464,7 @@ impl Slot {
         Slot {
             id: inner.id,
             inner: Arc::downgrade(inner),
-            arenas: [None, None],
+            arenas: Arenas::default(),
             outbox: Outbox::default(),
             counters: inner.counters.register(),
             ptds: None,
@@ -340,16 +521,81 @@ impl Slot {
         c.bump(&c.live_bytes, (bytes as u64).wrapping_neg());
     }
 
-    /// The arena path's slow path: drains and grows the arena `i` (see [`arena_index`]). If a
-    /// reclaimer holds the arena at this moment, the request is served by the pool instead (no
-    /// waiting).
+    /// The arena path's slow path for the fixed arena `i` (see [`arena_index`]).
     #[cold]
     #[inline(never)]
     fn alloc_small_slow(&mut self, inner: &Inner, i: usize, class: usize, g: usize) -> Result<u64> {
         let env = inner.env(&self.counters);
+        let key = if i == 0 {
+            Self::ptds_key(&mut self.ptds, &env)?
+        } else {
+            Self::legacy_key(&mut self.legacy, &env)?
+        };
+        self.alloc_slow_in(inner, Which::Fixed(i), HOMES[i], key, class, g)
+    }
+
+    /// The arena path for a user stream whose identity is `key`: its arena's fast path if the
+    /// thread has one, otherwise the slow path, which makes one (giving back the least
+    /// recently used user arena if the thread has [`MAX_USER_ARENAS`]).
+    #[inline]
+    fn alloc_user(
+        &mut self,
+        inner: &Inner,
+        stream: Stream,
+        key: StreamKey,
+        class: usize,
+        g: usize,
+    ) -> Result<u64> {
+        self.arenas.tick = self.arenas.tick.wrapping_add(1);
+        if let Some(j) = self.arenas.user(key) {
+            let u = &mut self.arenas.users[j];
+            u.last_use = self.arenas.tick;
+            if let Some(Some(p)) = u.arena.with(|a| a.alloc(class, g)) {
+                return Ok(p);
+            }
+            return self.alloc_slow_in(inner, Which::User(j), stream, key, class, g);
+        }
+        self.new_user_arena(inner, stream, key)?;
+        self.alloc_slow_in(inner, Which::User(self.arenas.users.len() - 1), stream, key, class, g)
+    }
+
+    /// Adds an (empty) arena for the user stream `stream` with identity `key`, first giving
+    /// back the least recently used one if the thread has [`MAX_USER_ARENAS`] already.
+    #[cold]
+    #[inline(never)]
+    fn new_user_arena(&mut self, inner: &Inner, stream: Stream, key: StreamKey) -> Result<()> {
+        if self.arenas.users.len() >= MAX_USER_ARENAS {
+            let lru = (0..self.arenas.users.len())
+                .min_by_key(|&j| self.arenas.users[j].last_use)
+                .expect("the table is full");
+            let old = self.arenas.users.swap_remove(lru);
+            inner.retire_user(&inner.env(&self.counters), old.arena);
+        }
+        let sb = inner.cfg.superblock / GRANULE;
+        inner.arenas.fetch_add(1, Ordering::Relaxed);
+        let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
+        let arena = Arena::new(inner.take_shell(), stream, key, sb, k, f);
+        let tick = self.arenas.tick;
+        self.arenas.users.push(UserArena { key, arena: OwnedArena::new(arena), last_use: tick });
+        Ok(())
+    }
+
+    /// The slow path of the arena `w` serving `home` (identity `key`): drains and grows it,
+    /// making it first if it is a fixed arena the thread does not have yet. If a reclaimer
+    /// holds the arena at this moment, the request is served by the pool instead (no waiting).
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow_in(
+        &mut self,
+        inner: &Inner,
+        w: Which,
+        home: Stream,
+        key: StreamKey,
+        class: usize,
+        g: usize,
+    ) -> Result<u64> {
+        let env = inner.env(&self.counters);
         let ptds = Self::ptds_key(&mut self.ptds, &env)?;
-        let home = HOMES[i];
-        let key = if i == 0 { ptds } else { Self::legacy_key(&mut self.legacy, &env)? };
         // Frees of pool blocks waiting here keep their ranges from coalescing (a superblock
         // range with one such block cannot be lent): send them before the arena may grow.
         if self.outbox.holds_pool_frees()
@@ -357,17 +603,17 @@ impl Slot {
         {
             env.defer(e);
         }
-        let own = self.shells();
-        let owned = match &mut self.arenas[i] {
-            Some(a) => a,
-            None => {
-                let sb = inner.cfg.superblock / GRANULE;
-                inner.arenas.fetch_add(1, Ordering::Relaxed);
-                let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
-                let arena = Arena::new(inner.take_shell(), home, key, sb, k, f);
-                self.arenas[i].insert(OwnedArena::new(arena))
-            }
-        };
+        let own = self.arenas.shells();
+        if let Which::Fixed(i) = w
+            && self.arenas.fixed[i].is_none()
+        {
+            let sb = inner.cfg.superblock / GRANULE;
+            inner.arenas.fetch_add(1, Ordering::Relaxed);
+            let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
+            let arena = Arena::new(inner.take_shell(), home, key, sb, k, f);
+            self.arenas.fixed[i] = Some(OwnedArena::new(arena));
+        }
+        let owned = self.arenas.get_mut(w).expect("the arena exists");
         let r = owned.with(|arena| match arena.alloc_slow(&env, class, g) {
             Err(Error::OutOfMemory { .. }) => {
                 // Memory freed into other threads' arenas may be idle there: take it back, and
@@ -388,11 +634,6 @@ impl Slot {
         };
         self.sample_peak(inner);
         Ok(p)
-    }
-
-    /// The shells of this thread's arenas (null where it has none).
-    fn shells(&self) -> [*const ArenaShell; 2] {
-        self.arenas.each_ref().map(|a| a.as_ref().map_or(std::ptr::null(), |a| Arc::as_ptr(&a.shell)))
     }
 
     /// The legacy stream's identity (asked of the device once per allocator).
@@ -430,7 +671,7 @@ impl Slot {
     /// bytes given back. Never blocks on the device.
     #[cold]
     fn reclaim(
-        arenas: &mut [Option<OwnedArena>; 2],
+        arenas: &mut Arenas,
         outbox: &mut Outbox,
         ptds: &mut Option<StreamKey>,
         inner: &Inner,
@@ -441,16 +682,23 @@ impl Slot {
             env.defer(e);
         }
         let mut bytes = 0;
-        for owned in arenas.iter_mut().flatten() {
+        for owned in arenas.iter_mut() {
             bytes += owned
                 .with(|a| {
                     let (home, key) = (a.home, a.key);
-                    a.reclaim(env, dissolve, || env.fence(home, key))
+                    a.reclaim(env, dissolve, || {
+                        if dissolve { env.home_fence_or_sync(home, key) } else { env.home_fence(home, key) }
+                    })
                 })
                 .unwrap_or(0);
         }
-        let own = arenas.each_ref().map(|a| a.as_ref().map_or(std::ptr::null(), |a| Arc::as_ptr(&a.shell)));
-        bytes + inner.reclaim_others(env, &own, dissolve)
+        if dissolve {
+            bytes += inner.bury_zombies(env).unwrap_or_else(|e| {
+                env.defer(e);
+                0
+            });
+        }
+        bytes + inner.reclaim_others(env, &arenas.shells(), dissolve)
     }
 
     fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
@@ -510,17 +758,27 @@ impl Slot {
     ) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
-        let mine = self.shells().iter().position(|&s| std::ptr::eq(s, owner));
-        if let Some(i) = mine {
+        let mine = self.arenas.find(owner);
+        if let Some(w) = mine {
+            // The fast path frees on the arena's own stream: the per-thread arena's on `0x2`, a
+            // user arena's on a stream with its identity (one `cuStreamGetId`). The legacy
+            // arena frees the batched way (see `arena_index`).
+            let home = match w {
+                Which::Fixed(i) => i == 0 && stream.is_per_thread(),
+                Which::User(j) => {
+                    stream.is_user()
+                        && inner.env(&self.counters).dev.stream_key(stream)? == self.arenas.users[j].key
+                }
+            };
             // Inside our claim the superblock stays ours (only a reclaimer holding the claim
             // could give it back), so ownership read before it is checked again in it.
             let local = {
                 let env = inner.env(&self.counters);
-                self.arenas[i].as_mut().and_then(|a| {
+                self.arenas.get_mut(w).and_then(|a| {
                     a.with(|a| {
                         if !a.owns(sb) {
                             Local::NotOurs
-                        } else if i == 0 && stream.is_per_thread() {
+                        } else if home {
                             Local::Freed(a.free_local(&env, sb, ptr, size, bytes))
                         } else {
                             Local::Checked(Arena::check_live(sb, ptr, size, bytes))
@@ -580,7 +838,7 @@ impl Slot {
     fn release_arena(&mut self, inner: &Inner) -> Result<()> {
         let env = inner.env(&self.counters);
         let flushed = Self::flush_outbox(&mut self.outbox, &mut self.ptds, &env);
-        for (i, slot) in self.arenas.iter_mut().enumerate() {
+        for (i, slot) in self.arenas.fixed.iter_mut().enumerate() {
             // A fence just recorded on an arena's stream also covers its blocks (every local
             // free came before it): exit reuses it.
             let fence = match &flushed {
@@ -593,6 +851,9 @@ impl Slot {
                     lock(&inner.shells).idle.push(shell);
                 }
             }
+        }
+        for u in self.arenas.users.drain(..) {
+            inner.retire_user(&env, u.arena);
         }
         flushed.map(|_| ())
     }
@@ -660,6 +921,7 @@ impl Allocator {
                 cfg: config,
                 counters: CounterRegistry::new(),
                 shells: Mutex::new(Shells::default()),
+                zombies: Mutex::new(Zombies::default()),
                 deferred: Mutex::new(None),
                 arenas: AtomicUsize::new(0),
             }),
@@ -689,14 +951,21 @@ impl Allocator {
             return Ok(DevicePtr::NULL);
         }
         let inner = &self.inner;
-        if size <= inner.cfg.small_max
-            && let Some(i) = arena_index(stream)
-        {
+        if size <= inner.cfg.small_max {
             let g = granules_for(size).expect("small sizes do not overflow");
             let class = class_ceil(g);
             let gc = class_granules(class);
+            let Some(i) = arena_index(stream) else {
+                // A user stream: its arena is found by its identity.
+                return with_slot(inner, |slot, inner| {
+                    let key = inner.env(&slot.counters).dev.stream_key(stream)?;
+                    let p = slot.alloc_user(inner, stream, key, class, gc)?;
+                    slot.counted_alloc(gc * GRANULE);
+                    Ok(DevicePtr(p))
+                });
+            };
             return with_slot(inner, |slot, inner| {
-                if let Some(a) = slot.arenas[i].as_mut()
+                if let Some(a) = slot.arenas.fixed[i].as_mut()
                     && let Some(Some(p)) = a.with(|a| a.alloc(class, gc))
                 {
                     slot.counted_alloc(gc * GRANULE);
@@ -809,7 +1078,7 @@ impl Allocator {
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
             Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, &env)?;
-            for a in slot.arenas.iter_mut().flatten() {
+            for a in slot.arenas.iter_mut() {
                 a.with(|a| a.tidy(&env));
             }
             Ok(())
@@ -844,6 +1113,10 @@ impl Allocator {
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
             Slot::reclaim(&mut slot.arenas, &mut slot.outbox, &mut slot.ptds, inner, &env, false);
+            if blocking {
+                // Arenas of destroyed streams need a device synchronise: this call may block.
+                inner.bury_zombies(&env)?;
+            }
             inner.pool.trim(&env.dev, blocking)
         })
     }
@@ -889,6 +1162,13 @@ impl Allocator {
     #[doc(hidden)]
     pub fn pool_used_ranges(&self) -> Vec<(u64, usize, bool)> {
         self.inner.pool.used_ranges()
+    }
+
+    /// Bytes held by parked arenas of destroyed user streams, waiting for a device synchronise
+    /// (`trim(true)`, out-of-memory, or more parked; see `allocator.rs`). For tests.
+    #[doc(hidden)]
+    pub fn parked_bytes(&self) -> usize {
+        lock(&self.inner.zombies).bytes
     }
 
     /// Bytes the pool has handed out (blocks and lent superblocks). For tests.

@@ -1,5 +1,7 @@
 //! A per-thread arena: small blocks for one stream of one thread, its *home*: the thread's
-//! per-thread default stream, or the legacy stream (a thread has one arena for each).
+//! per-thread default stream, the legacy stream, or one of the user streams it uses (a thread
+//! has one arena for each; see `allocator.rs` for how user-stream arenas are found and given
+//! up, and `Env::home_fence` for the fence on a user stream that may have been destroyed).
 //!
 //! ## Fast path
 //! `alloc` and `free_local` run on the owning thread only, touch only owner-only memory (the
@@ -69,7 +71,7 @@
 use std::collections::VecDeque;
 
 use crate::claim::Claim;
-use crate::env::Env;
+use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{Fence, FenceSet};
 use crate::free_lists::{FreeBlock, FreeLists};
@@ -108,8 +110,9 @@ pub(crate) struct ArenaShell {
 /// The owner-only arena.
 pub(crate) struct Arena {
     pub(crate) shell: Arc<ArenaShell>,
-    /// The stream this arena serves: the owner's per-thread default stream, or the legacy
-    /// stream (one stream for every thread, so each thread's legacy arena serves it too).
+    /// The stream this arena serves: the owner's per-thread default stream, the legacy stream
+    /// (one stream for every thread, so each thread's legacy arena serves it too), or a user
+    /// stream (its handle; valid while `key` is still its identity).
     pub(crate) home: Stream,
     /// Identity of `home` (for the legacy stream, the same in every thread).
     pub(crate) key: StreamKey,
@@ -344,8 +347,11 @@ impl Arena {
                 // SAFETY: we own every superblock in `owned`.
                 .min_by_key(|&i| unsafe { (*self.owned[i]).with_local(|l| l.live) })
                 .expect("over_held implies a superblock");
-            let fence = match env.fence(self.home, self.key) {
-                Ok(f) => f,
+            let fence = match env.home_fence(self.home, self.key) {
+                Ok(HomeFence::Fence(f)) => f,
+                // A user stream destroyed meanwhile: keep the superblock, which goes back with
+                // the arena (see `allocator.rs`, "Arenas of destroyed streams").
+                Ok(HomeFence::Gone) => return,
                 Err(e) => return env.defer(e), // keep the superblock; try again later
             };
             self.give_back(env, idx, FenceSet::one(fence));
@@ -607,7 +613,7 @@ impl Arena {
         &mut self,
         env: &Env<'_>,
         dissolve: bool,
-        fence: impl FnOnce() -> Result<Option<Arc<Fence>>>,
+        fence: impl FnOnce() -> Result<HomeFence>,
     ) -> usize {
         self.flush_cache();
         self.drain(env);
@@ -637,7 +643,8 @@ impl Arena {
             return 0;
         }
         let fence = match fence() {
-            Ok(f) => f,
+            Ok(HomeFence::Fence(f)) => f,
+            Ok(HomeFence::Gone) => return 0, // a destroyed user stream: nothing can go now
             Err(e) => {
                 env.defer(e);
                 return 0;
@@ -648,6 +655,11 @@ impl Arena {
             self.give_back(env, idx, FenceSet::one(fence.clone()));
         }
         picks.len() * (granules << GRANULE_SHIFT)
+    }
+
+    /// Bytes of the superblocks this arena holds.
+    pub(crate) fn held_bytes(&self) -> usize {
+        self.owned.len() * (self.granules << GRANULE_SHIFT)
     }
 
     /// Drains, polls and returns what the return rule allows (an explicit flush).
@@ -678,8 +690,11 @@ impl Arena {
         } else if let Some(f) = recorded {
             f
         } else {
-            match env.fence(self.home, self.key) {
-                Ok(f) => f,
+            match env.home_fence(self.home, self.key) {
+                Ok(HomeFence::Fence(f)) => f,
+                // The caller checked that the stream exists; it was destroyed since: as for an
+                // error, the superblocks stay with the dead shell.
+                Ok(HomeFence::Gone) => return None,
                 Err(e) => {
                     env.defer(e);
                     return None;

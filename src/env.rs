@@ -8,6 +8,14 @@ use crate::stream::{Stream, StreamKey};
 use crate::sync::{Mutex, lock};
 use std::sync::Arc;
 
+/// What [`Env::home_fence`] found.
+pub(crate) enum HomeFence {
+    /// A fence after the home stream's work so far (`None`: none needed).
+    Fence(Option<Arc<Fence>>),
+    /// The home stream (a user stream) was destroyed: no event can follow its work.
+    Gone,
+}
+
 /// Borrowed context of one slow-path operation on one thread.
 pub(crate) struct Env<'a> {
     pub(crate) pool: &'a GlobalPool,
@@ -25,6 +33,42 @@ impl Env<'_> {
             return Ok(None);
         }
         Fence::record(&self.pool.events, &self.dev, stream, key).map(Some)
+    }
+
+    /// A fence after all earlier work on an arena's home stream `home` (identity `key`), for
+    /// memory leaving that arena: the rule for every such fence.
+    ///
+    /// The per-thread and legacy streams exist as long as the thread and the process. A user
+    /// stream may have been destroyed since the arena was made, and CUDA may have given its
+    /// handle to a new stream: recording on the handle then would order nothing. So its
+    /// identity is checked first (one `cuStreamGetId`); if the handle now names another stream
+    /// or none, the stream is [`HomeFence::Gone`]: its queued work can no longer be fenced by
+    /// an event, only by a device synchronise, which the caller decides on (see
+    /// `allocator.rs`, "Arenas of destroyed streams").
+    ///
+    /// A stream destroyed by another thread between the check and the record makes the record
+    /// fail (the caller keeps the memory); one destroyed *and* replaced by a new stream with
+    /// the same handle within that window is not detected: no driver call can tell.
+    pub(crate) fn home_fence(&self, home: Stream, key: StreamKey) -> Result<HomeFence> {
+        if self.skip_fences {
+            return Ok(HomeFence::Fence(None));
+        }
+        if home.is_user() && self.dev.stream_key(home).ok() != Some(key) {
+            return Ok(HomeFence::Gone);
+        }
+        self.fence(home, key).map(HomeFence::Fence)
+    }
+
+    /// [`Env::home_fence`], synchronising the device if the stream is gone (a host block, on
+    /// out-of-memory and blocking trim paths only).
+    pub(crate) fn home_fence_or_sync(&self, home: Stream, key: StreamKey) -> Result<HomeFence> {
+        match self.home_fence(home, key)? {
+            HomeFence::Gone => {
+                self.dev.synchronize()?;
+                Ok(HomeFence::Fence(None))
+            }
+            f => Ok(f),
+        }
     }
 
     /// Keeps an error found away from its caller for `take_deferred_error`.

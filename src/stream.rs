@@ -41,6 +41,13 @@ impl Stream {
     pub fn is_legacy(self) -> bool {
         self.0 <= 0x1
     }
+
+    /// True for a user stream: neither the legacy nor the per-thread default stream. Its
+    /// handle names it only until it is destroyed; CUDA may then give the handle to a new one.
+    #[inline]
+    pub fn is_user(self) -> bool {
+        self.0 > 0x2
+    }
 }
 
 /// A stream's identity, unique for the life of the process (never reused).

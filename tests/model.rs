@@ -190,9 +190,10 @@ impl Block {
     fn end(&self) -> u64 {
         self.ptr + self.bytes() as u64
     }
-    /// Served by its thread's arena (a small request on the per-thread or the legacy stream).
+    /// Served by its thread's arena (a small request: on the per-thread, the legacy or a user
+    /// stream, each of which has its arena).
     fn arena(&self) -> bool {
-        self.size <= SMALL_MAX && matches!(self.s, S::Ptds | S::Legacy)
+        self.size <= SMALL_MAX
     }
 }
 

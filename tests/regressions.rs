@@ -66,6 +66,9 @@ impl Device for StallingDevice {
     fn sync_event(&self, event: Event) -> cuarena::Result<()> {
         self.0.sync_event(event)
     }
+    fn synchronize(&self) -> cuarena::Result<()> {
+        Device::synchronize(&self.0)
+    }
     fn stream_wait_event(&self, stream: Stream, event: Event) -> cuarena::Result<()> {
         self.0.stream_wait_event(stream, event)
     }

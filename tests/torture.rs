@@ -55,7 +55,15 @@ fn run_fenced(mode: StreamMode) -> TortureReport {
     assert_eq!(r.allocations, 32_000);
     assert!(r.large_allocations > 200, "{}", r.summary());
     assert!(r.handoffs > 3000 && r.cross_stream_frees > 2000 && r.local_frees > 5000, "{}", r.summary());
-    assert_eq!((s.invalid_frees, s.host_syncs), (0, 0), "{s:?}");
+    assert_eq!(s.invalid_frees, 0, "{s:?}");
+    if mode == StreamMode::Own {
+        // Threads destroy their streams before they exit: their arenas are parked, and each
+        // device synchronise gives back more than 64 MiB of them (`allocator.rs`, `Zombies`).
+        let sb = Config::default().superblock() as u64;
+        assert!(s.host_syncs * (64 << 20) < s.superblocks_taken * sb, "{s:?}");
+    } else {
+        assert_eq!(s.host_syncs, 0, "{s:?}");
+    }
     if mode == StreamMode::Ptds {
         assert!(s.cross_thread_frees > 1000 && s.cross_stream_frees > 1000, "{s:?}");
     }

@@ -60,6 +60,13 @@ impl<'a> Counted<'a> {
         self.device.sync_event(e)
     }
 
+    /// Blocks until all work on the device has completed (`cuCtxSynchronize`).
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.call();
+        self.counters.bump(&self.counters.host_syncs, 1);
+        self.device.synchronize()
+    }
+
     pub(crate) fn wait_fence(&self, s: Stream, e: Event) -> Result<()> {
         self.call();
         self.counters.bump(&self.counters.fence_waits, 1);

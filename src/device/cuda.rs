@@ -209,6 +209,12 @@ impl Device for CudaDevice {
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
     }
 
+    fn synchronize(&self) -> Result<()> {
+        let _g = self.enter()?;
+        // SAFETY: no arguments; the context is current (`enter`).
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
         let _g = self.enter()?;
         // SAFETY: the event is live; the stream is the caller's.

@@ -722,6 +722,11 @@ impl Device for HostDevice {
         Ok(())
     }
 
+    fn synchronize(&self) -> Result<()> {
+        HostDevice::synchronize(self);
+        Ok(())
+    }
+
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
         let sh = self.sh();
         let mut st = sh.lock();

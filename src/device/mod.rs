@@ -5,7 +5,9 @@
 //!   and a race checker, for CI, loom and machines without a GPU.
 //!
 //! The allocator calls a device only on slow paths. It never blocks the host on the device except
-//! in [`Device::sync_event`], which only `trim(blocking)` and shutdown use.
+//! in [`Device::sync_event`], which only `trim(blocking)` and shutdown use, and in
+//! [`Device::synchronize`], used only when memory freed on a user stream must leave an arena
+//! after that stream was destroyed (`Env::home_fence`).
 
 pub(crate) mod counted;
 pub mod cuda;
@@ -81,6 +83,9 @@ pub trait Device: Send + Sync + 'static {
     fn query_event(&self, event: Event) -> Result<bool>;
     /// Blocks the host until `event` has completed.
     fn sync_event(&self, event: Event) -> Result<()>;
+    /// Blocks the host until all work queued so far on every stream of the device, destroyed
+    /// streams included, has completed (`cuCtxSynchronize` on CUDA).
+    fn synchronize(&self) -> Result<()>;
     /// Makes later work on `stream` wait for `event`. Never blocks the host.
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
     /// The identity of `stream` as seen from the calling thread.

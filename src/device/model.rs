@@ -110,6 +110,13 @@ impl Device for ModelDevice {
         d.fetch_max(r.load(Ordering::Acquire), Ordering::AcqRel);
         Ok(())
     }
+    /// A host wait for all work: the GPU catches up with every event.
+    fn synchronize(&self) -> Result<()> {
+        for e in 0..self.made.load(Ordering::Acquire).min(EVENTS) {
+            self.sync_event(Event(e as u64))?;
+        }
+        Ok(())
+    }
     fn stream_wait_event(&self, _s: Stream, e: Event) -> Result<()> {
         self.event(e)?;
         self.waits.fetch_add(1, Ordering::AcqRel);

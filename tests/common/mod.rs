@@ -90,15 +90,18 @@ pub fn on_thread<R: Send + 'static>(a: &Allocator, f: impl FnOnce(&Allocator) ->
     .unwrap()
 }
 
+/// A command for a [`Worker`].
+type Job = Box<dyn FnOnce(&Allocator) + Send>;
+
 /// A thread that stays alive (idle between commands) until dropped.
 pub struct Worker {
-    tx: Option<mpsc::Sender<Box<dyn FnOnce(&Allocator) + Send>>>,
+    tx: Option<mpsc::Sender<Job>>,
     h: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Worker {
     pub fn new(a: &Allocator) -> Worker {
-        let (tx, rx) = mpsc::channel::<Box<dyn FnOnce(&Allocator) + Send>>();
+        let (tx, rx) = mpsc::channel::<Job>();
         let a = a.clone();
         let h = std::thread::spawn(move || {
             while let Ok(f) = rx.recv() {
@@ -110,7 +113,7 @@ impl Worker {
     }
     pub fn run<R: Send + 'static>(&self, f: impl FnOnce(&Allocator) -> R + Send + 'static) -> R {
         let (rtx, rrx) = mpsc::channel();
-        let job: Box<dyn FnOnce(&Allocator) + Send> = Box::new(move |a| rtx.send(f(a)).unwrap());
+        let job: Job = Box::new(move |a| rtx.send(f(a)).unwrap());
         self.tx.as_ref().unwrap().send(job).unwrap();
         rrx.recv().expect("the worker panicked")
     }
