@@ -23,7 +23,8 @@ _FIELDS = [
 
 
 class _Stats(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in _FIELDS]
+    """cuarena_stats: a leading size (in: this struct's size; out: the bytes filled), then _FIELDS."""
+    _fields_ = [("size", ctypes.c_uint64)] + [(name, ctypes.c_uint64) for name in _FIELDS]
 
 
 _lib = None
@@ -271,9 +272,11 @@ def install_cupy():
 def stats(device=0):
     """cuarena's statistics for `device` as a dict (PyTorch's own raise under a plug-in)."""
     s = _Stats()
+    s.size = ctypes.sizeof(_Stats)
     if load().cuarena_get_stats(device, ctypes.byref(s)) != 0:
         raise RuntimeError(last_error())
-    return {name: getattr(s, name) for name in _FIELDS}
+    filled = (s.size - 8) // 8  # a library older than this glue fills fewer fields
+    return {name: getattr(s, name) for name in _FIELDS[:filled]}
 
 
 def last_error():
