@@ -186,7 +186,7 @@ def free(ptr, size, device=0, stream=0):
     block's uses (as cudaFreeAsync). Raises CuarenaError if cuarena refuses it (unknown pointer,
     double free, wrong size), and then nothing has changed. (0, 0) does nothing."""
     if load().cuarena_free_checked(ptr or None, size, device, stream or None) != 0:
-        raise _error(f"free of {size} bytes at {ptr:#x} on CUDA device {device} refused")
+        raise _error(f"free of {size} bytes at {(ptr or 0):#x} on CUDA device {device} refused")
 
 
 def stats(device=0):
