@@ -17,8 +17,8 @@ if args.both:
 
 import cupy as cp
 if args.allocator == "cuarena":
-    import cuarena
-    cuarena.install_cupy()
+    import cuarena.cupy
+    cuarena.cupy.use()
 rs = cp.random.RandomState(seed=42)
 acc = []
 for i in range(200):

@@ -7,7 +7,7 @@ streams), allocate the same size and fill it. If the allocator hands the first b
 second array before the kernel is done, the fill lands during the spin and words change.
 
 Runs each allocator in its own process and prints the corrupted words per allocator:
-  cuarena  - cuarena through python/cuarena's install_cupy() (must be 0: exit 1 otherwise)
+  cuarena  - cuarena through cuarena.cupy.use() (must be 0: exit 1 otherwise)
   cupy     - CuPy's own pool (for comparison)
   legacy   - a control: cuarena with every block allocated and freed on the legacy stream, the
              glue before the fix; it should show corruption, proving the check can see the bug
@@ -71,9 +71,9 @@ def run_one(allocator, rounds, pairs):
     import cupy as cp
 
     if allocator == "cuarena":
-        import cuarena
+        import cuarena.cupy
 
-        cuarena.install_cupy()
+        cuarena.cupy.use()
     elif allocator == "legacy":
         install_legacy_control(cp)
     else:

@@ -46,10 +46,10 @@ class Checks:
 
 
 def torch_part():
-    import cuarena
+    import cuarena.torch
 
     c = Checks("torch")
-    inst = cuarena.install_torch()
+    inst = cuarena.torch.use()
     print(f"torch: {inst}", flush=True)
     import torch
 
@@ -107,10 +107,10 @@ def torch_part():
 def cupy_part():
     import cupy as cp
 
-    import cuarena
+    import cuarena.cupy
 
     c = Checks("cupy")
-    cuarena.install_cupy()
+    cuarena.cupy.use()
     OOM = cp.cuda.memory.OutOfMemoryError
 
     arrays, null_arrays, err = [], 0, None

@@ -8,9 +8,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import cupy  # noqa: E402
-import cuarena  # noqa: E402
+import cuarena.cupy  # noqa: E402
 
-cuarena.install_cupy()
+cuarena.cupy.use()
 a = cupy.zeros(1000, dtype=cupy.float32)  # 4,000 bytes
 b = cupy.zeros(1 << 20, dtype=cupy.float32)  # a neighbour, so the pooled write has somewhere to land
 k = cupy.RawKernel(r'''

@@ -6,9 +6,9 @@ import os, sys, threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import torch
-import cuarena
+import cuarena.torch
 
-cuarena.install_torch()
+cuarena.torch.use()
 dev = torch.device("cuda")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).to(dev).eval()

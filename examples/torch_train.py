@@ -13,8 +13,8 @@ args = p.parse_args()
 import torch
 
 if args.allocator == "cuarena":
-    import cuarena
-    cuarena.install_torch()
+    import cuarena.torch
+    cuarena.torch.use()
 
 torch.manual_seed(0)
 torch.backends.cudnn.deterministic = True

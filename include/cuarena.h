@@ -51,13 +51,28 @@
 extern "C" {
 #endif
 
-#if !defined(__CUDA_RUNTIME_H__) && !defined(CUDA_RUNTIME_API_H)
+/* The version of the library this header belongs to; cuarena_version() gives the version of
+ * the library actually loaded. CUARENA_VERSION is major * 1000000 + minor * 1000 + patch. */
+#define CUARENA_VERSION_MAJOR 0
+#define CUARENA_VERSION_MINOR 1
+#define CUARENA_VERSION_PATCH 0
+#define CUARENA_VERSION (CUARENA_VERSION_MAJOR * 1000000 + CUARENA_VERSION_MINOR * 1000 + CUARENA_VERSION_PATCH)
+
+/* cudaStream_t is declared by CUDA's driver_types.h (which cuda_runtime_api.h and cuda_runtime.h
+ * include). Without those headers, it is declared here as the same type, so that cuarena.h
+ * stands alone. Include CUDA's headers first: a repeated typedef is an error before C11. */
+#if !defined(__CUDA_RUNTIME_API_H__) && !defined(__DRIVER_TYPES_H__)
 /* The same type as CUstream and cudaStream_t. */
 typedef struct CUstream_st *cudaStream_t;
 #endif
 
-/* Statistics of one device's allocator. Counters are kept per thread and summed when read. */
+/* Statistics of one device's allocator. Counters are kept per thread and summed when read.
+ * The struct may grow at the end in later versions; `size` keeps old and new callers working:
+ * set it to sizeof(cuarena_stats) before calling cuarena_get_stats, which writes at most that
+ * many bytes and sets it to the bytes it filled (a library older than this header fills fewer:
+ * the fields past `size` are then not filled). */
 typedef struct cuarena_stats {
+    uint64_t size;                  /* in: sizeof(cuarena_stats); out: the bytes filled */
     uint64_t live_bytes;            /* bytes in live blocks (after size-class rounding) */
     uint64_t peak_live_bytes;       /* largest live_bytes sampled (a lower bound) */
     uint64_t reserved_bytes;        /* bytes reserved from the driver */
@@ -84,9 +99,18 @@ typedef struct cuarena_stats {
     uint64_t pool_allocations;      /* allocations served by the global pool */
 } cuarena_stats;
 
+/* The size of the first cuarena_stats: `size` and 24 counters. A smaller `size` is refused. */
+#define CUARENA_STATS_SIZE_V1 200
+/* cuarena_get_stats's result when out->size is below CUARENA_STATS_SIZE_V1. */
+#define CUARENA_ERR_STATS_SIZE (-2)
+
 /* PyTorch CUDAPluggableAllocator: alloc and free. */
 void *cuarena_malloc(size_t size, int device, cudaStream_t stream);
 void cuarena_free(void *ptr, size_t size, int device, cudaStream_t stream);
+/* cuarena_free that says whether the free was accepted: 0 if it was (or was a no-op: NULL with
+ * size 0, or after process exit began), -1 if it was refused (see cuarena_last_error). A free of
+ * another thread's block that its owner later finds invalid still returns 0 (invalid_frees). */
+int cuarena_free_checked(void *ptr, size_t size, int device, cudaStream_t stream);
 /* PyTorch set_record_stream_fn. */
 void cuarena_record_stream(void *ptr, cudaStream_t stream);
 /* PyTorch set_reset_fn (torch.cuda.empty_cache): sends this thread's pending remote frees and
@@ -97,8 +121,16 @@ void cuarena_set_memory_fraction(double fraction, int device);
 /* CuPy: python/cuarena's install_cupy() uses cuarena_malloc / cuarena_free on the stream that
  * is current at allocation (CuPy's CFunctionAllocator passes no stream, so the former
  * cuarena_cupy_malloc / cuarena_cupy_free pair, which assumed the legacy stream, is removed). */
-/* Fills *out; returns 0 on success, -1 on failure (see cuarena_last_error). */
+/* Fills *out. Set out->size = sizeof(cuarena_stats) first. Returns 0 on success (out->size is
+ * then the bytes filled: the smaller of the caller's size and the library's struct, in whole
+ * fields), CUARENA_ERR_STATS_SIZE if out->size is below CUARENA_STATS_SIZE_V1, -1 on any other
+ * failure. On failure nothing is written and the reason is in cuarena_last_error. Never writes
+ * past out->size bytes. */
 int cuarena_get_stats(int device, cuarena_stats *out);
+/* The loaded library's version: major * 1000000 + minor * 1000 + patch (see CUARENA_VERSION). */
+int cuarena_version(void);
+/* The loaded library's version as a string, e.g. "0.1.0". Static: never freed. */
+const char *cuarena_version_string(void);
 /* This thread's last error message, or NULL if no call has failed on this thread. Valid until
  * the next failing call on this thread. */
 const char *cuarena_last_error(void);

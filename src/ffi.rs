@@ -163,12 +163,29 @@ pub extern "C" fn cuarena_malloc(size: usize, device: c_int, stream_: *mut c_voi
 /// no-op on any device, even with no driver.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) {
+    free(ptr, size, device, stream_);
+}
+
+/// [`cuarena_free`] that says whether the free was accepted: 0 if it was (or was a no-op), -1
+/// if it was refused (the reason is in [`cuarena_last_error`]). A free of another thread's
+/// block that its owner later finds invalid still returns 0 (see `invalid_frees`).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_free_checked(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream_: *mut c_void,
+) -> c_int {
+    free(ptr, size, device, stream_)
+}
+
+fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) -> c_int {
     if ptr.is_null() && size == 0 {
-        return;
+        return 0;
     }
-    guard((), || {
+    guard(-1, || {
         if process_exiting() {
-            return Ok(());
+            return Ok(0);
         }
         let a = global(device).map_err(|e| e.to_string())?;
         let p = ptr as u64;
@@ -177,7 +194,7 @@ pub extern "C" fn cuarena_free(ptr: *mut c_void, size: usize, device: c_int, str
         // block is then still live, and a corrected retry must still be fenced after them).
         let used = if ptr.is_null() { Vec::new() } else { RECORDED.take(p) };
         match a.deallocate_used_on(DevicePtr(p), size, stream(stream_), &used) {
-            Ok(()) => Ok(()),
+            Ok(()) => Ok(0),
             Err(e) => {
                 RECORDED.restore(p, used);
                 Err(e.to_string())
@@ -227,28 +244,136 @@ pub extern "C" fn cuarena_set_memory_fraction(fraction: f64, device: c_int) {
     guard((), || global(device).and_then(|a| a.set_memory_fraction(fraction)).map_err(|e| e.to_string()))
 }
 
-/// Statistics of one device's allocator: [`Stats`], whose layout is C's
-/// (`include/cuarena.h` documents each field).
+/// Statistics of one device's allocator as C sees them (`include/cuarena.h` documents each
+/// field): a leading `size`, then [`Stats`]'s fields in order.
+///
+/// `size` lets the struct grow without breaking the ABI: the caller sets it to the size of the
+/// struct it was compiled with, and [`cuarena_get_stats`] fills at most that many bytes and
+/// sets it to the bytes it filled. [`Default`] gives a struct whose `size` is this one's.
+#[repr(C)]
 #[allow(non_camel_case_types)]
-pub type cuarena_stats = Stats;
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct cuarena_stats {
+    /// In: the bytes the caller's struct has (`sizeof(cuarena_stats)`). Out: the bytes filled.
+    pub size: u64,
+    /// The statistics.
+    pub stats: Stats,
+}
 
-const _: () = assert!(size_of::<cuarena_stats>() == 24 * 8, "cuarena_stats must match include/cuarena.h");
+impl Default for cuarena_stats {
+    fn default() -> Self {
+        cuarena_stats { size: size_of::<cuarena_stats>() as u64, stats: Stats::default() }
+    }
+}
 
-/// Fills `*out` with `device`'s statistics. 0 on success, -1 on failure.
+/// The size of the first `cuarena_stats` (`CUARENA_STATS_SIZE_V1`): `size` and 24 counters.
+/// A smaller `size` is refused with [`CUARENA_ERR_STATS_SIZE`]; later versions only add fields
+/// at the end, so a caller compiled against this one keeps working.
+pub const CUARENA_STATS_SIZE_V1: usize = 8 + 24 * 8;
+
+/// What [`cuarena_get_stats`] returns for a `size` below [`CUARENA_STATS_SIZE_V1`].
+pub const CUARENA_ERR_STATS_SIZE: c_int = -2;
+
+const _: () = assert!(
+    size_of::<cuarena_stats>() == CUARENA_STATS_SIZE_V1
+        && size_of::<cuarena_stats>() == 8 + size_of::<Stats>(),
+    "cuarena_stats must match include/cuarena.h"
+);
+
+/// Fills `*out` with `device`'s statistics. Returns 0 on success (`out->size` is then the bytes
+/// filled: the smaller of the caller's `size` and this library's struct, in whole fields),
+/// [`CUARENA_ERR_STATS_SIZE`] if `out->size` is below [`CUARENA_STATS_SIZE_V1`] (nothing is
+/// written), and -1 on any other failure (nothing is written). The reason is in
+/// [`cuarena_last_error`].
 ///
 /// # Safety
-/// `out` must be NULL or point to writable memory for one `cuarena_stats`.
+/// `out` must be NULL or point to memory whose first 8 bytes (`size`) are readable and whose
+/// first `size` bytes are writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuarena_get_stats(device: c_int, out: *mut cuarena_stats) -> c_int {
     guard(-1, || {
         if out.is_null() {
             return Err("cuarena_get_stats: out is NULL".into());
         }
+        // SAFETY: the caller guarantees `out`'s first 8 bytes are readable; they may be unaligned.
+        let size = unsafe { out.cast::<u64>().read_unaligned() };
+        if size < CUARENA_STATS_SIZE_V1 as u64 {
+            set_error(stats_size_error(size));
+            return Ok(CUARENA_ERR_STATS_SIZE);
+        }
         let a = global(device).map_err(|e| e.to_string())?;
-        // SAFETY: the caller guarantees `out` points to a writable cuarena_stats.
-        unsafe { out.write(a.stats()) };
+        // SAFETY: the caller guarantees `size` writable bytes at `out`, and `size` was checked.
+        unsafe { write_stats(a.stats(), out.cast::<u8>(), size) };
         Ok(0)
     })
+}
+
+fn stats_size_error(size: u64) -> String {
+    format!(
+        "cuarena_get_stats: out->size is {size}, below the {CUARENA_STATS_SIZE_V1} bytes of the smallest \
+         cuarena_stats; set it to sizeof(cuarena_stats)"
+    )
+}
+
+/// Writes `stats` as a `cuarena_stats` into the `size` bytes at `out`: at most `size` bytes and
+/// at most this library's struct, in whole fields, with `size` set to the bytes written.
+///
+/// # Safety
+/// `size >= CUARENA_STATS_SIZE_V1`, and `out` points to `size` writable bytes.
+unsafe fn write_stats(stats: Stats, out: *mut u8, size: u64) {
+    debug_assert!(size >= CUARENA_STATS_SIZE_V1 as u64);
+    let n = size.min(size_of::<cuarena_stats>() as u64) as usize / 8 * 8;
+    let full = cuarena_stats { size: n as u64, stats };
+    // SAFETY: `full` is a local of `size_of::<cuarena_stats>() >= n` bytes; the caller
+    // guarantees `out` has `size >= n` writable bytes; the two do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping((&raw const full).cast::<u8>(), out, n) };
+}
+
+/// This library's version: `major * 1000000 + minor * 1000 + patch`, as `CUARENA_VERSION` in
+/// the header it was built with.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_version() -> c_int {
+    VERSION_NUMBER
+}
+
+/// This library's version as a string (`"0.1.0"`), static.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_version_string() -> *const c_char {
+    VERSION_STRING.as_ptr()
+}
+
+/// [`cuarena_version`]'s value, from Cargo's version of this crate.
+pub const VERSION_NUMBER: c_int = {
+    let (major, minor, patch) = (
+        parse_decimal(env!("CARGO_PKG_VERSION_MAJOR")),
+        parse_decimal(env!("CARGO_PKG_VERSION_MINOR")),
+        parse_decimal(env!("CARGO_PKG_VERSION_PATCH")),
+    );
+    assert!(minor < 1000 && patch < 1000, "minor and patch must stay below 1000 for CUARENA_VERSION");
+    let v = major * 1_000_000 + minor * 1000 + patch;
+    assert!(v <= c_int::MAX as u64, "the version does not fit CUARENA_VERSION");
+    v as c_int
+};
+
+/// [`cuarena_version_string`]'s value.
+const VERSION_STRING: &std::ffi::CStr =
+    match std::ffi::CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+        Ok(s) => s,
+        Err(_) => panic!("the crate version contains a NUL"),
+    };
+
+/// A decimal number at compile time.
+const fn parse_decimal(s: &str) -> u64 {
+    let b = s.as_bytes();
+    assert!(!b.is_empty(), "empty version part");
+    let mut v = 0u64;
+    let mut i = 0;
+    while i < b.len() {
+        assert!(b[i].is_ascii_digit(), "a version part is not a number");
+        v = v * 10 + (b[i] - b'0') as u64;
+        i += 1;
+    }
+    v
 }
 
 /// This thread's last error message, or NULL if no call has failed on this thread. The string
@@ -301,6 +426,37 @@ mod tests {
         a.deallocate(p, 3 << 20, Stream::LEGACY).unwrap();
         a.trim(true).unwrap();
         assert!(!a.contains_reserved(base), "a released chunk is no longer reserved");
+    }
+
+    #[test]
+    fn write_stats_fills_whole_fields_within_the_callers_size_only() {
+        let stats = Stats { live_bytes: 11, invalid_frees: 17, pool_allocations: 24, ..Stats::default() };
+        let word = |b: &[u8], i: usize| u64::from_ne_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+        for size in [CUARENA_STATS_SIZE_V1, 203, 207, 208, 256, 4096] {
+            let mut buf = vec![0xa5u8; size + 64];
+            buf[..8].copy_from_slice(&(size as u64).to_ne_bytes());
+            // SAFETY: `buf` has `size` (and more) writable bytes and `size >= CUARENA_STATS_SIZE_V1`.
+            unsafe { write_stats(stats, buf.as_mut_ptr(), size as u64) };
+            let n = CUARENA_STATS_SIZE_V1;
+            assert_eq!(word(&buf, 0), n as u64, "size {size}: the bytes filled");
+            assert_eq!((word(&buf, 1), word(&buf, 17), word(&buf, 24)), (11, 17, 24), "size {size}");
+            assert!(buf[n..].iter().all(|&b| b == 0xa5), "size {size}: a byte past the struct was written");
+        }
+        // An unaligned buffer is fine too.
+        let mut buf = vec![0u8; CUARENA_STATS_SIZE_V1 + 1];
+        // SAFETY: `buf[1..]` has CUARENA_STATS_SIZE_V1 writable bytes.
+        unsafe { write_stats(stats, buf[1..].as_mut_ptr(), CUARENA_STATS_SIZE_V1 as u64) };
+        assert_eq!(word(&buf[1..], 24), 24);
+    }
+
+    #[test]
+    fn version_number_is_cargos_version() {
+        let v: Vec<i32> =
+            env!("CARGO_PKG_VERSION").split(['.', '-', '+']).take(3).map(|p| p.parse().unwrap()).collect();
+        assert_eq!(VERSION_NUMBER, v[0] * 1_000_000 + v[1] * 1000 + v[2]);
+        assert_eq!(VERSION_STRING.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+        assert_eq!(parse_decimal("0"), 0);
+        assert_eq!(parse_decimal("907"), 907);
     }
 
     #[test]

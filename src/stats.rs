@@ -88,8 +88,9 @@ impl Counters {
 /// an operation in one counter and not yet in another. Every counter is exact once the threads
 /// that change it are quiescent, and none ever counts an exiting thread twice.
 ///
-/// The layout is C's (`#[repr(C)]`, 24 `u64`s in this order): it is also `cuarena_stats` in
-/// `include/cuarena.h`.
+/// The layout is C's (`#[repr(C)]`, 24 `u64`s in this order): `cuarena_stats` in
+/// `include/cuarena.h` is a leading `size` then these fields (`tests/header.rs` checks the order
+/// against the header and the Python package). New fields go at the end.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {

@@ -33,11 +33,12 @@ fn gpu_present() -> bool {
     present
 }
 
-fn stats(device: i32) -> cuarena_stats {
+fn stats(device: i32) -> cuarena::Stats {
     let mut s = cuarena_stats::default();
-    // SAFETY: `s` is a valid cuarena_stats.
+    // SAFETY: `s` is a valid cuarena_stats whose `size` is its own.
     assert_eq!(unsafe { cuarena_get_stats(device, &mut s) }, 0, "{}", err());
-    s
+    assert_eq!(s.size, size_of::<cuarena_stats>() as u64, "the whole struct is filled");
+    s.stats
 }
 
 const NULL: *mut c_void = std::ptr::null_mut();
@@ -64,12 +65,46 @@ fn without_a_driver_every_call_fails_cleanly() {
     }
     cuarena_free(ptr(0x1000), 4096, 0, NULL);
     assert!(err().contains("no CUDA driver"), "{}", err());
+    assert_eq!(cuarena_free_checked(ptr(0x1000), 4096, 0, NULL), -1);
+    assert!(err().contains("no CUDA driver"), "{}", err());
+    assert_eq!(cuarena_free_checked(NULL, 0, 0, NULL), 0, "(NULL, 0) is a no-op");
     cuarena_set_memory_fraction(0.5, 0);
     assert!(err().contains("no CUDA driver"), "{}", err());
     cuarena_empty_cache(); // no allocator exists: nothing to do
     // SAFETY: NULL is allowed and refused.
     assert_eq!(unsafe { cuarena_get_stats(0, std::ptr::null_mut()) }, -1);
     assert!(err().contains("out is NULL"), "{}", err());
+}
+
+/// A `size` below the first struct's is refused with its own code before anything else (even
+/// without a driver), and nothing is written.
+#[test]
+fn get_stats_refuses_a_too_small_size_and_writes_nothing() {
+    let _g = serial();
+    for size in [0u64, 1, 8, 192, CUARENA_STATS_SIZE_V1 as u64 - 1] {
+        let mut buf = [0x5a5a_5a5a_5a5a_5a5au64; 32];
+        buf[0] = size;
+        let before = buf;
+        // SAFETY: `buf` is 256 writable, aligned bytes, more than any size tried here.
+        let r = unsafe { cuarena_get_stats(0, buf.as_mut_ptr().cast()) };
+        assert_eq!(r, CUARENA_ERR_STATS_SIZE, "size {size}");
+        assert_eq!(buf, before, "size {size}: something was written");
+        let e = err();
+        assert!(e.contains(&format!("out->size is {size}")) && e.contains("sizeof(cuarena_stats)"), "{e}");
+    }
+    assert_eq!(cuarena_stats::default().size, CUARENA_STATS_SIZE_V1 as u64);
+}
+
+#[test]
+fn the_version_functions_give_cargos_version() {
+    let s = cuarena_version_string();
+    // SAFETY: a static NUL-terminated string.
+    assert_eq!(unsafe { CStr::from_ptr(s) }.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    let part = |v: &str| v.parse::<i32>().unwrap();
+    let want = part(env!("CARGO_PKG_VERSION_MAJOR")) * 1_000_000
+        + part(env!("CARGO_PKG_VERSION_MINOR")) * 1000
+        + part(env!("CARGO_PKG_VERSION_PATCH"));
+    assert_eq!(cuarena_version(), want);
 }
 
 #[test]
@@ -182,12 +217,18 @@ fn on_a_gpu_the_abi_allocates_fences_and_refuses_bad_frees() {
     }
     let (p0, s0, st0) = blocks[0];
     cuarena_record_stream(p0, ptr(0x2));
-    for &(p, size, s) in &blocks {
-        cuarena_free(p, size, 0, s);
+    for (i, &(p, size, s)) in blocks.iter().enumerate() {
+        if i % 2 == 0 {
+            cuarena_free(p, size, 0, s);
+        } else {
+            assert_eq!(cuarena_free_checked(p, size, 0, s), 0, "{}", err());
+        }
     }
     let before = stats(0).invalid_frees;
     cuarena_free(p0, s0, 0, st0); // double free (or, if reused, a size mismatch): refused
     cuarena_free(ptr(0x1234_0000), 100, 0, NULL);
+    assert!(err().contains("invalid free"), "{}", err());
+    assert_eq!(cuarena_free_checked(ptr(0x1234_0000), 100, 0, NULL), -1);
     assert!(err().contains("invalid free"), "{}", err());
     assert!(stats(0).invalid_frees > before);
     cuarena_set_memory_fraction(0.5, 0);

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after tools/gpu-bundle.sh built gpu-bundle/:
 #   bash tools/gpu-demos.sh [OUTDIR]
-# The GPU tests (required), the C ABI tests with the GPU-only ones, PyTorch training (native vs
-# cuarena), PyTorch threaded inference, CuPy, CuPy on a non-blocking stream, out of memory under
-# PyTorch and CuPy, and the C programs. Prints a summary; writes logs to OUTDIR (default /tmp/cuarena-demos).
+# The GPU tests (required), the C ABI tests with the GPU-only ones, the pip-installed Python
+# package, PyTorch training (native vs cuarena), PyTorch threaded inference, CuPy, CuPy on a
+# non-blocking stream, out of memory under PyTorch and CuPy, and the C programs. Prints a summary; writes logs to OUTDIR (default /tmp/cuarena-demos).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-/tmp/cuarena-demos}"
@@ -37,6 +37,10 @@ if cc -O2 -I include -I "$cuda_inc" examples/c/exit_race.c -L gpu-bundle -lcuare
 else
   fail exit-race-build
 fi
+
+step "Python package: pip-installed, tested from outside the repository (the 3-line PyTorch and CuPy switch)"
+CUARENA_REQUIRE_GPU=1 bash tools/python-check.sh gpu-bundle/libcuarena.so >"$out/python.log" 2>&1 || fail python-package
+grep -E "^(Ran|OK|FAILED)|\.\.\. (FAIL|ERROR|skipped)" "$out/python.log"
 
 step "PyTorch training: native vs cuarena"
 python3 examples/torch_train.py --allocator native >"$out/train-native.json" 2>"$out/train-native.err" || fail train-native

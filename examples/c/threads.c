@@ -88,6 +88,7 @@ int main(void) {
     printf("foreign free refused: %s\n", e ? e : "(no error!)");
     if (!e) return 1;
     cuarena_stats s;
+    s.size = sizeof s; /* the struct may grow: cuarena fills at most this many bytes */
     if (cuarena_get_stats(0, &s) != 0) { fprintf(stderr, "stats: %s\n", cuarena_last_error()); return 1; }
     printf("C threads: %d threads x %d iterations, bad blocks %ld, allocations %llu, cross-thread frees %llu, "
            "cross-stream frees %llu, fences %llu, invalid frees %llu\n", THREADS, ITERS, bad,

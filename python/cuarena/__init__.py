@@ -1,18 +1,33 @@
-"""Install cuarena into PyTorch or CuPy, and read its statistics.
+"""cuarena for Python: PyTorch and CuPy allocate CUDA memory through cuarena, a multi-threaded
+device-memory allocator written in Rust. This package is glue over its C ABI (include/cuarena.h).
 
-cuarena is a Rust library; this is only glue over its C ABI (include/cuarena.h).
-The shared library is found from CUARENA_LIB, then next to this package, then in the
-repository's target/release.
+    import cuarena.torch; cuarena.torch.use()   # PyTorch, before its first CUDA allocation
+    import cuarena.cupy; cuarena.cupy.use()     # CuPy
+    cuarena.stats()                             # counters, as a dict
+
+libcuarena.so is found whatever the working directory, the first of:
+  1. the file named by the environment variable CUARENA_LIB;
+  2. cuarena/lib/libcuarena.so inside this package (`pip install ./python` ships it: see
+     python/README.md);
+  3. target/release/ or target/debug/ of the repository this package sits in (a checkout).
+If none is there, load() raises LibraryNotFoundError (an ImportError) listing what it tried.
+
+A failure raises CuarenaError (a RuntimeError) carrying cuarena's message, or OutOfMemoryError
+(also a MemoryError) when out of memory; no call returns a null pointer silently.
 """
 import ctypes
-import hashlib
 import os
-import subprocess
+import threading
 import warnings
 
-__all__ = ["library_path", "load", "install_torch", "torch_shim_path", "TorchInstall", "install_cupy", "stats",
-           "last_error"]
+__version__ = "0.1.0"
 
+__all__ = ["CuarenaError", "OutOfMemoryError", "LibraryNotFoundError", "library_path", "load", "version",
+           "malloc", "free", "stats", "last_error", "install_torch", "torch_shim_path", "TorchInstall",
+           "install_cupy"]
+
+# The fields of cuarena_stats after its leading `size`, in order: the Rust Stats and
+# include/cuarena.h (tests/header.rs checks that the three agree).
 _FIELDS = [
     "live_bytes", "peak_live_bytes", "reserved_bytes", "peak_reserved_bytes", "pool_in_use_bytes",
     "largest_free_block", "free_extents", "allocations", "deallocations", "cross_thread_frees",
@@ -21,48 +36,126 @@ _FIELDS = [
     "arena_held_bytes", "arenas", "arena_allocations", "pool_allocations",
 ]
 
+# include/cuarena.h's CUARENA_ERR_STATS_SIZE.
+_ERR_STATS_SIZE = -2
+
+
+class CuarenaError(RuntimeError):
+    """A cuarena call failed; the message is cuarena's."""
+
+
+class OutOfMemoryError(CuarenaError, MemoryError):
+    """cuarena is out of device memory (after reclaiming what idle threads held); the message
+    gives the requested, reserved, in-use and largest-free figures."""
+
+
+class LibraryNotFoundError(ImportError):
+    """libcuarena.so is not where this package looks, or cannot be loaded."""
+
 
 class _Stats(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in _FIELDS]
+    """cuarena_stats: a leading size (in: this struct's size; out: the bytes filled), then _FIELDS."""
+    _fields_ = [("size", ctypes.c_uint64)] + [(name, ctypes.c_uint64) for name in _FIELDS]
 
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LIB_NAME = "libcuarena.so"
 _lib = None
+_lib_lock = threading.Lock()
+
+
+def _candidates():
+    """(path, what it is) in the order library_path() tries them, after CUARENA_LIB."""
+    out = [(os.path.join(_HERE, "lib", _LIB_NAME), "shipped inside the package")]
+    repo = os.path.dirname(os.path.dirname(_HERE))  # python/cuarena -> the repository
+    if os.path.isfile(os.path.join(repo, "Cargo.toml")):
+        for profile in ("release", "debug"):
+            out.append((os.path.join(repo, "target", profile, _LIB_NAME), f"this checkout's {profile} build"))
+    else:
+        out.append((None, f"no repository checkout around the package ({repo} has no Cargo.toml)"))
+    return out
 
 
 def library_path():
-    """Where libcuarena.so is."""
+    """The path of the libcuarena.so this package uses (see the module's doc for the order).
+    Raises LibraryNotFoundError, listing every place tried, if there is none."""
     env = os.environ.get("CUARENA_LIB")
     if env:
-        return os.path.abspath(env)
-    here = os.path.dirname(os.path.abspath(__file__))
-    for cand in (
-        os.path.join(here, "libcuarena.so"),
-        os.path.join(here, "..", "libcuarena.so"),
-        os.path.join(here, "..", "..", "target", "release", "libcuarena.so"),
-    ):
-        if os.path.exists(cand):
-            return os.path.abspath(cand)
-    raise FileNotFoundError("libcuarena.so not found: build with `cargo build --release` or set CUARENA_LIB")
+        if os.path.isfile(env):
+            return os.path.abspath(env)
+        raise LibraryNotFoundError(f"cuarena: CUARENA_LIB={env!r} is not a file (it must name libcuarena.so)")
+    tried = ["CUARENA_LIB: not set"]
+    for path, what in _candidates():
+        if path is None:
+            tried.append(what)
+            continue
+        if os.path.isfile(path):
+            return os.path.abspath(path)
+        tried.append(f"{path} ({what}): not there")
+    raise LibraryNotFoundError(
+        "cuarena: libcuarena.so not found. Tried:\n  " + "\n  ".join(tried) + "\n"
+        "Build it with `cargo build --release` and either set CUARENA_LIB to "
+        "target/release/libcuarena.so or reinstall with `pip install ./python` from the repository "
+        "(which ships it; see python/README.md).")
+
+
+def _bind(lib):
+    c = ctypes
+    sigs = {
+        "cuarena_malloc": ([c.c_size_t, c.c_int, c.c_void_p], c.c_void_p),
+        "cuarena_free": ([c.c_void_p, c.c_size_t, c.c_int, c.c_void_p], None),
+        "cuarena_free_checked": ([c.c_void_p, c.c_size_t, c.c_int, c.c_void_p], c.c_int),
+        "cuarena_record_stream": ([c.c_void_p, c.c_void_p], None),
+        "cuarena_empty_cache": ([], None),
+        "cuarena_set_memory_fraction": ([c.c_double, c.c_int], None),
+        "cuarena_get_stats": ([c.c_int, c.POINTER(_Stats)], c.c_int),
+        "cuarena_last_error": ([], c.c_char_p),
+        "cuarena_version": ([], c.c_int),
+        "cuarena_version_string": ([], c.c_char_p),
+    }
+    for name, (args, res) in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res
 
 
 def load():
-    """The loaded library (ctypes.CDLL), loaded once."""
+    """The loaded library (ctypes.CDLL), loaded once per process. Raises LibraryNotFoundError if
+    it is not found, cannot be loaded, or is older than this package's C ABI."""
     global _lib
-    if _lib is None:
-        lib = ctypes.CDLL(library_path())
-        lib.cuarena_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        lib.cuarena_malloc.restype = ctypes.c_void_p
-        lib.cuarena_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        lib.cuarena_free.restype = None
-        lib.cuarena_get_stats.argtypes = [ctypes.c_int, ctypes.POINTER(_Stats)]
-        lib.cuarena_get_stats.restype = ctypes.c_int
-        lib.cuarena_last_error.restype = ctypes.c_char_p
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise LibraryNotFoundError(f"cuarena: cannot load {path}: {e}") from e
+        try:
+            _bind(lib)
+        except AttributeError as e:
+            raise LibraryNotFoundError(
+                f"cuarena: {path} lacks a function this package needs ({e}): it is older than this "
+                f"package ({__version__}); rebuild it with `cargo build --release`") from e
+        v = lib.cuarena_version_string().decode()
+        if v != __version__:
+            warnings.warn(f"cuarena: {path} is version {v}, this Python package {__version__}", RuntimeWarning,
+                          stacklevel=2)
         _lib = lib
     return _lib
 
 
-def _fn_addr(name):
-    return ctypes.cast(getattr(load(), name), ctypes.c_void_p).value
+def version():
+    """The loaded library's version string, e.g. "0.1.0"."""
+    return load().cuarena_version_string().decode()
+
+
+def last_error():
+    """This thread's last cuarena error message, or None if no call has failed on this thread."""
+    e = load().cuarena_last_error()
+    return e.decode(errors="replace") if e else None
 
 
 def _is_oom(msg):
@@ -70,213 +163,71 @@ def _is_oom(msg):
     return bool(msg) and msg.startswith("out of device memory")
 
 
-# ---------------------------------------------------------------------------------------------
-# PyTorch
-
-
-_SHIM_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_shim.cpp")
-
-
-def _cache_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "cuarena")
-
-
-def torch_shim_path():
-    """The PyTorch shim library (torch_shim.cpp compiled against this libcuarena.so).
-
-    CUARENA_TORCH_SHIM names a prebuilt one. Otherwise it is compiled on first use with the
-    system `c++` into ~/.cache/cuarena/ (XDG_CACHE_HOME is honoured), keyed by a hash of the
-    source and of libcuarena.so's location. Raises RuntimeError if that fails: there is no
-    fallback, because PyTorch would turn a failed allocation into a tensor at address 0.
-    """
-    env = os.environ.get("CUARENA_TORCH_SHIM")
-    if env:
-        if not os.path.isfile(env):
-            raise RuntimeError(f"CUARENA_TORCH_SHIM={env!r} does not name a file")
-        return os.path.abspath(env)
-    lib = os.path.realpath(library_path())
-    libdir, libname = os.path.split(lib)
-    with open(_SHIM_SOURCE, "rb") as f:
-        source = f.read()
-    compiler = os.environ.get("CXX") or "c++"
-    key = hashlib.sha256(source + b"\0" + lib.encode() + b"\0" + compiler.encode()).hexdigest()[:16]
-    cache = _cache_dir()
-    out = os.path.join(cache, f"libcuarena_torch-{key}.so")
-    if os.path.isfile(out):
-        return out
-    os.makedirs(cache, exist_ok=True)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    cmd = [compiler, "-O2", "-shared", "-fPIC", _SHIM_SOURCE, "-o", tmp,
-           f"-L{libdir}", f"-l:{libname}", f"-Wl,-rpath,{libdir}"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        raise RuntimeError(
-            f"cuarena: cannot compile the PyTorch shim ({' '.join(cmd)}): {e}. Install a C++ compiler "
-            "or set CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so") from e
-    if r.returncode != 0:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise RuntimeError(
-            f"cuarena: compiling the PyTorch shim failed (exit {r.returncode}): {' '.join(cmd)}\n"
-            f"{r.stderr.strip()}")
-    os.replace(tmp, out)  # atomic: concurrent first uses each build, one wins
-    return out
-
-
-class TorchInstall:
-    """What install_torch() did: `allocator` (the CUDAPluggableAllocator), `shim` (its .so),
-    `hooks_installed` and `hooks_missing` (optional hooks this PyTorch does not offer)."""
-
-    def __init__(self, allocator, shim, hooks_installed, hooks_missing):
-        self.allocator = allocator
-        self.shim = shim
-        self.hooks_installed = tuple(hooks_installed)
-        self.hooks_missing = tuple(hooks_missing)
-
-    def __repr__(self):
-        return (f"TorchInstall(shim={self.shim!r}, hooks_installed={self.hooks_installed}, "
-                f"hooks_missing={self.hooks_missing})")
-
-
-# Optional CUDAPluggableAllocator hooks: (setter, cuarena function, what is lost without it).
-_TORCH_HOOKS = (
-    ("set_record_stream_fn", "cuarena_record_stream",
-     "Tensor.record_stream is not honoured: a block used on another stream may be reused too early"),
-    ("set_reset_fn", "cuarena_empty_cache", "torch.cuda.empty_cache does not release cuarena's memory"),
-    ("set_memory_fraction_fn", "cuarena_set_memory_fraction",
-     "torch.cuda.set_per_process_memory_fraction does not cap cuarena"),
-)
-
-
-def install_torch():
-    """Makes cuarena PyTorch's CUDA allocator. Call before the first CUDA allocation.
-
-    malloc/free go through a small C++ shim (see torch_shim_path) so that a failed allocation
-    raises a RuntimeError whose message starts with "cuarena:" instead of yielding a tensor at
-    address 0. Installs the optional hooks this PyTorch offers: record_stream
-    (Tensor.record_stream fences the free after the other stream's work), reset
-    (torch.cuda.empty_cache) and memory fraction (torch.cuda.set_per_process_memory_fraction);
-    warns about each one it does not offer. Returns a TorchInstall.
-    """
-    import torch
-
-    load()  # this process's one copy of libcuarena.so, which the shim must share
-    shim = torch_shim_path()
-    check = ctypes.CDLL(shim)
-    check.cuarena_torch_target.restype = ctypes.c_void_p
-    if check.cuarena_torch_target() != _fn_addr("cuarena_malloc"):
-        raise RuntimeError(
-            f"cuarena: the PyTorch shim {shim} resolved a different libcuarena.so than {library_path()} "
-            "(two copies would be two allocators); remove the shim or fix CUARENA_TORCH_SHIM")
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "cuarena_torch_malloc", "cuarena_torch_free")
-    hooks = alloc.allocator() if callable(getattr(alloc, "allocator", None)) else alloc._allocator
-    installed, missing = [], []
-    for setter, fn, loss in _TORCH_HOOKS:
-        if callable(getattr(hooks, setter, None)):
-            getattr(hooks, setter)(_fn_addr(fn))
-            installed.append(setter)
-        else:
-            missing.append(setter)
-            warnings.warn(f"cuarena: this PyTorch ({torch.__version__}) offers no {setter}: {loss}",
-                          RuntimeWarning, stacklevel=2)
-    torch.cuda.memory.change_current_allocator(alloc)
-    return TorchInstall(alloc, shim, installed, missing)
-
-
-# ---------------------------------------------------------------------------------------------
-# CuPy
-
-
-class _CupyBlock:
-    """Owner of one CuPy block: frees it, on the stream it was allocated on, when CuPy drops
-    the last reference. Holds the cupy Stream so that stream outlives the free."""
-
-    __slots__ = ("ptr", "size", "device", "stream")
-    _free = None  # cuarena_free, set by install_cupy (a class attribute survives module teardown)
-
-    def __init__(self, ptr, size, device, stream):
-        self.ptr = ptr
-        self.size = size
-        self.device = device
-        self.stream = stream
-
-    def __del__(self):
-        try:
-            _CupyBlock._free(self.ptr, self.size, self.device, self.stream.ptr)
-        except Exception:  # a finaliser must not raise; a refused free is in cuarena's stats
-            pass
-
-
-def _cupy_error(cupy, size, device):
+def _error(what):
     msg = last_error() or "no reason recorded"
-    if not _is_oom(msg):
-        return RuntimeError(f"cuarena: cannot allocate {size} bytes on CUDA device {device}: {msg}")
-    OOM = cupy.cuda.memory.OutOfMemoryError
-    total = -1
-    try:
-        total = stats(device)["live_bytes"]
-    except Exception:
-        pass
-    text = f"cuarena: {msg}"
-    try:
-        e = OOM(size, total)  # cupy: OutOfMemoryError(size, total, limit=0)
-        e.args = (f"{e.args[0]}; {text}" if e.args else text,)
-    except Exception:
-        e = OOM.__new__(OOM)
-        MemoryError.__init__(e, f"Out of memory allocating {size:,} bytes; {text}")
-    return e
+    cls = OutOfMemoryError if _is_oom(msg) else CuarenaError
+    return cls(f"cuarena: {what}: {msg}")
 
 
-def install_cupy():
-    """Makes cuarena CuPy's device allocator, stream-ordered like cudaMallocAsync.
+def malloc(size, device=0, stream=0):
+    """Allocates `size` bytes on `device`, ready for use on `stream` (a CUDA stream handle as an
+    int; 0 is the legacy default stream). Returns the device address as an int; 0 for size 0.
+    Raises OutOfMemoryError or CuarenaError; never returns 0 for a failure."""
+    if size == 0:
+        return 0
+    p = load().cuarena_malloc(size, device, stream or None)
+    if not p:
+        raise _error(f"cannot allocate {size} bytes on CUDA device {device}")
+    return p
 
-    Each block is allocated for the stream current at allocation (cupy.cuda.get_current_stream())
-    and freed on that same stream when CuPy drops it; its owner keeps the Stream object alive
-    until then. So work CuPy queued on a non-blocking stream is ordered before the block's reuse
-    (CuPy's own pool makes the same promise). Size 0 gives a null pointer without calling
-    cuarena. A failure raises cupy.cuda.memory.OutOfMemoryError (out of memory, with cuarena's
-    figures in the message) or RuntimeError (anything else). Returns the allocator function.
-    """
-    import cupy
 
-    lib = load()
-    _CupyBlock._free = lib.cuarena_free
-    malloc = lib.cuarena_malloc
-    memory = cupy.cuda.memory
-    Unowned, MemoryPointer = memory.UnownedMemory, memory.MemoryPointer
-    current_stream = cupy.cuda.get_current_stream
-    try:
-        from cupy.cuda.device import get_device_id
-    except ImportError:
-        get_device_id = cupy.cuda.runtime.getDevice
-
-    def cuarena_cupy_malloc(size):
-        device = get_device_id()
-        if size == 0:
-            return MemoryPointer(Unowned(0, 0, None, device), 0)
-        stream = current_stream()
-        ptr = malloc(size, device, stream.ptr)
-        if not ptr:
-            raise _cupy_error(cupy, size, device)
-        return MemoryPointer(Unowned(ptr, size, _CupyBlock(ptr, size, device, stream), device), 0)
-
-    cupy.cuda.set_allocator(cuarena_cupy_malloc)
-    return cuarena_cupy_malloc
+def free(ptr, size, device=0, stream=0):
+    """Frees a block from malloc(): `size` is its size, `stream` orders the free after the
+    block's uses (as cudaFreeAsync). Raises CuarenaError if cuarena refuses it (unknown pointer,
+    double free, wrong size), and then nothing has changed. (0, 0) does nothing."""
+    if load().cuarena_free_checked(ptr or None, size, device, stream or None) != 0:
+        raise _error(f"free of {size} bytes at {(ptr or 0):#x} on CUDA device {device} refused")
 
 
 def stats(device=0):
-    """cuarena's statistics for `device` as a dict (PyTorch's own raise under a plug-in)."""
+    """cuarena's statistics for `device` as a dict of ints (field names as in
+    include/cuarena.h). Under PyTorch, its own memory statistics are not kept: use this."""
     s = _Stats()
-    if load().cuarena_get_stats(device, ctypes.byref(s)) != 0:
-        raise RuntimeError(last_error())
-    return {name: getattr(s, name) for name in _FIELDS}
+    s.size = ctypes.sizeof(_Stats)
+    r = load().cuarena_get_stats(device, ctypes.byref(s))
+    if r != 0:
+        raise _error(f"statistics of CUDA device {device} unavailable")
+    filled = (s.size - 8) // 8  # a library older than this glue fills fewer fields
+    return {name: getattr(s, name) for name in _FIELDS[:filled]}
 
 
-def last_error():
-    """This thread's last cuarena error, or None."""
-    e = load().cuarena_last_error()
-    return e.decode() if e else None
+def _fn_addr(name):
+    return ctypes.cast(getattr(load(), name), ctypes.c_void_p).value
+
+
+# The functions from before cuarena.torch and cuarena.cupy, kept for existing callers.
+
+
+def install_torch():
+    """Same as cuarena.torch.use()."""
+    from . import torch as glue
+    return glue.use()
+
+
+def torch_shim_path():
+    """Same as cuarena.torch.shim_path()."""
+    from . import torch as glue
+    return glue.shim_path()
+
+
+def install_cupy():
+    """Same as cuarena.cupy.use()."""
+    from . import cupy as glue
+    return glue.use()
+
+
+def __getattr__(name):
+    if name == "TorchInstall":
+        from .torch import TorchInstall
+        return TorchInstall
+    raise AttributeError(f"module 'cuarena' has no attribute {name!r}")

@@ -1,0 +1,94 @@
+"""cuarena as CuPy's device allocator, stream-ordered like cudaMallocAsync:
+
+    import cupy, cuarena.cupy
+    cuarena.cupy.use()
+    x = cupy.ones(1 << 20)
+
+Each block is allocated for the stream current at allocation (cupy.cuda.get_current_stream())
+and freed on that same stream when CuPy drops it; its owner keeps the Stream object alive until
+then. So work CuPy queued on a non-blocking stream is ordered before the block's reuse (CuPy's
+own pool makes the same promise). Size 0 gives a null pointer without calling cuarena. A failure
+raises cupy.cuda.memory.OutOfMemoryError (out of memory, with cuarena's figures in the message)
+or cuarena.CuarenaError (anything else).
+
+Importing this module does not import cupy; use() does.
+"""
+from . import CuarenaError, _is_oom, last_error, load, stats
+
+__all__ = ["use"]
+
+
+class _Block:
+    """Owner of one CuPy block: frees it, on the stream it was allocated on, when CuPy drops
+    the last reference. Holds the cupy Stream so that stream outlives the free."""
+
+    __slots__ = ("ptr", "size", "device", "stream")
+    _free = None  # cuarena_free, set by use() (a class attribute survives module teardown)
+
+    def __init__(self, ptr, size, device, stream):
+        self.ptr = ptr
+        self.size = size
+        self.device = device
+        self.stream = stream
+
+    def __del__(self):
+        try:
+            _Block._free(self.ptr, self.size, self.device, self.stream.ptr)
+        except Exception:  # a finaliser must not raise; a refused free is in cuarena's stats
+            pass
+
+
+def _error(cupy, size, device):
+    msg = last_error() or "no reason recorded"
+    if not _is_oom(msg):
+        return CuarenaError(f"cuarena: cannot allocate {size} bytes on CUDA device {device}: {msg}")
+    OOM = cupy.cuda.memory.OutOfMemoryError
+    total = -1
+    try:
+        total = stats(device)["live_bytes"]
+    except Exception:
+        pass
+    text = f"cuarena: {msg}"
+    try:
+        e = OOM(size, total)  # cupy: OutOfMemoryError(size, total, limit=0)
+        e.args = (f"{e.args[0]}; {text}" if e.args else text,)
+    except Exception:
+        e = OOM.__new__(OOM)
+        MemoryError.__init__(e, f"Out of memory allocating {size:,} bytes; {text}")
+    return e
+
+
+_malloc = None
+
+
+def use():
+    """Makes cuarena CuPy's allocator (cupy.cuda.set_allocator). Calling it again installs the
+    same allocator again. Returns the allocator function."""
+    global _malloc
+    import cupy
+
+    if _malloc is None:
+        lib = load()
+        _Block._free = lib.cuarena_free
+        malloc = lib.cuarena_malloc
+        memory = cupy.cuda.memory
+        Unowned, MemoryPointer = memory.UnownedMemory, memory.MemoryPointer
+        current_stream = cupy.cuda.get_current_stream
+        try:
+            from cupy.cuda.device import get_device_id
+        except ImportError:
+            get_device_id = cupy.cuda.runtime.getDevice
+
+        def cuarena_cupy_malloc(size):
+            device = get_device_id()
+            if size == 0:
+                return MemoryPointer(Unowned(0, 0, None, device), 0)
+            stream = current_stream()
+            ptr = malloc(size, device, stream.ptr)
+            if not ptr:
+                raise _error(cupy, size, device)
+            return MemoryPointer(Unowned(ptr, size, _Block(ptr, size, device, stream), device), 0)
+
+        _malloc = cuarena_cupy_malloc
+    cupy.cuda.set_allocator(_malloc)
+    return _malloc

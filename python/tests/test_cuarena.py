@@ -1,0 +1,240 @@
+"""Tests of the installed cuarena package, run from outside the repository:
+
+    bash tools/python-check.sh [path/to/libcuarena.so]
+
+which installs python/ into a temporary directory (shipping the library) and runs
+`python3 -m unittest discover` there. Without a GPU every call must fail with cuarena's message
+as an exception; with one (CUARENA_REQUIRE_GPU=1 makes it required) the calls must work, and
+the PyTorch and CuPy parts run where those are installed (each in a subprocess: an allocator is
+chosen once per process).
+
+Environment: CUARENA_EXPECT_SHIPPED=1 requires the library to be the one shipped inside the
+package (found with CUARENA_LIB unset); CUARENA_TEST_REPO names the repository, which the
+package must not be imported from.
+"""
+import ctypes
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+import cuarena
+
+REQUIRE_GPU = os.environ.get("CUARENA_REQUIRE_GPU") == "1"
+
+
+def gpu_present():
+    try:
+        cuarena.stats(0)
+        return True
+    except cuarena.CuarenaError as e:
+        if "no CUDA driver" in str(e) and not REQUIRE_GPU:
+            return False
+        raise
+
+
+def run_python(code, env=None):
+    """Runs `code` in a fresh python3 from a temporary directory; returns (exit code, output)."""
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=d, capture_output=True, text=True,
+                           env=env if env is not None else os.environ.copy(), timeout=600)
+        return r.returncode, r.stdout + r.stderr
+
+
+class Package(unittest.TestCase):
+    def test_imported_from_outside_the_repository(self):
+        repo = os.environ.get("CUARENA_TEST_REPO")
+        here = os.path.realpath(cuarena.__file__)
+        print(f"\n  cuarena from {here}, library {cuarena.library_path()}", file=sys.stderr)
+        if repo:
+            self.assertFalse(here.startswith(os.path.realpath(repo) + os.sep),
+                             f"cuarena was imported from the repository: {here}")
+
+    def test_the_shipped_library_is_found_without_cuarena_lib(self):
+        if os.environ.get("CUARENA_EXPECT_SHIPPED") != "1":
+            self.skipTest("CUARENA_EXPECT_SHIPPED is not 1")
+        self.assertNotIn("CUARENA_LIB", os.environ)
+        pkg = os.path.dirname(os.path.realpath(cuarena.__file__))
+        self.assertEqual(os.path.realpath(cuarena.library_path()), os.path.join(pkg, "lib", "libcuarena.so"))
+
+    def test_versions_agree(self):
+        self.assertEqual(cuarena.version(), cuarena.__version__)
+        major, minor, patch = (int(x) for x in cuarena.__version__.split(".")[:3])
+        self.assertEqual(cuarena.load().cuarena_version(), major * 1000000 + minor * 1000 + patch)
+
+    def test_cuarena_lib_naming_no_file_is_an_import_error_naming_it(self):
+        old = os.environ.get("CUARENA_LIB")
+        os.environ["CUARENA_LIB"] = "/nonexistent/libcuarena.so"
+        try:
+            with self.assertRaises(ImportError) as cm:
+                cuarena.library_path()
+            self.assertIsInstance(cm.exception, cuarena.LibraryNotFoundError)
+            self.assertIn("/nonexistent/libcuarena.so", str(cm.exception))
+        finally:
+            if old is None:
+                del os.environ["CUARENA_LIB"]
+            else:
+                os.environ["CUARENA_LIB"] = old
+
+    def test_no_library_anywhere_lists_what_was_tried(self):
+        # The package's Python files alone, in a directory that is no checkout.
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.dirname(os.path.realpath(cuarena.__file__))
+            shutil.copytree(src, os.path.join(d, "cuarena"), ignore=shutil.ignore_patterns("lib", "__pycache__"))
+            env = {k: v for k, v in os.environ.items() if k != "CUARENA_LIB"}
+            env["PYTHONPATH"] = d
+            code, out = run_python("""
+                import cuarena
+                try:
+                    cuarena.load()
+                except ImportError as e:
+                    print(type(e).__name__, e)
+                else:
+                    print("loaded")
+            """, env)
+            self.assertEqual(code, 0, out)
+            self.assertIn("LibraryNotFoundError cuarena: libcuarena.so not found. Tried:", out)
+            self.assertIn("CUARENA_LIB: not set", out)
+            self.assertIn(os.path.join(d, "cuarena", "lib", "libcuarena.so"), out)
+            self.assertIn("no repository checkout", out)
+
+    def test_importing_the_glue_modules_imports_neither_torch_nor_cupy(self):
+        code, out = run_python("""
+            import sys, cuarena.torch, cuarena.cupy
+            print("torch" in sys.modules, "cupy" in sys.modules, callable(cuarena.torch.use), callable(cuarena.cupy.use))
+        """)
+        self.assertEqual((code, out.split()), (0, ["False", "False", "True", "True"]), out)
+
+    def test_stats_struct_has_a_leading_size_and_a_too_small_size_is_refused(self):
+        self.assertEqual(ctypes.sizeof(cuarena._Stats), 8 + 8 * len(cuarena._FIELDS))
+        s = cuarena._Stats()
+        s.size = 16
+        s.live_bytes = 77
+        self.assertEqual(cuarena.load().cuarena_get_stats(0, ctypes.byref(s)), cuarena._ERR_STATS_SIZE)
+        self.assertEqual((s.size, s.live_bytes), (16, 77), "nothing written")
+        self.assertIn("out->size is 16", cuarena.last_error())
+
+
+class Calls(unittest.TestCase):
+    def test_stats_is_a_dict_or_raises_cuarenas_message(self):
+        if gpu_present():
+            s = cuarena.stats()
+            self.assertEqual(list(s), cuarena._FIELDS)
+            self.assertTrue(all(isinstance(v, int) for v in s.values()))
+        else:
+            with self.assertRaises(cuarena.CuarenaError) as cm:
+                cuarena.stats()
+            self.assertIn("no CUDA driver", str(cm.exception))
+            self.assertIsInstance(cm.exception, RuntimeError)
+
+    def test_malloc_never_returns_null_for_a_failure(self):
+        self.assertEqual(cuarena.malloc(0), 0)
+        cuarena.free(0, 0)  # a no-op
+        if not gpu_present():
+            for size in (1, 4096, 1 << 40):
+                with self.assertRaises(cuarena.CuarenaError) as cm:
+                    cuarena.malloc(size)
+                self.assertIn("no CUDA driver", str(cm.exception))
+            with self.assertRaises(cuarena.CuarenaError) as cm:
+                cuarena.free(0x1000, 4096)
+            self.assertIn("no CUDA driver", str(cm.exception))
+            return
+        before = cuarena.stats()
+        p = cuarena.malloc(4096)
+        self.assertNotEqual(p, 0)
+        self.assertEqual(p % 256, 0)
+        cuarena.free(p, 4096)
+        with self.assertRaises(cuarena.CuarenaError) as cm:
+            cuarena.free(p, 4096)  # double free
+        self.assertIn("invalid free", str(cm.exception))
+        with self.assertRaises(cuarena.OutOfMemoryError) as cm:
+            cuarena.malloc(1 << 62)
+        self.assertIsInstance(cm.exception, MemoryError)
+        self.assertIn("out of device memory", str(cm.exception))
+        after = cuarena.stats()
+        self.assertEqual(after["live_bytes"], before["live_bytes"])
+        self.assertGreaterEqual(after["invalid_frees"], before["invalid_frees"] + 1)
+
+    def test_the_torch_shim_compiles_and_calls_this_library(self):
+        if shutil.which(os.environ.get("CXX") or "c++") is None:
+            self.skipTest("no C++ compiler")
+        from cuarena import torch as glue
+
+        with tempfile.TemporaryDirectory() as cache:
+            old = os.environ.get("XDG_CACHE_HOME")
+            os.environ["XDG_CACHE_HOME"] = cache
+            try:
+                shim = glue._checked_shim()  # raises if it resolved another copy of the library
+                self.assertTrue(shim.startswith(cache), shim)
+                self.assertEqual(glue.shim_path(), shim, "cached")
+            finally:
+                if old is None:
+                    del os.environ["XDG_CACHE_HOME"]
+                else:
+                    os.environ["XDG_CACHE_HOME"] = old
+
+
+def _have(module):
+    return importlib.util.find_spec(module) is not None
+
+
+class Frameworks(unittest.TestCase):
+    """The three-line switch, each in its own process (needs the framework and a GPU)."""
+
+    def test_torch_three_lines(self):
+        if not _have("torch"):
+            self.skipTest("torch is not installed")
+        if not gpu_present():
+            self.skipTest("no GPU")
+        code, out = run_python("""
+            import torch, cuarena, cuarena.torch
+            cuarena.torch.use()
+            x = torch.arange(1 << 20, device="cuda", dtype=torch.float64)
+            y = (x * 2).sum().item()
+            assert y == float((1 << 20) * ((1 << 20) - 1)), y
+            s = cuarena.stats()
+            assert s["allocations"] >= 2 and s["live_bytes"] > 0, s
+            assert cuarena.torch.use() is cuarena.torch.use()
+            try:
+                torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+                print("no error for 1 PiB")
+            except RuntimeError as e:
+                assert "cuarena" in str(e), e
+            del x
+            print("torch OK", s["allocations"], s["arena_allocations"], s["pool_allocations"])
+        """)
+        self.assertEqual(code, 0, out)
+        self.assertIn("torch OK", out)
+        self.assertNotIn("no error", out)
+
+    def test_cupy_three_lines(self):
+        if not _have("cupy"):
+            self.skipTest("cupy is not installed")
+        if not gpu_present():
+            self.skipTest("no GPU")
+        code, out = run_python("""
+            import cupy, cuarena, cuarena.cupy
+            cuarena.cupy.use()
+            x = cupy.arange(1 << 20, dtype=cupy.float64)
+            y = float((x * 2).sum())
+            assert y == float((1 << 20) * ((1 << 20) - 1)), y
+            s = cuarena.stats()
+            assert s["allocations"] >= 2 and s["live_bytes"] > 0, s
+            try:
+                cupy.empty(1 << 50, dtype=cupy.uint8)
+                print("no error for 1 PiB")
+            except cupy.cuda.memory.OutOfMemoryError as e:
+                assert "cuarena" in str(e), e
+            print("cupy OK", s["allocations"], s["arena_allocations"], s["pool_allocations"])
+        """)
+        self.assertEqual(code, 0, out)
+        self.assertIn("cupy OK", out)
+        self.assertNotIn("no error", out)
+
+
+if __name__ == "__main__":
+    unittest.main()
