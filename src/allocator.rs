@@ -360,6 +360,9 @@ impl Inner {
                 a.held_bytes() > 0 && !env.skip_fences && env.dev.stream_key(a.home).ok() != Some(a.key)
             })
             .unwrap_or(false);
+        // Mutation for the loom model of parked arenas: never park.
+        #[cfg(cuarena_mutant = "zombie_never_parked")]
+        let gone = false && gone;
         self.arenas.fetch_sub(1, Ordering::Relaxed);
         if !gone {
             if let Some(shell) = owned.exit(env, None) {
@@ -386,7 +389,12 @@ impl Inner {
         if z.arenas.is_empty() {
             return Ok(0);
         }
-        if let Err(e) = env.dev.synchronize() {
+        // Mutation for the loom model of parked arenas: give them back with no synchronise.
+        #[cfg(not(cuarena_mutant = "zombie_no_sync"))]
+        let synced = env.dev.synchronize();
+        #[cfg(cuarena_mutant = "zombie_no_sync")]
+        let synced: Result<()> = Ok(());
+        if let Err(e) = synced {
             // Nothing given back: park them again.
             let mut back = lock(&self.zombies);
             back.bytes += z.bytes;

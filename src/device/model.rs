@@ -27,6 +27,12 @@ pub struct ModelDevice {
     made: AtomicUsize,
     waits: AtomicUsize,
     keys: AtomicU64,
+    /// The handle of the one user stream a model destroyed (0: none).
+    destroyed: AtomicUsize,
+    /// Device synchronises so far.
+    syncs: AtomicUsize,
+    /// Times the GPU caught up with all work (`complete_all` or a synchronise).
+    caught_up: AtomicUsize,
 }
 
 impl ModelDevice {
@@ -40,7 +46,34 @@ impl ModelDevice {
             made: AtomicUsize::new(0),
             waits: AtomicUsize::new(0),
             keys: AtomicU64::new(10),
+            destroyed: AtomicUsize::new(0),
+            syncs: AtomicUsize::new(0),
+            caught_up: AtomicUsize::new(0),
         }
+    }
+
+    /// Destroys the user stream `s`: its identity is gone, and recording on it fails.
+    pub fn destroy_stream(&self, s: Stream) {
+        assert!(s.is_user(), "only a user stream can be destroyed");
+        self.destroyed.store(s.as_raw(), Ordering::Release);
+    }
+
+    /// Device synchronises so far.
+    pub fn syncs(&self) -> usize {
+        self.syncs.load(Ordering::Acquire)
+    }
+
+    /// True once the GPU has caught up with all work at least once (every stream's work,
+    /// including work queued with no event, as a user stream's local frees are).
+    pub fn caught_up(&self) -> bool {
+        self.caught_up.load(Ordering::Acquire) > 0
+    }
+
+    fn check_stream(&self, s: Stream) -> Result<()> {
+        if s.is_user() && self.destroyed.load(Ordering::Acquire) == s.as_raw() {
+            return Err(Error::Driver { call: "model: destroyed stream", code: 400 });
+        }
+        Ok(())
     }
 
     /// The GPU catches up: every event recorded so far completes.
@@ -48,6 +81,7 @@ impl ModelDevice {
         for (recorded, done) in &self.events {
             done.store(recorded.load(Ordering::Acquire), Ordering::Release);
         }
+        self.caught_up.fetch_add(1, Ordering::AcqRel);
     }
 
     /// True if every event recorded so far has completed.
@@ -96,7 +130,8 @@ impl Device for ModelDevice {
         Ok(Event(i as u64))
     }
     fn destroy_event(&self, _event: Event) {}
-    fn record_event(&self, e: Event, _s: Stream) -> Result<()> {
+    fn record_event(&self, e: Event, s: Stream) -> Result<()> {
+        self.check_stream(s)?;
         self.event(e)?.0.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
@@ -112,12 +147,12 @@ impl Device for ModelDevice {
     }
     /// A host wait for all work: the GPU catches up with every event.
     fn synchronize(&self) -> Result<()> {
-        for e in 0..self.made.load(Ordering::Acquire).min(EVENTS) {
-            self.sync_event(Event(e as u64))?;
-        }
+        self.syncs.fetch_add(1, Ordering::AcqRel);
+        self.complete_all();
         Ok(())
     }
-    fn stream_wait_event(&self, _s: Stream, e: Event) -> Result<()> {
+    fn stream_wait_event(&self, s: Stream, e: Event) -> Result<()> {
+        self.check_stream(s)?;
         self.event(e)?;
         self.waits.fetch_add(1, Ordering::AcqRel);
         Ok(())
@@ -134,6 +169,7 @@ impl Device for ModelDevice {
                 k.get()
             })));
         }
+        self.check_stream(s)?;
         Ok(StreamKey(s.as_raw() as u64 + 1_000_000))
     }
 }

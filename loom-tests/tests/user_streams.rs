@@ -1,0 +1,78 @@
+//! Model of a user-stream arena whose stream is destroyed while it holds memory freed there
+//! (`allocator.rs`, "Arenas of destroyed streams"): the arena is parked at thread exit, and its
+//! memory reaches another stream only after a device synchronise, while an out-of-memory
+//! allocation and a blocking trim race to give the parked arenas back.
+#![cfg(loom)]
+
+use cuarena::device::model::ModelDevice;
+use cuarena::{Allocator, Config, Error, Stream};
+use loom::thread;
+use loom_tests::common::{SB, model};
+use std::sync::Arc;
+
+/// One superblock of room in all, so a second thread can only get memory the parked arena
+/// gives back; no superblock goes back by the return rule (`keep_empty` 8).
+fn setup_one_superblock() -> (Arc<ModelDevice>, Allocator) {
+    let dev = Arc::new(ModelDevice::new(SB as u64, SB as u64));
+    let cfg = Config::builder()
+        .superblock(SB)
+        .small_max(SB / 2)
+        .chunk(SB)
+        .max_bytes(SB)
+        .batch_blocks(1)
+        .keep_empty(8)
+        .build()
+        .expect("a valid model config");
+    (dev.clone(), Allocator::new(dev, cfg).expect("allocator"))
+}
+
+#[test]
+fn a_destroyed_streams_arena_is_reused_only_after_a_synchronise() {
+    model(|| {
+        let (dev, a) = setup_one_superblock();
+        let s = Stream::from_raw(0x100);
+        // The owner: a block on its user stream, freed there (no event: the fast path), the
+        // stream destroyed, the thread gone: its arena must be parked.
+        {
+            let (a, dev) = (a.clone(), dev.clone());
+            thread::spawn(move || {
+                let p = a.allocate(SB / 2, s).unwrap();
+                a.deallocate(p, SB / 2, s).unwrap();
+                dev.destroy_stream(s);
+                a.release_thread().unwrap();
+            })
+            .join()
+            .unwrap();
+        }
+        assert_eq!(a.parked_bytes(), SB, "the arena of the destroyed stream is parked");
+        // Two threads race to give it back: an allocation that finds the pool empty, and a
+        // blocking trim. Whoever gets the memory must have synchronised the device first.
+        let (a2, d2) = (a.clone(), dev.clone());
+        let alloc = thread::spawn(move || {
+            let r = a2.allocate_per_thread(SB / 2);
+            if let Ok(q) = r {
+                assert!(
+                    d2.syncs() > 0 || d2.caught_up(),
+                    "memory of a destroyed stream reused unsynchronised"
+                );
+                a2.deallocate_per_thread(q, SB / 2).unwrap();
+            } else {
+                // Out of memory only while the trim holds the parked arena on its way back.
+                assert!(matches!(r, Err(Error::OutOfMemory { .. })), "{r:?}");
+            }
+            a2.release_thread().unwrap();
+        });
+        let a3 = a.clone();
+        let trim = thread::spawn(move || {
+            a3.trim(true).unwrap();
+            a3.release_thread().unwrap();
+        });
+        alloc.join().unwrap();
+        trim.join().unwrap();
+        a.trim(true).unwrap();
+        a.check_invariants();
+        assert_eq!(a.parked_bytes(), 0);
+        assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
+        assert_eq!(a.stats().live_bytes, 0);
+    });
+}
