@@ -881,6 +881,56 @@ impl Drop for Slot {
     }
 }
 
+/// The fast path of a small allocation on the per-thread or the legacy stream (arena `i`):
+/// the calling thread's arena serves it from its block cache or free lists, with no CUDA call,
+/// no lock and no atomic read-modify-write. `None` sends the request to the slow path
+/// ([`Allocator::alloc_small_cold`]); the small return value keeps this path in registers.
+#[inline]
+fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize) -> Option<u64> {
+    SLOTS
+        .try_with(|cell| {
+            let mut slots = cell.try_borrow_mut().ok()?;
+            let slot = slots.iter_mut().find(|s| s.id == inner.id)?;
+            let p = slot.arenas.fixed[i].as_mut()?.with(|a| a.alloc(class, g))??;
+            slot.counted_alloc(g * GRANULE);
+            Some(p)
+        })
+        .ok()
+        .flatten()
+}
+
+/// The fast path of a free on the per-thread stream of a block of the calling thread's
+/// per-thread arena: merged back at once (`Arena::free_local`). False sends the free to the
+/// slow path ([`Allocator::deallocate_cold`]), which also reports an invalid free: the fast
+/// path changes nothing when it finds one.
+#[inline]
+fn free_fast(inner: &Arc<Inner>, ptr: u64, size: usize) -> bool {
+    let small_max = inner.cfg.small_max;
+    if size == 0 || size > small_max {
+        return false;
+    }
+    let Some(sb) = inner.pool.registry.lookup(ptr) else { return false };
+    let owner = sb.owner.load(Ordering::Acquire);
+    SLOTS
+        .try_with(|cell| {
+            let mut slots = cell.try_borrow_mut().ok()?;
+            let slot = slots.iter_mut().find(|s| s.id == inner.id)?;
+            let bytes = block_bytes(size, small_max)?;
+            let env = inner.env(&slot.counters);
+            let a = slot.arenas.fixed[0].as_mut()?;
+            if !std::ptr::eq(Arc::as_ptr(&a.shell), owner) {
+                return None;
+            }
+            // Inside the claim the superblock stays ours, so ownership is checked again there.
+            a.with(|a| a.owns(sb).then(|| a.free_local(&env, sb, ptr, size, bytes)))??.ok()?;
+            slot.counted_free(bytes);
+            Some(())
+        })
+        .ok()
+        .flatten()
+        .is_some()
+}
+
 /// Runs `f` on the calling thread's slot for `inner`.
 #[inline]
 fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R {
@@ -972,23 +1022,27 @@ impl Allocator {
                     Ok(DevicePtr(p))
                 });
             };
-            return with_slot(inner, |slot, inner| {
-                if let Some(a) = slot.arenas.fixed[i].as_mut()
-                    && let Some(Some(p)) = a.with(|a| a.alloc(class, gc))
-                {
-                    slot.counted_alloc(gc * GRANULE);
-                    return Ok(DevicePtr(p));
-                }
-                let p = slot.alloc_small_slow(inner, i, class, gc)?;
-                slot.counted_alloc(gc * GRANULE);
-                Ok(DevicePtr(p))
-            });
+            if let Some(p) = alloc_fast(inner, i, class, gc) {
+                return Ok(DevicePtr(p));
+            }
+            return self.alloc_small_cold(i, class, gc);
         }
         let bytes = match block_bytes(size, inner.cfg.small_max) {
             Some(b) if b <= inner.pool.limit() => b,
             _ => return Err(inner.oom(size)),
         };
         with_slot(inner, |slot, inner| slot.alloc_pool(inner, bytes, stream).map(DevicePtr))
+    }
+
+    /// The slow path of a small allocation on the per-thread or the legacy stream.
+    #[cold]
+    #[inline(never)]
+    fn alloc_small_cold(&self, i: usize, class: usize, g: usize) -> Result<DevicePtr> {
+        with_slot(&self.inner, |slot, inner| {
+            let p = slot.alloc_small_slow(inner, i, class, g)?;
+            slot.counted_alloc(g * GRANULE);
+            Ok(DevicePtr(p))
+        })
     }
 
     /// Frees a block from [`Allocator::allocate`]. `size` is the size it was allocated with.
@@ -1005,6 +1059,16 @@ impl Allocator {
         if ptr.is_null() && size == 0 {
             return Ok(());
         }
+        if stream.is_per_thread() && free_fast(&self.inner, ptr.0, size) {
+            return Ok(());
+        }
+        self.deallocate_cold(ptr, size, stream)
+    }
+
+    /// Every free the fast path did not take, and every invalid one.
+    #[cold]
+    #[inline(never)]
+    fn deallocate_cold(&self, ptr: DevicePtr, size: usize, stream: Stream) -> Result<()> {
         with_slot(&self.inner, |slot, inner| {
             let r = if ptr.is_null() {
                 Err(Error::InvalidFree { ptr: 0, size, reason: InvalidFree::UnknownPointer })
