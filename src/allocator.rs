@@ -30,8 +30,7 @@
 
 use std::cell::RefCell;
 
-use crate::arena::{Arena, ArenaShell, Freed};
-use crate::buffer::DeviceBuffer;
+use crate::arena::Arena;
 use crate::config::Config;
 use crate::device::counted::Counted;
 use crate::device::cuda::CudaDevice;
@@ -42,6 +41,7 @@ use crate::error::{Error, InvalidFree, Result};
 use crate::fence::Fence;
 use crate::global_pool::{GlobalPool, Origin};
 use crate::outbox::Outbox;
+use crate::shell::{ArenaShell, Freed};
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
 use crate::stats::{CounterRegistry, Counters, Stats};
 use crate::stream::{Stream, StreamKey};
@@ -50,24 +50,8 @@ use std::sync::{Arc, Weak};
 
 use crate::sync::{AtomicUsize, Mutex, Ordering, lock, next_id, thread_local};
 
-/// A device address. Null is `DevicePtr(0)`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DevicePtr(pub u64);
-
-impl DevicePtr {
-    /// The null pointer.
-    pub const NULL: DevicePtr = DevicePtr(0);
-
-    /// True for null.
-    pub fn is_null(self) -> bool {
-        self.0 == 0
-    }
-
-    /// The address.
-    pub fn as_u64(self) -> u64 {
-        self.0
-    }
-}
+// Re-exported for the C ABI's `crate::allocator::DevicePtr`; the type lives in `ptr.rs`.
+pub use crate::ptr::DevicePtr;
 
 /// A device-memory allocator for one device. Cheap to clone; clones share everything.
 #[derive(Clone)]
@@ -281,7 +265,7 @@ impl OwnedArena {
         let ptr = std::ptr::NonNull::from(Box::leak(Box::new(arena)));
         // Release: a reclaimer that loads the pointer (Acquire, under the claim) sees the arena
         // whole.
-        shell.arena.store(ptr.as_ptr(), Ordering::Release);
+        shell.arena.store(ptr.as_ptr().cast(), Ordering::Release);
         OwnedArena { ptr, shell }
     }
 
@@ -427,7 +411,8 @@ impl Inner {
                 continue;
             }
             let Some(_held) = sh.claim.try_claim() else { continue };
-            let p = sh.arena.load(Ordering::Acquire);
+            // The shell's opaque pointer is an `Arena` (published by `OwnedArena::new`).
+            let p = sh.arena.load(Ordering::Acquire).cast::<Arena>();
             if p.is_null() {
                 continue; // its owner exited meanwhile
             }
@@ -1137,12 +1122,6 @@ impl Allocator {
     /// [`Allocator::deallocate`] on the calling thread's per-thread default stream.
     pub fn deallocate_per_thread(&self, ptr: DevicePtr, size: usize) -> Result<()> {
         self.deallocate(ptr, size, Stream::PER_THREAD)
-    }
-
-    /// An owning buffer of `size` bytes on `stream`, freed on that stream when dropped.
-    pub fn buffer(&self, size: usize, stream: Stream) -> Result<DeviceBuffer> {
-        let ptr = self.allocate(size, stream)?;
-        Ok(DeviceBuffer::from_parts(self.clone(), ptr, size, stream))
     }
 
     /// Sends this thread's gathered remote frees and takes back frees sent to it.

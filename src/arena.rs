@@ -70,42 +70,16 @@
 
 use std::collections::VecDeque;
 
-use crate::claim::Claim;
 use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{Fence, FenceSet};
 use crate::free_lists::{FreeBlock, FreeLists};
-use crate::inbox::Inbox;
+use crate::shell::{ArenaShell, Batch};
 use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{FREE, PENDING, SbLocal, Superblock, USED};
-use crate::sync::{AtomicPtr, Ordering};
+use crate::sync::Ordering;
 use std::sync::Arc;
-
-/// A block freed remotely: its address and the size given to the free.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Freed {
-    pub(crate) ptr: u64,
-    pub(crate) size: usize,
-}
-
-/// Remote frees sent together under one fence (`None` only when fencing is off for a test).
-pub(crate) struct Batch {
-    pub(crate) fence: Option<Arc<Fence>>,
-    pub(crate) blocks: Vec<Freed>,
-}
-
-/// The part of an arena other threads may touch: its inbox, and the claim through which a
-/// reclaimer may take the arena from an idle owner. Shells live as long as the allocator and
-/// are reused by later arenas, so a raw pointer to one (a superblock's `owner`) never dangles.
-#[derive(Default)]
-pub(crate) struct ArenaShell {
-    pub(crate) inbox: Inbox<Batch>,
-    pub(crate) claim: Claim,
-    /// The arena using this shell, or null. Written by the owner inside `claim` (set when the
-    /// arena is made, cleared at exit); read by a reclaimer only while it holds the claim.
-    pub(crate) arena: AtomicPtr<Arena>,
-}
 
 /// The owner-only arena.
 pub(crate) struct Arena {
@@ -121,7 +95,7 @@ pub(crate) struct Arena {
     /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
     dense_1024: usize,
     lists: FreeLists,
-    /// Superblocks held; `SbLocal::slot` is each one's index here.
+    /// Superblocks held.
     owned: Vec<*const Superblock>,
     /// Granules in used or pending blocks.
     live: usize,
@@ -361,10 +335,6 @@ impl Arena {
     /// Returns `owned[idx]` to the pool, guarded by `fences` (recorded on our stream).
     fn give_back(&mut self, env: &Env<'_>, idx: usize, fences: FenceSet) {
         let sbp = self.owned.swap_remove(idx);
-        if idx < self.owned.len() {
-            // SAFETY: we own the moved superblock.
-            unsafe { (*self.owned[idx]).with_local(|l| l.slot = idx) };
-        }
         // SAFETY: we own `sbp` until `take_back` clears its owner.
         let sb = unsafe { &*sbp };
         let granules = self.granules;
@@ -431,14 +401,12 @@ impl Arena {
         let sb =
             env.pool.lend(&env.dev, self.shell_ptr(), self.home, self.key, env.skip_fences, requested)?;
         let sbp: *const Superblock = sb;
-        let slot = self.owned.len();
         let lists = &mut self.lists;
         let granules = self.granules;
         // SAFETY: the pool just made us the owner.
         unsafe {
             sb.with_local(|l| {
                 l.init(granules);
-                l.slot = slot;
                 let id = lists.insert(FreeBlock { sb: sbp, first: 0, len: granules });
                 l.mark(0, granules, FREE, id);
             })

@@ -1,7 +1,18 @@
 //! An owning device buffer, freed on its stream when dropped.
 
-use crate::allocator::{Allocator, DevicePtr};
+use crate::allocator::Allocator;
+use crate::error::Result;
+use crate::ptr::DevicePtr;
 use crate::stream::Stream;
+
+// Here rather than in `allocator.rs`, so that the allocator does not name the buffer built on it.
+impl Allocator {
+    /// An owning buffer of `size` bytes on `stream`, freed on that stream when dropped.
+    pub fn buffer(&self, size: usize, stream: Stream) -> Result<DeviceBuffer> {
+        let ptr = self.allocate(size, stream)?;
+        Ok(DeviceBuffer::from_parts(self.clone(), ptr, size, stream))
+    }
+}
 
 /// `size` bytes of device memory, freed on [`DeviceBuffer::stream`] when dropped.
 ///

@@ -15,8 +15,9 @@ use cudarc::driver::{
     SyncOnDrop, sys,
 };
 
-use crate::allocator::{Allocator, DevicePtr};
+use crate::allocator::Allocator;
 use crate::error::{Error, Result};
+use crate::ptr::DevicePtr;
 use crate::stream::Stream;
 
 /// `len` values of `T` in cuarena memory, on a cudarc stream; freed on that stream on drop.

@@ -24,13 +24,13 @@
 use std::collections::BTreeMap;
 
 use crate::address_tree::AddressTree;
-use crate::arena::ArenaShell;
 use crate::config::Config;
 use crate::device::Device;
 use crate::device::counted::Counted;
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{EventPool, Fence, FenceSet, Legacy};
 use crate::registry::Registry;
+use crate::shell::ArenaShell;
 use crate::size_class::{GRANULE, block_bytes};
 use crate::stats::{Counters, Stats};
 use crate::stream::{Stream, StreamKey};

@@ -27,7 +27,9 @@ pub mod inbox;
 pub mod loom_api;
 mod outbox;
 mod passthrough;
+mod ptr;
 mod registry;
+mod shell;
 pub mod shutdown;
 pub mod size_class;
 pub mod stats;
@@ -37,7 +39,7 @@ pub(crate) mod sync;
 #[doc(hidden)]
 pub mod testkit;
 
-pub use allocator::{Allocator, DevicePtr};
+pub use allocator::Allocator;
 pub use buffer::DeviceBuffer;
 pub use config::{Config, ConfigBuilder, Limit};
 #[cfg(not(loom))]
@@ -47,5 +49,6 @@ pub use device::host::{HostConfig, HostDevice};
 pub use device::{Device, DeviceKind, Event};
 pub use error::{Error, InvalidFree, Result};
 pub use global::global;
+pub use ptr::DevicePtr;
 pub use stats::Stats;
 pub use stream::{Stream, StreamKey};

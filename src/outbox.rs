@@ -19,10 +19,10 @@
 //! A free on a user stream is sent at once ([`send_now`]) with its own fence: the caller may
 //! destroy the stream right after the free, and a later flush could not record on it.
 
-use crate::arena::{ArenaShell, Batch, Freed};
 use crate::env::Env;
 use crate::error::Result;
 use crate::fence::{Fence, FenceSet};
+use crate::shell::{ArenaShell, Batch, Freed};
 use crate::stream::{Stream, StreamKey};
 use std::sync::Arc;
 

@@ -22,9 +22,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use crate::allocator::DevicePtr;
 use crate::device::Device;
 use crate::error::{Error, InvalidFree, Result};
+use crate::ptr::DevicePtr;
 use crate::size_class::block_bytes;
 use crate::stats::Stats;
 use crate::stream::Stream;

@@ -42,7 +42,7 @@
 //! there was freed and merged): an aligned interior pointer freed by another thread may thus be
 //! refused as a double free rather than as an unknown pointer; it is refused either way.
 
-use crate::arena::ArenaShell;
+use crate::shell::ArenaShell;
 use crate::sync::{AtomicPtr, AtomicU8, Ordering, UnsafeCell};
 
 /// Tag state: a live block; payload is its length in granules.
@@ -61,10 +61,6 @@ pub(crate) struct SbLocal {
     pub(crate) tags: Vec<u32>,
     /// Granules in used or pending blocks.
     pub(crate) live: usize,
-    /// Index in the owner's list of superblocks.
-    pub(crate) slot: usize,
-    /// Index in the owner's list of sparse superblocks, or `usize::MAX`.
-    pub(crate) sparse_slot: usize,
 }
 
 impl SbLocal {
@@ -73,8 +69,6 @@ impl SbLocal {
         self.tags.clear();
         self.tags.resize(granules, 0);
         self.live = 0;
-        self.slot = usize::MAX;
-        self.sparse_slot = usize::MAX;
     }
 
     /// Tags `[first, first+len)` as one block in `state` with `payload`.
@@ -143,7 +137,7 @@ unsafe impl Sync for Superblock {}
 
 impl Superblock {
     pub(crate) fn new(base: u64, granules: usize) -> Superblock {
-        let mut local = SbLocal { tags: Vec::new(), live: 0, slot: usize::MAX, sparse_slot: usize::MAX };
+        let mut local = SbLocal { tags: Vec::new(), live: 0 };
         local.tags.reserve_exact(granules);
         Superblock {
             base,
