@@ -6,13 +6,19 @@
 //! stream are remembered and fenced at the free, like `record_stream`. Kernel launches cannot
 //! report their stream through cudarc's API: for a launch on another stream, call
 //! [`CudaBuffer::record_stream`].
+//!
+//! cudarc's views (`CudaView`, `CudaViewMut`) have private fields, so no type outside cudarc
+//! can make one. [`CudaBuffer::with_cuda_slice`] instead lends the buffer as a cudarc
+//! `CudaSlice` for the length of a closure (cudarc's own `upgrade_device_ptr`), from which
+//! `slice(..)`, `as_view()` and `as_view_mut()` give views; the slice is leaked back, never
+//! freed by cudarc, also if the closure panics. A `&CudaStream` converts into a [`Stream`].
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaStream, DevicePtr as CudarcDevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg,
-    SyncOnDrop, sys,
+    CudaSlice, CudaStream, DevicePtr as CudarcDevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs,
+    PushKernelArg, SyncOnDrop, sys,
 };
 
 use crate::allocator::Allocator;
@@ -77,6 +83,36 @@ impl<T> CudaBuffer<T> {
     /// The device address.
     pub fn device_address(&self) -> u64 {
         self.ptr
+    }
+
+    /// Runs `f` with the buffer lent as a cudarc `CudaSlice<T>` on the buffer's stream, so that
+    /// cudarc's views (`slice(..)`, `as_view()`, `as_view_mut()`) and every cudarc API that
+    /// takes a slice or a view can use cuarena memory. The slice is handed back with cudarc's
+    /// `leak` (which frees nothing) when `f` returns or unwinds; work `f` queues on other
+    /// streams must be declared with [`CudaBuffer::record_stream`], as for launches.
+    pub fn with_cuda_slice<R>(&mut self, f: impl FnOnce(&mut CudaSlice<T>) -> R) -> R {
+        /// Gives the lent slice back without freeing it, on return and on unwinding alike.
+        struct Lent<T>(std::mem::ManuallyDrop<CudaSlice<T>>);
+        impl<T> Drop for Lent<T> {
+            fn drop(&mut self) {
+                // SAFETY: taken once, here, and never used after.
+                let s = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
+                s.leak();
+            }
+        }
+        // SAFETY: `ptr` is a live cuarena allocation of `len` values of `T` (this buffer, which
+        // the `&mut self` borrow keeps alive and unshared for the closure's length); the slice
+        // is never dropped as cudarc's own (so never freed by cudarc), only leaked by `Lent`.
+        let slice = unsafe { self.stream.upgrade_device_ptr::<T>(self.ptr, self.len) };
+        let mut lent = Lent(std::mem::ManuallyDrop::new(slice));
+        f(&mut lent.0)
+    }
+}
+
+impl From<&CudaStream> for Stream {
+    /// The stream's raw handle (cudarc's default stream is the legacy stream, NULL).
+    fn from(s: &CudaStream) -> Stream {
+        Stream::from_raw(s.cu_stream() as usize)
     }
 }
 

@@ -18,6 +18,7 @@ use std::fmt;
 
 /// Why a free was refused. A refused free changes nothing: the block, if it exists, stays live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum InvalidFree {
     /// The pointer is not the start of a live block of this allocator.
     UnknownPointer,
@@ -29,6 +30,7 @@ pub enum InvalidFree {
 
 /// Every error cuarena returns.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Error {
     /// The request cannot be met within the configured cap or the device's free memory.
     OutOfMemory {

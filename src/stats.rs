@@ -93,6 +93,7 @@ impl Counters {
 /// against the header and the Python package). New fields go at the end.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Stats {
     /// Bytes in live blocks (after size-class rounding).
     pub live_bytes: u64,

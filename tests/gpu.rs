@@ -178,9 +178,22 @@ fn gpu_cudarc_copies_and_launches_take_cuarena_buffers() {
     unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)).unwrap() };
     assert_eq!(stream.clone_dtoh(&buf).unwrap(), vec![tag; n]);
     assert_eq!(stream.clone_dtoh(&errors).unwrap(), vec![0]);
+    // cudarc views of the buffer, lent as a CudaSlice: a copy through a view of its second
+    // half, then the buffer is still cuarena's (freed once, by cuarena).
+    let half: Vec<u32> = vec![7; n / 2];
+    buf.with_cuda_slice(|s| {
+        let mut upper = s.slice_mut(n / 2..);
+        stream.memcpy_htod(&half, &mut upper).unwrap();
+        assert_eq!(stream.clone_dtoh(&s.slice(n / 2..)).unwrap(), half);
+    });
+    let back = stream.clone_dtoh(&buf).unwrap();
+    assert_eq!(&back[..n / 2], &vec![tag; n / 2][..]);
+    assert_eq!(&back[n / 2..], &half[..]);
+    assert_eq!(Stream::from(&*stream), Stream::from_raw(stream.cu_stream() as usize));
     drop(buf);
     stream.synchronize().unwrap();
     assert_eq!(a.stats().live_bytes, 0);
+    assert_eq!(a.stats().invalid_frees, 0, "the lent slice was not freed by cudarc");
 }
 
 // ---------------------------------------------------------------------------------------------

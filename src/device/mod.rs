@@ -25,6 +25,7 @@ pub struct Event(pub u64);
 
 /// Which backend a device is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeviceKind {
     /// A CUDA GPU.
     Cuda,
