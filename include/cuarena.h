@@ -82,6 +82,7 @@ typedef struct cuarena_stats {
     uint64_t arenas;                /* live arenas (per thread: one per-thread-stream, one legacy-stream) */
     uint64_t arena_allocations;     /* allocations served by an arena (no lock, no CUDA call) */
     uint64_t pool_allocations;      /* allocations served by the global pool */
+    uint64_t large_allocations;     /* of arena_allocations, those over small_max (large superblocks) */
 } cuarena_stats;
 
 /* PyTorch CUDAPluggableAllocator: alloc and free. */

@@ -217,6 +217,7 @@ impl Inner {
             dev: Counted::new(&*self.device, counters),
             skip_fences: self.cfg.skip_fences,
             small_max: self.cfg.small_max,
+            large_max: self.cfg.large_max,
             deferred: &self.deferred,
         }
     }
@@ -345,7 +346,14 @@ impl Slot {
     /// waiting).
     #[cold]
     #[inline(never)]
-    fn alloc_small_slow(&mut self, inner: &Inner, i: usize, class: usize, g: usize) -> Result<u64> {
+    fn alloc_small_slow(
+        &mut self,
+        inner: &Inner,
+        i: usize,
+        class: usize,
+        g: usize,
+        large: bool,
+    ) -> Result<u64> {
         let env = inner.env(&self.counters);
         let ptds = Self::ptds_key(&mut self.ptds, &env)?;
         let home = HOMES[i];
@@ -357,7 +365,6 @@ impl Slot {
         {
             env.defer(e);
         }
-        let own = self.shells();
         let owned = match &mut self.arenas[i] {
             Some(a) => a,
             None => {
@@ -368,18 +375,25 @@ impl Slot {
                 self.arenas[i].insert(OwnedArena::new(arena))
             }
         };
-        let r = owned.with(|arena| match arena.alloc_slow(&env, class, g) {
-            Err(Error::OutOfMemory { .. }) => {
-                // Memory freed into other threads' arenas may be idle there: take it back, and
-                // try once more.
-                inner.reclaim_others(&env, &own, true);
-                arena.alloc_slow(&env, class, g)
+        let r = match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
+            Some(Err(Error::OutOfMemory { .. })) => {
+                // Memory may be idle elsewhere: in this thread's outbox (its own frees on the
+                // legacy stream wait there), its other arena, and other threads' arenas. Take
+                // it back, and try once more.
+                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true);
+                self.arenas[i].as_mut().expect("made above").with(|arena| arena.alloc_slow(&env, class, g))
             }
             r => r,
-        });
+        };
         let c = &*self.counters;
         let p = match r {
-            Some(r) => r?,
+            Some(r) => {
+                let p = r?;
+                if large {
+                    c.bump(&c.large_allocations, 1);
+                }
+                p
+            }
             None => {
                 let p = inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences)?;
                 c.bump(&c.pool_allocations, 1);
@@ -454,11 +468,10 @@ impl Slot {
     }
 
     fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
-        let small_max = inner.cfg.small_max;
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
-        let bytes = if size == 0 { None } else { block_bytes(size, small_max) };
+        let bytes = if size == 0 { None } else { block_bytes(size, inner.cfg.small_max) };
         if size > 0
-            && size <= small_max
+            && size <= inner.cfg.large_max
             && let Some(sb) = inner.pool.registry.lookup(ptr)
         {
             let owner = sb.owner.load(Ordering::Acquire);
@@ -689,20 +702,25 @@ impl Allocator {
             return Ok(DevicePtr::NULL);
         }
         let inner = &self.inner;
-        if size <= inner.cfg.small_max
+        if size <= inner.cfg.large_max
             && let Some(i) = arena_index(stream)
         {
-            let g = granules_for(size).expect("small sizes do not overflow");
+            let g = granules_for(size).expect("sizes up to large_max do not overflow");
             let class = class_ceil(g);
-            let gc = class_granules(class);
+            // Small blocks are class-rounded; large ones granule-rounded (`block_bytes`).
+            let large = size > inner.cfg.small_max;
+            let gc = if large { g } else { class_granules(class) };
             return with_slot(inner, |slot, inner| {
                 if let Some(a) = slot.arenas[i].as_mut()
                     && let Some(Some(p)) = a.with(|a| a.alloc(class, gc))
                 {
+                    if large {
+                        slot.counters.bump(&slot.counters.large_allocations, 1);
+                    }
                     slot.counted_alloc(gc * GRANULE);
                     return Ok(DevicePtr(p));
                 }
-                let p = slot.alloc_small_slow(inner, i, class, gc)?;
+                let p = slot.alloc_small_slow(inner, i, class, gc, large)?;
                 slot.counted_alloc(gc * GRANULE);
                 Ok(DevicePtr(p))
             });

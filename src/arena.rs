@@ -113,7 +113,10 @@ pub(crate) struct Arena {
     pub(crate) home: Stream,
     /// Identity of `home` (for the legacy stream, the same in every thread).
     pub(crate) key: StreamKey,
+    /// Granules of a normal superblock (`S` of the return rule).
     granules: usize,
+    /// Granules of every superblock held, normal and large (`a` of the return rule).
+    held: usize,
     keep_empty: usize,
     /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
     dense_1024: usize,
@@ -125,6 +128,27 @@ pub(crate) struct Arena {
     pending: VecDeque<Batch>,
     /// Per-class LIFO of freed blocks not yet merged: `(superblock, first granule)`.
     cache: [Vec<(*const Superblock, u32)>; CACHED_CLASSES],
+}
+
+/// The smallest large superblock: 8 MiB.
+pub(crate) const LARGE_SUPERBLOCK_MIN: usize = 8 << 20;
+/// The largest large superblock: 128 MiB (twice the largest classed request).
+pub(crate) const LARGE_SUPERBLOCK_MAX: usize = 128 << 20;
+
+/// The size of the large superblock an arena borrows for a request of `requested` bytes (over
+/// `small_max`, at most 64 MiB): the power of two at or above 4 × `requested`, clamped to
+/// [`LARGE_SUPERBLOCK_MIN`] ..= [`LARGE_SUPERBLOCK_MAX`], and at least one normal superblock
+/// `superblock` (a power of two, so the result is a multiple of it). So one request pins at
+/// most `max(8 MiB, 8 × requested)` and at most 128 MiB, and the superblock holds the request
+/// with room for three more of its size (two at 64 MiB) before the arena borrows again.
+pub(crate) fn large_superblock_bytes(requested: usize, superblock: usize) -> usize {
+    requested
+        .saturating_mul(4)
+        .checked_next_power_of_two()
+        .unwrap_or(LARGE_SUPERBLOCK_MAX)
+        .clamp(LARGE_SUPERBLOCK_MIN, LARGE_SUPERBLOCK_MAX)
+        .max(superblock)
+        .max(requested.next_multiple_of(superblock))
 }
 
 /// Pending batches polled per slow path at most (one event query each).
@@ -148,6 +172,7 @@ impl Arena {
             home,
             key,
             granules,
+            held: 0,
             keep_empty,
             dense_1024: ((1.0 - sparse) * 1024.0).round() as usize,
             lists: FreeLists::default(),
@@ -311,7 +336,7 @@ impl Arena {
     /// True if the return rule asks for a superblock back.
     #[inline]
     fn over_held(&self) -> bool {
-        let (u, a, s) = (self.live, self.owned.len() * self.granules, self.granules);
+        let (u, a, s) = (self.live, self.held, self.granules);
         u + self.keep_empty * s < a && u * 1024 < self.dense_1024 * a
     }
 
@@ -361,7 +386,7 @@ impl Arena {
         }
         // SAFETY: we own `sbp` until `take_back` clears its owner.
         let sb = unsafe { &*sbp };
-        let granules = self.granules;
+        let granules = sb.granules;
         // Blocks freed remotely and waiting for their fence are free, not live: they go to the
         // pool as free ranges guarded by their own fence, and leave `pending`, so a second
         // (invalid) free of one is refused by the pool, and no stale entry can later touch this
@@ -414,20 +439,48 @@ impl Arena {
             })
         };
         self.live -= live;
+        self.held -= granules;
+        if granules > self.granules {
+            // A large superblock's tags go with it (made afresh at its next lending), so the
+            // host memory they take is bounded by what arenas hold now.
+            // SAFETY: we still own `sb` (until `take_back`).
+            unsafe { sb.with_local(|l| l.tags = Vec::new()) };
+        }
         let c = env.dev.counters;
         c.bump(if used.is_empty() { &c.superblocks_returned } else { &c.superblocks_dissolved }, 1);
         c.bump(&c.arena_held_bytes, ((granules as u64) << GRANULE_SHIFT).wrapping_neg());
         env.pool.take_back(sb, &used, &free, fences, fenced);
     }
 
-    /// Takes a superblock from the pool, for a request of `requested` bytes.
-    fn grow(&mut self, env: &Env<'_>, requested: usize) -> Result<()> {
-        let sb =
-            env.pool.lend(&env.dev, self.shell_ptr(), self.home, self.key, env.skip_fences, requested)?;
+    /// Takes a superblock from the pool, for a request of `g` granules: a normal one for a small
+    /// request, a large one ([`large_superblock_bytes`]) for a request over `small_max`. If
+    /// the pool cannot lend a large one of that size (its cap), smaller ones are asked for,
+    /// halving down to the request rounded up to whole normal superblocks.
+    fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<()> {
+        let s = self.granules << GRANULE_SHIFT;
+        let requested = g << GRANULE_SHIFT;
+        let least = requested.next_multiple_of(s);
+        let mut bytes = if requested <= env.small_max { s } else { large_superblock_bytes(requested, s) };
+        let sb = loop {
+            match env.pool.lend(
+                &env.dev,
+                self.shell_ptr(),
+                self.home,
+                self.key,
+                env.skip_fences,
+                bytes,
+                requested,
+            ) {
+                Err(Error::OutOfMemory { .. }) if bytes > least => {
+                    bytes = (bytes / 2).next_multiple_of(s).max(least);
+                }
+                r => break r?,
+            }
+        };
         let sbp: *const Superblock = sb;
         let slot = self.owned.len();
         let lists = &mut self.lists;
-        let granules = self.granules;
+        let granules = sb.granules;
         // SAFETY: the pool just made us the owner.
         unsafe {
             sb.with_local(|l| {
@@ -438,6 +491,7 @@ impl Arena {
             })
         };
         self.owned.push(sbp);
+        self.held += granules;
         let c = env.dev.counters;
         c.bump(&c.superblocks_taken, 1);
         c.bump(&c.arena_held_bytes, (granules as u64) << GRANULE_SHIFT);
@@ -453,7 +507,7 @@ impl Arena {
             let mut mine = Vec::with_capacity(batch.blocks.len());
             for fr in batch.blocks {
                 match env.pool.registry.lookup(fr.ptr) {
-                    Some(sb) if fr.size <= env.small_max && self.owns(sb) => {
+                    Some(sb) if fr.size <= env.large_max && self.owns(sb) => {
                         let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
                         // SAFETY: we own `sb`.
                         let r = unsafe {
@@ -567,8 +621,8 @@ impl Arena {
                 return Ok(p);
             }
         }
-        self.grow(env, g << GRANULE_SHIFT)?;
-        Ok(self.alloc(class, g).expect("a fresh superblock fits every small class"))
+        self.grow(env, g)?;
+        Ok(self.alloc(class, g).expect("a fresh superblock fits the request"))
     }
 
     /// Completes the pending batches that need no wait: fencing off, freed on this arena's
@@ -622,12 +676,11 @@ impl Arena {
                 }
             }
         }
-        let granules = self.granules;
         let picks: Vec<usize> = (0..self.owned.len())
             .filter(|&i| {
                 let sbp = self.owned[i];
                 // SAFETY: we own every superblock in `owned` (or hold the owner's claim).
-                let live = unsafe { (*sbp).with_local(|l| l.live) };
+                let (live, granules) = unsafe { ((*sbp).with_local(|l| l.live), (*sbp).granules) };
                 let pend = pending.iter().find(|(p, _)| std::ptr::eq(*p, sbp)).map_or(0, |p| p.1);
                 let used = live - pend;
                 used == 0 || (dissolve && live < granules)
@@ -644,10 +697,13 @@ impl Arena {
             }
         };
         // Highest index first: `give_back` swap-removes, which then moves only unpicked ones.
+        let mut bytes = 0;
         for &idx in picks.iter().rev() {
+            // SAFETY: as above.
+            bytes += unsafe { (*self.owned[idx]).granules } << GRANULE_SHIFT;
             self.give_back(env, idx, FenceSet::one(fence.clone()));
         }
-        picks.len() * (granules << GRANULE_SHIFT)
+        bytes
     }
 
     /// Drains, polls and returns what the return rule allows (an explicit flush).
@@ -706,5 +762,26 @@ impl Arena {
         // The inbox stays closed while the shell is idle, so late frees go to the pool; the
         // next arena to take the shell reopens it (`Inner::take_shell`).
         Some(Arc::clone(&self.shell))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_superblocks_are_four_requests_rounded_up_and_clamped() {
+        let s = 2 << 20;
+        assert_eq!(large_superblock_bytes((1 << 20) + 1, s), 8 << 20);
+        assert_eq!(large_superblock_bytes(3 << 20, s), 16 << 20);
+        assert_eq!(large_superblock_bytes(8 << 20, s), 32 << 20);
+        assert_eq!(large_superblock_bytes((8 << 20) + 256, s), 64 << 20);
+        assert_eq!(large_superblock_bytes(64 << 20, s), 128 << 20);
+        // A superblock larger than the minimum: at least one of it.
+        assert_eq!(large_superblock_bytes(3 << 20, 64 << 20), 64 << 20);
+        for r in [(1 << 20) + 1, 5 << 20, 17 << 20, 33 << 20, 64 << 20] {
+            let b = large_superblock_bytes(r, s);
+            assert!(b >= r && b.is_multiple_of(s) && b <= LARGE_SUPERBLOCK_MAX.max(8 * r));
+        }
     }
 }

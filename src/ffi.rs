@@ -232,7 +232,7 @@ pub extern "C" fn cuarena_set_memory_fraction(fraction: f64, device: c_int) {
 #[allow(non_camel_case_types)]
 pub type cuarena_stats = Stats;
 
-const _: () = assert!(size_of::<cuarena_stats>() == 24 * 8, "cuarena_stats must match include/cuarena.h");
+const _: () = assert!(size_of::<cuarena_stats>() == 25 * 8, "cuarena_stats must match include/cuarena.h");
 
 /// Fills `*out` with `device`'s statistics. 0 on success, -1 on failure.
 ///
