@@ -117,6 +117,13 @@ pub(crate) struct Arena {
     granules: usize,
     /// Granules of every superblock held, normal and large (`a` of the return rule).
     held: usize,
+    /// Granules of large superblocks held.
+    large_held: usize,
+    /// `L` of the return rule: [`LARGE_SUPERBLOCK_MAX`] in granules while a large superblock
+    /// is held, else 0.
+    large_keep: usize,
+    /// The recent peak of `live` (see `over_held`), kept while large superblocks are held.
+    recent: usize,
     keep_empty: usize,
     /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
     dense_1024: usize,
@@ -173,6 +180,9 @@ impl Arena {
             key,
             granules,
             held: 0,
+            large_held: 0,
+            large_keep: 0,
+            recent: 0,
             keep_empty,
             dense_1024: ((1.0 - sparse) * 1024.0).round() as usize,
             lists: FreeLists::default(),
@@ -335,9 +345,18 @@ impl Arena {
 
     /// True if the return rule asks for a superblock back.
     #[inline]
-    fn over_held(&self) -> bool {
-        let (u, a, s) = (self.live, self.held, self.granules);
-        u + self.keep_empty * s < a && u * 1024 < self.dense_1024 * a
+    fn over_held(&mut self) -> bool {
+        let u = if self.large_held == 0 {
+            self.live
+        } else {
+            // With large superblocks, `u` is the recent peak of `live`: it decays by 1/256 per
+            // call (one per free), so a working set that swings (a few large blocks freed and
+            // then allocated again) keeps its superblocks instead of returning and borrowing.
+            self.recent = self.live.max(self.recent - (self.recent >> 8));
+            self.recent
+        };
+        let (a, s) = (self.held, self.granules);
+        u + self.keep_empty * s + self.large_keep < a && u * 1024 < self.dense_1024 * a
     }
 
     /// Merges every cached block into the free lists.
@@ -364,11 +383,23 @@ impl Arena {
     /// Gives superblocks back until the return rule holds.
     fn shrink(&mut self, env: &Env<'_>) {
         self.flush_cache();
+        let normal = self.granules;
         while self.over_held() {
-            let idx = (0..self.owned.len())
-                // SAFETY: we own every superblock in `owned`.
-                .min_by_key(|&i| unsafe { (*self.owned[i]).with_local(|l| l.live) })
-                .expect("over_held implies a superblock");
+            // The emptiest superblock, the largest of equally empty ones; a large superblock
+            // only if it is empty (dissolving one would leave its large blocks in the pool,
+            // scattered over a range the pool could otherwise lend again whole).
+            let Some(idx) = (0..self.owned.len())
+                .filter_map(|i| {
+                    let sb = self.owned[i];
+                    // SAFETY: we own every superblock in `owned`.
+                    let (live, granules) = unsafe { ((*sb).with_local(|l| l.live), (*sb).granules) };
+                    (live == 0 || granules == normal).then_some((i, live, std::cmp::Reverse(granules)))
+                })
+                .min_by_key(|&(_, live, big)| (live, big))
+                .map(|(i, ..)| i)
+            else {
+                return; // only large superblocks in use: they go back when empty
+            };
             let fence = match env.fence(self.home, self.key) {
                 Ok(f) => f,
                 Err(e) => return env.defer(e), // keep the superblock; try again later
@@ -441,6 +472,10 @@ impl Arena {
         self.live -= live;
         self.held -= granules;
         if granules > self.granules {
+            self.large_held -= granules;
+            if self.large_held == 0 {
+                self.large_keep = 0;
+            }
             // A large superblock's tags go with it (made afresh at its next lending), so the
             // host memory they take is bounded by what arenas hold now.
             // SAFETY: we still own `sb` (until `take_back`).
@@ -492,6 +527,10 @@ impl Arena {
         };
         self.owned.push(sbp);
         self.held += granules;
+        if granules > self.granules {
+            self.large_held += granules;
+            self.large_keep = LARGE_SUPERBLOCK_MAX >> GRANULE_SHIFT;
+        }
         let c = env.dev.counters;
         c.bump(&c.superblocks_taken, 1);
         c.bump(&c.arena_held_bytes, (granules as u64) << GRANULE_SHIFT);

@@ -237,8 +237,11 @@ impl Superblock {
     /// Clears every flag: called by the pool, under its lock, when it lends the superblock
     /// (only stale flags of refused frees can be set then; see the module comment).
     pub(crate) fn clear_all_freed(&self) {
-        for g in 0..self.granules {
-            self.flag(g).store(0, Ordering::Relaxed);
+        let per_page = 1 << self.page_shift;
+        for (i, page) in self.pages.iter().enumerate() {
+            for f in &page[..per_page.min(self.granules - i * per_page)] {
+                f.store(0, Ordering::Relaxed);
+            }
         }
     }
 
