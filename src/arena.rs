@@ -1,5 +1,6 @@
-//! A per-thread arena: small blocks for one stream of one thread, its *home*: the thread's
-//! per-thread default stream, or the legacy stream (a thread has one arena for each).
+//! A per-thread arena: small blocks (and large ones, from large superblocks) for one stream of
+//! one thread, its *home*: the thread's per-thread default stream, or the legacy stream (a
+//! thread has one arena for each).
 //!
 //! ## Fast path
 //! `alloc` and `free_local` run on the owning thread only, touch only owner-only memory (the
@@ -50,6 +51,22 @@
 //! (`batch_blocks` blocks or `batch_bytes` bytes) of frees not yet sent. An out-of-memory
 //! error is returned only after this reclaim and one retry.
 
+//! ## Large superblocks
+//! Requests over `small_max` (up to `large_max`) are served by the same lists, from *large
+//! superblocks*: spans of several normal superblocks, lent by the pool when a large request
+//! finds no fit ([`large_superblock_bytes`]: the power of two at or above 4 × the request, 8 to
+//! 128 MiB, aligned to the normal superblock size). One set of free lists: small requests may
+//! be carved from a large superblock's free space, and a large request (over `small_max`, at
+//! most `S`) may be placed in a normal superblock's free space of at least its size; that is
+//! harmless (a normal superblock with a large block is given back, dissolved, like any other),
+//! and keeping the two apart would cost the O(1) fit.
+//! Large blocks are rounded to the granule, not to a class (as the pool rounds them), so a
+//! block left in the pool by a dissolved superblock is checked by the same rule. Their frees
+//! take the same paths as small blocks' (local fast path; remote and cross-stream through the
+//! outbox, one fence per batch). Host memory: a large superblock's tags (4 bytes per granule,
+//! 2 MiB for 128 MiB) are made at each lending and dropped when it goes back; its freed flags are
+//! the registry's, per address (`registry.rs`).
+
 //! ## Superblock return rule (Hoard's emptiness rule)
 //! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
 //! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
@@ -60,6 +77,20 @@
 //! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
 //! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
 //! its live bytes, whichever is larger (see `config.rs` for why `f` is not Hoard's 1/4).
+//!
+//! **With large superblocks** (sizes differ, so `a` is the granules of all superblocks held):
+//! the pigeonhole still gives a superblock at most as full as the arena (`live_i / size_i <=
+//! u / a`), but the rule gives back a large superblock only when it is empty (dissolving one
+//! would scatter its large blocks over a range the pool could otherwise lend whole); while an
+//! arena holds any large superblock, the rule keeps `L = 128 MiB` more ([`LARGE_SUPERBLOCK_MAX`]),
+//! and `u` is the recent peak of live granules `û` (decaying by 1/256 per free), so a working
+//! set that swings does not return and borrow a superblock on every swing. Hence, after every
+//! free, `a <= max(û + K·S + L, û / (1 - f)) + N`, where `N` is the large superblocks that hold
+//! a live block but are not given back for it: **an arena holding large superblocks strands at
+//! most `max(K·S + L, f/(1-f)·û)` beyond its recent peak, plus its non-empty large
+//! superblocks**, each at most `max(8 MiB, 8 × its largest request)` and 128 MiB. Out of memory
+//! and `trim` still take back everything free without the owner (`reclaim`, dissolving large
+//! superblocks too on out-of-memory).
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one

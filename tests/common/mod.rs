@@ -90,9 +90,11 @@ pub fn on_thread<R: Send + 'static>(a: &Allocator, f: impl FnOnce(&Allocator) ->
     .unwrap()
 }
 
+type Job = Box<dyn FnOnce(&Allocator) + Send>;
+
 /// A thread that stays alive (idle between commands) until dropped.
 pub struct Worker {
-    tx: Option<mpsc::Sender<Box<dyn FnOnce(&Allocator) + Send>>>,
+    tx: Option<mpsc::Sender<Job>>,
     h: Option<std::thread::JoinHandle<()>>,
 }
 
