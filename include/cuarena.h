@@ -97,10 +97,11 @@ typedef struct cuarena_stats {
     uint64_t arenas;                /* live arenas (per thread: one per-thread-stream, one legacy-stream) */
     uint64_t arena_allocations;     /* allocations served by an arena (no lock, no CUDA call) */
     uint64_t pool_allocations;      /* allocations served by the global pool */
+    uint64_t large_allocations;     /* of arena_allocations, those over small_max (large superblocks) */
 } cuarena_stats;
 
 /* The size of the first cuarena_stats: `size` and 24 counters. A smaller `size` is refused. */
-#define CUARENA_STATS_SIZE_V1 200
+#define CUARENA_STATS_SIZE_V1 208
 /* cuarena_get_stats's result when out->size is below CUARENA_STATS_SIZE_V1. */
 #define CUARENA_ERR_STATS_SIZE (-2)
 

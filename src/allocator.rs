@@ -319,6 +319,7 @@ impl Inner {
             dev: Counted::new(&*self.device, counters),
             skip_fences: self.cfg.skip_fences,
             small_max: self.cfg.small_max,
+            large_max: self.cfg.large_max,
             deferred: &self.deferred,
         }
     }
@@ -517,14 +518,21 @@ impl Slot {
     /// The arena path's slow path for the fixed arena `i` (see [`arena_index`]).
     #[cold]
     #[inline(never)]
-    fn alloc_small_slow(&mut self, inner: &Inner, i: usize, class: usize, g: usize) -> Result<u64> {
+    fn alloc_small_slow(
+        &mut self,
+        inner: &Inner,
+        i: usize,
+        class: usize,
+        g: usize,
+        large: bool,
+    ) -> Result<u64> {
         let env = inner.env(&self.counters);
         let key = if i == 0 {
             Self::ptds_key(&mut self.ptds, &env)?
         } else {
             Self::legacy_key(&mut self.legacy, &env)?
         };
-        self.alloc_slow_in(inner, Which::Fixed(i), HOMES[i], key, class, g)
+        self.alloc_slow_in(inner, Which::Fixed(i), (HOMES[i], key), class, g, large)
     }
 
     /// The arena path for a user stream whose identity is `key`: its arena's fast path if the
@@ -546,10 +554,10 @@ impl Slot {
             if let Some(Some(p)) = u.arena.with(|a| a.alloc(class, g)) {
                 return Ok(p);
             }
-            return self.alloc_slow_in(inner, Which::User(j), stream, key, class, g);
+            return self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, false);
         }
         self.new_user_arena(inner, stream, key)?;
-        self.alloc_slow_in(inner, Which::User(self.arenas.users.len() - 1), stream, key, class, g)
+        self.alloc_slow_in(inner, Which::User(self.arenas.users.len() - 1), (stream, key), class, g, false)
     }
 
     /// Adds an (empty) arena for the user stream `stream` with identity `key`, first giving
@@ -582,10 +590,10 @@ impl Slot {
         &mut self,
         inner: &Inner,
         w: Which,
-        home: Stream,
-        key: StreamKey,
+        (home, key): (Stream, StreamKey),
         class: usize,
         g: usize,
+        large: bool,
     ) -> Result<u64> {
         let env = inner.env(&self.counters);
         let ptds = Self::ptds_key(&mut self.ptds, &env)?;
@@ -596,7 +604,6 @@ impl Slot {
         {
             env.defer(e);
         }
-        let own = self.arenas.shells();
         if let Which::Fixed(i) = w
             && self.arenas.fixed[i].is_none()
         {
@@ -607,18 +614,26 @@ impl Slot {
             self.arenas.fixed[i] = Some(OwnedArena::new(arena));
         }
         let owned = self.arenas.get_mut(w).expect("the arena exists");
-        let r = owned.with(|arena| match arena.alloc_slow(&env, class, g) {
-            Err(Error::OutOfMemory { .. }) => {
-                // Memory freed into other threads' arenas may be idle there: take it back, and
-                // try once more.
-                inner.reclaim_others(&env, &own, true);
-                arena.alloc_slow(&env, class, g)
+        let r = match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
+            Some(Err(Error::OutOfMemory { .. })) => {
+                // Memory may be idle elsewhere: in this thread's outbox (its own frees on the
+                // legacy stream wait there), its other arenas, other threads' arenas, and
+                // parked arenas of destroyed streams. Take it back, and try once more.
+                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true);
+                let owned = self.arenas.get_mut(w).expect("reclaim keeps the arenas");
+                owned.with(|arena| arena.alloc_slow(&env, class, g))
             }
             r => r,
-        });
+        };
         let c = &*self.counters;
         let p = match r {
-            Some(r) => r?,
+            Some(r) => {
+                let p = r?;
+                if large {
+                    c.bump(&c.large_allocations, 1);
+                }
+                p
+            }
             None => {
                 let p = inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences)?;
                 c.bump(&c.pool_allocations, 1);
@@ -695,11 +710,10 @@ impl Slot {
     }
 
     fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
-        let small_max = inner.cfg.small_max;
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
-        let bytes = if size == 0 { None } else { block_bytes(size, small_max) };
+        let bytes = if size == 0 { None } else { block_bytes(size, inner.cfg.small_max) };
         if size > 0
-            && size <= small_max
+            && size <= inner.cfg.large_max
             && let Some(sb) = inner.pool.registry.lookup(ptr)
         {
             let owner = sb.owner.load(Ordering::Acquire);
@@ -871,12 +885,15 @@ impl Drop for Slot {
 /// no lock and no atomic read-modify-write. `None` sends the request to the slow path
 /// ([`Allocator::alloc_small_cold`]); the small return value keeps this path in registers.
 #[inline]
-fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize) -> Option<u64> {
+fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize, large: bool) -> Option<u64> {
     SLOTS
         .try_with(|cell| {
             let mut slots = cell.try_borrow_mut().ok()?;
             let slot = slots.iter_mut().find(|s| s.id == inner.id)?;
             let p = slot.arenas.fixed[i].as_mut()?.with(|a| a.alloc(class, g))??;
+            if large {
+                slot.counters.bump(&slot.counters.large_allocations, 1);
+            }
             slot.counted_alloc(g * GRANULE);
             Some(p)
         })
@@ -994,23 +1011,30 @@ impl Allocator {
             return Ok(DevicePtr::NULL);
         }
         let inner = &self.inner;
-        if size <= inner.cfg.small_max {
-            let g = granules_for(size).expect("small sizes do not overflow");
+        if size <= inner.cfg.large_max {
+            let g = granules_for(size).expect("sizes up to large_max do not overflow");
             let class = class_ceil(g);
-            let gc = class_granules(class);
-            let Some(i) = arena_index(stream) else {
-                // A user stream: its arena is found by its identity.
-                return with_slot(inner, |slot, inner| {
-                    let key = inner.env(&slot.counters).dev.stream_key(stream)?;
-                    let p = slot.alloc_user(inner, stream, key, class, gc)?;
-                    slot.counted_alloc(gc * GRANULE);
-                    Ok(DevicePtr(p))
-                });
-            };
-            if let Some(p) = alloc_fast(inner, i, class, gc) {
-                return Ok(DevicePtr(p));
+            // Small blocks are class-rounded; large ones granule-rounded (`block_bytes`).
+            let large = size > inner.cfg.small_max;
+            let gc = if large { g } else { class_granules(class) };
+            match arena_index(stream) {
+                Some(i) => {
+                    if let Some(p) = alloc_fast(inner, i, class, gc, large) {
+                        return Ok(DevicePtr(p));
+                    }
+                    return self.alloc_small_cold(i, class, gc, large);
+                }
+                // A user stream: a small request goes to its arena, found by its identity.
+                None if !large => {
+                    return with_slot(inner, |slot, inner| {
+                        let key = inner.env(&slot.counters).dev.stream_key(stream)?;
+                        let p = slot.alloc_user(inner, stream, key, class, gc)?;
+                        slot.counted_alloc(gc * GRANULE);
+                        Ok(DevicePtr(p))
+                    });
+                }
+                None => {} // a large request on a user stream: the pool
             }
-            return self.alloc_small_cold(i, class, gc);
         }
         let bytes = match block_bytes(size, inner.cfg.small_max) {
             Some(b) if b <= inner.pool.limit() => b,
@@ -1022,9 +1046,9 @@ impl Allocator {
     /// The slow path of a small allocation on the per-thread or the legacy stream.
     #[cold]
     #[inline(never)]
-    fn alloc_small_cold(&self, i: usize, class: usize, g: usize) -> Result<DevicePtr> {
+    fn alloc_small_cold(&self, i: usize, class: usize, g: usize, large: bool) -> Result<DevicePtr> {
         with_slot(&self.inner, |slot, inner| {
-            let p = slot.alloc_small_slow(inner, i, class, g)?;
+            let p = slot.alloc_small_slow(inner, i, class, g, large)?;
             slot.counted_alloc(g * GRANULE);
             Ok(DevicePtr(p))
         })

@@ -1,7 +1,8 @@
-//! A per-thread arena: small blocks for one stream of one thread, its *home*: the thread's
-//! per-thread default stream, the legacy stream, or one of the user streams it uses (a thread
-//! has one arena for each; see `allocator.rs` for how user-stream arenas are found and given
-//! up, and `Env::home_fence` for the fence on a user stream that may have been destroyed).
+//! A per-thread arena: small blocks (and large ones, from large superblocks) for one stream of
+//! one thread, its *home*: the thread's per-thread default stream, the legacy stream, or one of
+//! the user streams it uses (a thread has one arena for each; see `allocator.rs` for how
+//! user-stream arenas are found and given up, and `Env::home_fence` for the fence on a user
+//! stream that may have been destroyed).
 //!
 //! ## Fast path
 //! `alloc` and `free_local` run on the owning thread only, touch only owner-only memory (the
@@ -52,6 +53,22 @@
 //! (`batch_blocks` blocks or `batch_bytes` bytes) of frees not yet sent. An out-of-memory
 //! error is returned only after this reclaim and one retry.
 
+//! ## Large superblocks
+//! Requests over `small_max` (up to `large_max`) are served by the same lists, from *large
+//! superblocks*: spans of several normal superblocks, lent by the pool when a large request
+//! finds no fit ([`large_superblock_bytes`]: the power of two at or above 4 × the request, 8 to
+//! 128 MiB, aligned to the normal superblock size). One set of free lists: small requests may
+//! be carved from a large superblock's free space, and a large request (over `small_max`, at
+//! most `S`) may be placed in a normal superblock's free space of at least its size; that is
+//! harmless (a normal superblock with a large block is given back, dissolved, like any other),
+//! and keeping the two apart would cost the O(1) fit.
+//! Large blocks are rounded to the granule, not to a class (as the pool rounds them), so a
+//! block left in the pool by a dissolved superblock is checked by the same rule. Their frees
+//! take the same paths as small blocks' (local fast path; remote and cross-stream through the
+//! outbox, one fence per batch). Host memory: a large superblock's tags (4 bytes per granule,
+//! 2 MiB for 128 MiB) are made at each lending and dropped when it goes back; its freed flags are
+//! the registry's, per address (`registry.rs`).
+
 //! ## Superblock return rule (Hoard's emptiness rule)
 //! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
 //! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
@@ -62,6 +79,20 @@
 //! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
 //! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
 //! its live bytes, whichever is larger (see `config.rs` for why `f` is not Hoard's 1/4).
+//!
+//! **With large superblocks** (sizes differ, so `a` is the granules of all superblocks held):
+//! the pigeonhole still gives a superblock at most as full as the arena (`live_i / size_i <=
+//! u / a`), but the rule gives back a large superblock only when it is empty (dissolving one
+//! would scatter its large blocks over a range the pool could otherwise lend whole); while an
+//! arena holds any large superblock, the rule keeps `L = 128 MiB` more ([`LARGE_SUPERBLOCK_MAX`]),
+//! and `u` is the recent peak of live granules `û` (decaying by 1/256 per free), so a working
+//! set that swings does not return and borrow a superblock on every swing. Hence, after every
+//! free, `a <= max(û + K·S + L, û / (1 - f)) + N`, where `N` is the large superblocks that hold
+//! a live block but are not given back for it: **an arena holding large superblocks strands at
+//! most `max(K·S + L, f/(1-f)·û)` beyond its recent peak, plus its non-empty large
+//! superblocks**, each at most `max(8 MiB, 8 × its largest request)` and 128 MiB. Out of memory
+//! and `trim` still take back everything free without the owner (`reclaim`, dissolving large
+//! superblocks too on out-of-memory).
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
@@ -90,7 +121,17 @@ pub(crate) struct Arena {
     pub(crate) home: Stream,
     /// Identity of `home` (for the legacy stream, the same in every thread).
     pub(crate) key: StreamKey,
+    /// Granules of a normal superblock (`S` of the return rule).
     granules: usize,
+    /// Granules of every superblock held, normal and large (`a` of the return rule).
+    held: usize,
+    /// Granules of large superblocks held.
+    large_held: usize,
+    /// `L` of the return rule: [`LARGE_SUPERBLOCK_MAX`] in granules while a large superblock
+    /// is held, else 0.
+    large_keep: usize,
+    /// The recent peak of `live` (see `over_held`), kept while large superblocks are held.
+    recent: usize,
     keep_empty: usize,
     /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
     dense_1024: usize,
@@ -102,6 +143,27 @@ pub(crate) struct Arena {
     pending: VecDeque<Batch>,
     /// Per-class LIFO of freed blocks not yet merged: `(superblock, first granule)`.
     cache: [Vec<(*const Superblock, u32)>; CACHED_CLASSES],
+}
+
+/// The smallest large superblock: 8 MiB.
+pub(crate) const LARGE_SUPERBLOCK_MIN: usize = 8 << 20;
+/// The largest large superblock: 128 MiB (twice the largest classed request).
+pub(crate) const LARGE_SUPERBLOCK_MAX: usize = 128 << 20;
+
+/// The size of the large superblock an arena borrows for a request of `requested` bytes (over
+/// `small_max`, at most 64 MiB): the power of two at or above 4 × `requested`, clamped to
+/// [`LARGE_SUPERBLOCK_MIN`] ..= [`LARGE_SUPERBLOCK_MAX`], and at least one normal superblock
+/// `superblock` (a power of two, so the result is a multiple of it). So one request pins at
+/// most `max(8 MiB, 8 × requested)` and at most 128 MiB, and the superblock holds the request
+/// with room for three more of its size (two at 64 MiB) before the arena borrows again.
+pub(crate) fn large_superblock_bytes(requested: usize, superblock: usize) -> usize {
+    requested
+        .saturating_mul(4)
+        .checked_next_power_of_two()
+        .unwrap_or(LARGE_SUPERBLOCK_MAX)
+        .clamp(LARGE_SUPERBLOCK_MIN, LARGE_SUPERBLOCK_MAX)
+        .max(superblock)
+        .max(requested.next_multiple_of(superblock))
 }
 
 /// Pending batches polled per slow path at most (one event query each).
@@ -125,6 +187,10 @@ impl Arena {
             home,
             key,
             granules,
+            held: 0,
+            large_held: 0,
+            large_keep: 0,
+            recent: 0,
             keep_empty,
             dense_1024: ((1.0 - sparse) * 1024.0).round() as usize,
             lists: FreeLists::default(),
@@ -287,9 +353,18 @@ impl Arena {
 
     /// True if the return rule asks for a superblock back.
     #[inline]
-    fn over_held(&self) -> bool {
-        let (u, a, s) = (self.live, self.owned.len() * self.granules, self.granules);
-        u + self.keep_empty * s < a && u * 1024 < self.dense_1024 * a
+    fn over_held(&mut self) -> bool {
+        let u = if self.large_held == 0 {
+            self.live
+        } else {
+            // With large superblocks, `u` is the recent peak of `live`: it decays by 1/256 per
+            // call (one per free), so a working set that swings (a few large blocks freed and
+            // then allocated again) keeps its superblocks instead of returning and borrowing.
+            self.recent = self.live.max(self.recent - (self.recent >> 8));
+            self.recent
+        };
+        let (a, s) = (self.held, self.granules);
+        u + self.keep_empty * s + self.large_keep < a && u * 1024 < self.dense_1024 * a
     }
 
     /// Merges every cached block into the free lists.
@@ -316,11 +391,23 @@ impl Arena {
     /// Gives superblocks back until the return rule holds.
     fn shrink(&mut self, env: &Env<'_>) {
         self.flush_cache();
+        let normal = self.granules;
         while self.over_held() {
-            let idx = (0..self.owned.len())
-                // SAFETY: we own every superblock in `owned`.
-                .min_by_key(|&i| unsafe { (*self.owned[i]).with_local(|l| l.live) })
-                .expect("over_held implies a superblock");
+            // The emptiest superblock, the largest of equally empty ones; a large superblock
+            // only if it is empty (dissolving one would leave its large blocks in the pool,
+            // scattered over a range the pool could otherwise lend again whole).
+            let Some(idx) = (0..self.owned.len())
+                .filter_map(|i| {
+                    let sb = self.owned[i];
+                    // SAFETY: we own every superblock in `owned`.
+                    let (live, granules) = unsafe { ((*sb).with_local(|l| l.live), (*sb).granules) };
+                    (live == 0 || granules == normal).then_some((i, live, std::cmp::Reverse(granules)))
+                })
+                .min_by_key(|&(_, live, big)| (live, big))
+                .map(|(i, ..)| i)
+            else {
+                return; // only large superblocks in use: they go back when empty
+            };
             let fence = match env.home_fence(self.home, self.key) {
                 Ok(HomeFence::Fence(f)) => f,
                 // A user stream destroyed meanwhile: keep the superblock, which goes back with
@@ -337,7 +424,7 @@ impl Arena {
         let sbp = self.owned.swap_remove(idx);
         // SAFETY: we own `sbp` until `take_back` clears its owner.
         let sb = unsafe { &*sbp };
-        let granules = self.granules;
+        let granules = sb.granules;
         // Blocks freed remotely and waiting for their fence are free, not live: they go to the
         // pool as free ranges guarded by their own fence, and leave `pending`, so a second
         // (invalid) free of one is refused by the pool, and no stale entry can later touch this
@@ -390,19 +477,51 @@ impl Arena {
             })
         };
         self.live -= live;
+        self.held -= granules;
+        if granules > self.granules {
+            self.large_held -= granules;
+            if self.large_held == 0 {
+                self.large_keep = 0;
+            }
+            // A large superblock's tags go with it (made afresh at its next lending), so the
+            // host memory they take is bounded by what arenas hold now.
+            // SAFETY: we still own `sb` (until `take_back`).
+            unsafe { sb.with_local(|l| l.tags = Vec::new()) };
+        }
         let c = env.dev.counters;
         c.bump(if used.is_empty() { &c.superblocks_returned } else { &c.superblocks_dissolved }, 1);
         c.bump(&c.arena_held_bytes, ((granules as u64) << GRANULE_SHIFT).wrapping_neg());
         env.pool.take_back(sb, &used, &free, fences, fenced);
     }
 
-    /// Takes a superblock from the pool, for a request of `requested` bytes.
-    fn grow(&mut self, env: &Env<'_>, requested: usize) -> Result<()> {
-        let sb =
-            env.pool.lend(&env.dev, self.shell_ptr(), self.home, self.key, env.skip_fences, requested)?;
+    /// Takes a superblock from the pool, for a request of `g` granules: a normal one for a small
+    /// request, a large one ([`large_superblock_bytes`]) for a request over `small_max`. If
+    /// the pool cannot lend a large one of that size (its cap), smaller ones are asked for,
+    /// halving down to the request rounded up to whole normal superblocks.
+    fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<()> {
+        let s = self.granules << GRANULE_SHIFT;
+        let requested = g << GRANULE_SHIFT;
+        let least = requested.next_multiple_of(s);
+        let mut bytes = if requested <= env.small_max { s } else { large_superblock_bytes(requested, s) };
+        let sb = loop {
+            match env.pool.lend(
+                &env.dev,
+                self.shell_ptr(),
+                self.home,
+                self.key,
+                env.skip_fences,
+                bytes,
+                requested,
+            ) {
+                Err(Error::OutOfMemory { .. }) if bytes > least => {
+                    bytes = (bytes / 2).next_multiple_of(s).max(least);
+                }
+                r => break r?,
+            }
+        };
         let sbp: *const Superblock = sb;
         let lists = &mut self.lists;
-        let granules = self.granules;
+        let granules = sb.granules;
         // SAFETY: the pool just made us the owner.
         unsafe {
             sb.with_local(|l| {
@@ -412,6 +531,11 @@ impl Arena {
             })
         };
         self.owned.push(sbp);
+        self.held += granules;
+        if granules > self.granules {
+            self.large_held += granules;
+            self.large_keep = LARGE_SUPERBLOCK_MAX >> GRANULE_SHIFT;
+        }
         let c = env.dev.counters;
         c.bump(&c.superblocks_taken, 1);
         c.bump(&c.arena_held_bytes, (granules as u64) << GRANULE_SHIFT);
@@ -427,7 +551,7 @@ impl Arena {
             let mut mine = Vec::with_capacity(batch.blocks.len());
             for fr in batch.blocks {
                 match env.pool.registry.lookup(fr.ptr) {
-                    Some(sb) if fr.size <= env.small_max && self.owns(sb) => {
+                    Some(sb) if fr.size <= env.large_max && self.owns(sb) => {
                         let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
                         // SAFETY: we own `sb`.
                         let r = unsafe {
@@ -541,8 +665,8 @@ impl Arena {
                 return Ok(p);
             }
         }
-        self.grow(env, g << GRANULE_SHIFT)?;
-        Ok(self.alloc(class, g).expect("a fresh superblock fits every small class"))
+        self.grow(env, g)?;
+        Ok(self.alloc(class, g).expect("a fresh superblock fits the request"))
     }
 
     /// Completes the pending batches that need no wait: fencing off, freed on this arena's
@@ -596,12 +720,11 @@ impl Arena {
                 }
             }
         }
-        let granules = self.granules;
         let picks: Vec<usize> = (0..self.owned.len())
             .filter(|&i| {
                 let sbp = self.owned[i];
                 // SAFETY: we own every superblock in `owned` (or hold the owner's claim).
-                let live = unsafe { (*sbp).with_local(|l| l.live) };
+                let (live, granules) = unsafe { ((*sbp).with_local(|l| l.live), (*sbp).granules) };
                 let pend = pending.iter().find(|(p, _)| std::ptr::eq(*p, sbp)).map_or(0, |p| p.1);
                 let used = live - pend;
                 used == 0 || (dissolve && live < granules)
@@ -619,10 +742,13 @@ impl Arena {
             }
         };
         // Highest index first: `give_back` swap-removes, which then moves only unpicked ones.
+        let mut bytes = 0;
         for &idx in picks.iter().rev() {
+            // SAFETY: as above.
+            bytes += unsafe { (*self.owned[idx]).granules } << GRANULE_SHIFT;
             self.give_back(env, idx, FenceSet::one(fence.clone()));
         }
-        picks.len() * (granules << GRANULE_SHIFT)
+        bytes
     }
 
     /// Bytes of the superblocks this arena holds.
@@ -689,5 +815,26 @@ impl Arena {
         // The inbox stays closed while the shell is idle, so late frees go to the pool; the
         // next arena to take the shell reopens it (`Inner::take_shell`).
         Some(Arc::clone(&self.shell))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_superblocks_are_four_requests_rounded_up_and_clamped() {
+        let s = 2 << 20;
+        assert_eq!(large_superblock_bytes((1 << 20) + 1, s), 8 << 20);
+        assert_eq!(large_superblock_bytes(3 << 20, s), 16 << 20);
+        assert_eq!(large_superblock_bytes(8 << 20, s), 32 << 20);
+        assert_eq!(large_superblock_bytes((8 << 20) + 256, s), 64 << 20);
+        assert_eq!(large_superblock_bytes(64 << 20, s), 128 << 20);
+        // A superblock larger than the minimum: at least one of it.
+        assert_eq!(large_superblock_bytes(3 << 20, 64 << 20), 64 << 20);
+        for r in [(1 << 20) + 1, 5 << 20, 17 << 20, 33 << 20, 64 << 20] {
+            let b = large_superblock_bytes(r, s);
+            assert!(b >= r && b.is_multiple_of(s) && b <= LARGE_SUPERBLOCK_MAX.max(8 * r));
+        }
     }
 }

@@ -9,6 +9,10 @@
 //!   largest small blocks, so the tail a thread cannot use is bounded, while requests above it
 //!   are large enough (and rare enough in the workloads of `BENCHMARKS.md`) that the
 //!   global pool's lock is not hot.
+//! - `large_max = 64 MiB`: requests in `small_max < size <= large_max` on a stream with an arena
+//!   are served by that arena too, from *large superblocks* it borrows from the pool (see
+//!   `arena.rs`). 64 MiB is the largest size the arena's size classes reach
+//!   ([`MAX_CLASSED_GRANULES`]); above it, the global pool serves.
 //! - `chunk = 32 MiB`: the pool grows by at least this much per driver call, enough to serve 16
 //!   superblocks and keep driver calls rare, small next to a GPU shared with other processes.
 //! - `max = 100%`: the cap is the device's memory; nothing is reserved up front.
@@ -26,7 +30,9 @@
 //!   allocation at its exact size. Frees are still checked (see `passthrough.rs`).
 //!
 //! ## Ranges (checked by [`ConfigBuilder::build`])
-//! `superblock`: a power of two, 64 KiB ..= 64 MiB; `small_max`: 1 ..= superblock; `chunk`: a
+//! `superblock`: a power of two, 64 KiB ..= 64 MiB; `small_max`: 1 ..= superblock; `large_max`:
+//! small_max ..= 64 MiB (`large_max = small_max` sends every request over `small_max` to the
+//! global pool, as before large superblocks); `chunk`: a
 //! positive multiple of the superblock; `max`: at least one superblock, or a fraction in (0, 1];
 //! `keep_empty`: 0 ..= [`MAX_KEEP_EMPTY`]; `sparse`: in (0, 1); `batch`: 1 ..= [`MAX_BATCH`];
 //! `batch_bytes`: at least 1.
@@ -34,12 +40,12 @@
 //! ## The `CUARENA_CONF` string ([`Config::parse`])
 //! Items `key=value` or, as in `PYTORCH_CUDA_ALLOC_CONF`, `key:value`, separated by commas
 //! (`max:80%,small_max:1MiB`); spaces around items, keys and values are ignored and a later
-//! item overrides an earlier one. Keys are exact and lowercase: `small_max`, `superblock`,
-//! `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`; the builder's
+//! item overrides an earlier one. Keys are exact and lowercase: `small_max`, `large_max`,
+//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`; the builder's
 //! names are aliases with the same meaning: `max_bytes` for `max`, `sparse_fraction` for
 //! `sparse`, `batch_blocks` for `batch`. Every error names `CUARENA_CONF` and lists the keys.
 //!
-//! Sizes (`small_max`, `superblock`, `chunk`, `max`, `batch_bytes`) follow one rule:
+//! Sizes (`small_max`, `large_max`, `superblock`, `chunk`, `max`, `batch_bytes`) follow one rule:
 //! - a number and a unit, in any case, with or without a space between: `B`; `K`, `Ki`, `KiB`,
 //!   `M`, `Mi`, `MiB`, `G`, `Gi`, `GiB`, `T`, `Ti`, `TiB` (powers of 1024); `KB`, `MB`, `GB`,
 //!   `TB` (powers of 1000). So `4096B`, `64 KiB`, `2M`, `1g`, `512mb` (512·10^6) and `2MiB`;
@@ -69,7 +75,7 @@ pub const MAX_KEEP_EMPTY: usize = 1024;
 pub const MAX_BATCH: usize = 1 << 16;
 
 /// The keys of a `CUARENA_CONF` string, for error messages.
-const KEYS: &str = "small_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough; \
+const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough; \
                     aliases: max_bytes = max, sparse_fraction = sparse, batch_blocks = batch; \
                     items are key=value or key:value, separated by commas";
 
@@ -91,6 +97,7 @@ pub enum Limit {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     pub(crate) small_max: usize,
+    pub(crate) large_max: usize,
     pub(crate) superblock: usize,
     pub(crate) chunk: usize,
     pub(crate) max: Limit,
@@ -106,6 +113,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             small_max: 1 << 20,
+            large_max: MAX_CLASSED_GRANULES * GRANULE,
             superblock: 2 << 20,
             chunk: 32 << 20,
             max: Limit::Fraction(1.0),
@@ -178,6 +186,7 @@ impl Config {
             let number = |x: &str| parse_f64(x).map_err(|e| config_error(format!("{k}{sep}{v}: {e}")));
             b = match k {
                 "small_max" => b.small_max(size(v)?),
+                "large_max" => b.large_max(size(v)?),
                 "superblock" => b.superblock(size(v)?),
                 "chunk" => b.chunk(size(v)?),
                 "max" | "max_bytes" => match v.strip_suffix('%') {
@@ -205,6 +214,11 @@ impl Config {
     /// Largest request served by the per-thread arenas.
     pub fn small_max(&self) -> usize {
         self.small_max
+    }
+    /// Largest request served by the arenas from large superblocks (requests over
+    /// `small_max`, up to this, on a stream with an arena).
+    pub fn large_max(&self) -> usize {
+        self.large_max
     }
     /// Superblock size (and alignment).
     pub fn superblock(&self) -> usize {
@@ -380,6 +394,12 @@ impl ConfigBuilder {
         self.0.small_max = bytes;
         self
     }
+    /// Largest request the arenas serve from large superblocks: in `small_max ..= 64 MiB`
+    /// (`small_max` itself turns large superblocks off).
+    pub fn large_max(mut self, bytes: usize) -> Self {
+        self.0.large_max = bytes;
+        self
+    }
     /// Superblock size: a power of two from 64 KiB to 64 MiB.
     pub fn superblock(mut self, bytes: usize) -> Self {
         self.0.superblock = bytes;
@@ -448,6 +468,12 @@ impl ConfigBuilder {
         }
         if c.small_max == 0 || c.small_max > c.superblock {
             return err(format!("small_max {} must be in 1 ..= superblock ({})", c.small_max, c.superblock));
+        }
+        if c.large_max < c.small_max || c.large_max > MAX_CLASSED_GRANULES * GRANULE {
+            return err(format!(
+                "large_max {} must be in small_max ({}) ..= 64 MiB (the largest size class)",
+                c.large_max, c.small_max
+            ));
         }
         if c.chunk == 0 || !c.chunk.is_multiple_of(c.superblock) {
             return err(format!(
@@ -544,7 +570,9 @@ mod tests {
         assert!(m.contains(field), "{m}");
         assert!(m.contains("CUARENA_CONF"), "{m}");
         assert!(
-            m.contains("small_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes"),
+            m.contains(
+                "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes"
+            ),
             "{m}"
         );
     }
@@ -870,5 +898,16 @@ mod tests {
         assert!(!Config::parse("passthrough,passthrough=false").unwrap().passthrough());
         assert!(Config::builder().passthrough(true).build().unwrap().passthrough());
         assert_helpful(&message(Config::parse("passthrough=yes")), "passthrough");
+    }
+
+    #[test]
+    fn large_max_defaults_to_the_largest_class_and_is_range_checked() {
+        assert_eq!(Config::default().large_max(), 64 << 20);
+        assert_eq!(Config::parse("large_max=8MiB").unwrap().large_max(), 8 << 20);
+        // `small_max` itself is allowed: large superblocks off.
+        assert_eq!(Config::parse("small_max=1MiB,large_max=1MiB").unwrap().large_max(), 1 << 20);
+        assert_helpful(&message(Config::parse("small_max=1MiB,large_max=512KiB")), "large_max");
+        assert_helpful(&message(Config::parse("large_max=65MiB")), "large_max");
+        assert_helpful(&message(Config::builder().large_max(128 << 20).build()), "64 MiB");
     }
 }

@@ -22,6 +22,8 @@ pub(crate) struct Env<'a> {
     pub(crate) dev: Counted<'a>,
     pub(crate) skip_fences: bool,
     pub(crate) small_max: usize,
+    /// Largest request an arena serves (from large superblocks above `small_max`).
+    pub(crate) large_max: usize,
     /// Where errors found after the call that caused them (invalid remote frees) are kept.
     pub(crate) deferred: &'a Mutex<Option<Error>>,
 }

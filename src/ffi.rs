@@ -266,10 +266,10 @@ impl Default for cuarena_stats {
     }
 }
 
-/// The size of the first `cuarena_stats` (`CUARENA_STATS_SIZE_V1`): `size` and 24 counters.
+/// The size of the first `cuarena_stats` (`CUARENA_STATS_SIZE_V1`): `size` and 25 counters.
 /// A smaller `size` is refused with [`CUARENA_ERR_STATS_SIZE`]; later versions only add fields
 /// at the end, so a caller compiled against this one keeps working.
-pub const CUARENA_STATS_SIZE_V1: usize = 8 + 24 * 8;
+pub const CUARENA_STATS_SIZE_V1: usize = 8 + 25 * 8;
 
 /// What [`cuarena_get_stats`] returns for a `size` below [`CUARENA_STATS_SIZE_V1`].
 pub const CUARENA_ERR_STATS_SIZE: c_int = -2;
@@ -432,7 +432,7 @@ mod tests {
     fn write_stats_fills_whole_fields_within_the_callers_size_only() {
         let stats = Stats { live_bytes: 11, invalid_frees: 17, pool_allocations: 24, ..Stats::default() };
         let word = |b: &[u8], i: usize| u64::from_ne_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
-        for size in [CUARENA_STATS_SIZE_V1, 203, 207, 208, 256, 4096] {
+        for size in [CUARENA_STATS_SIZE_V1, 211, 215, 216, 256, 4096] {
             let mut buf = vec![0xa5u8; size + 64];
             buf[..8].copy_from_slice(&(size as u64).to_ne_bytes());
             // SAFETY: `buf` has `size` (and more) writable bytes and `size >= CUARENA_STATS_SIZE_V1`.

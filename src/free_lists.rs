@@ -1,7 +1,9 @@
 //! Segregated free lists over an arena's superblocks (two-level segregated fit, one level per
 //! size class).
 //!
-//! A free block of `len` granules sits in list [`class_floor`]`(len)`; a request rounded to
+//! A free block of `len` granules sits in list [`class_floor`]`(len)`, or the last list for a
+//! block beyond the largest class (the whole of a large superblock: at least 64 MiB, so it fits
+//! every class); a request rounded to
 //! class `c` takes the head of the first non-empty list `>= c`, found with one bit scan of a
 //! `u128`. Every block in list `i >= c` holds at least `class_granules(c)` granules, so the head
 //! always fits: allocation and free are O(1) with no search.
@@ -50,7 +52,7 @@ impl FreeLists {
     /// Adds a free block; returns its node index (to be stored in its tags).
     #[inline]
     pub(crate) fn insert(&mut self, b: FreeBlock) -> usize {
-        let class = class_floor(b.len);
+        let class = class_floor(b.len).min(MAX_CLASSES - 1);
         let head = self.heads[class];
         let node = FNode {
             sb: b.sb,

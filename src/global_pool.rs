@@ -1,8 +1,9 @@
 //! The global pool: address-ordered first fit with coalescing over memory reserved from the
 //! device in chunks, shared by all threads under one mutex.
 //!
-//! It serves large requests (and small ones on streams other than a thread's per-thread
-//! stream), lends superblocks to arenas and takes them back.
+//! It serves requests over `large_max` (and smaller ones on streams without an arena), lends
+//! superblocks to arenas (normal ones, and large ones of several normal superblocks' size,
+//! aligned to the normal size) and takes them back.
 //!
 //! ## State and invariants (under `state`'s lock)
 //! - `free`: free extents keyed by address ([`AddressTree`]); each lies inside one chunk, no two
@@ -360,8 +361,10 @@ impl GlobalPool {
         Ok(())
     }
 
-    /// Lends a superblock to the arena `shell`, ordered for its stream `home` (identity `key`).
-    /// `requested` is the arena's request that needed it (reported if out of memory).
+    /// Lends a superblock of `bytes` (a multiple of the normal superblock size, aligned to it)
+    /// to the arena `shell`, ordered for its stream `home` (identity `key`). `requested` is the
+    /// arena's request that needed it (reported if out of memory).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn lend(
         &self,
         dev: &Counted<'_>,
@@ -369,47 +372,51 @@ impl GlobalPool {
         home: Stream,
         key: StreamKey,
         skip_fences: bool,
+        bytes: usize,
         requested: usize,
     ) -> Result<&Superblock> {
-        let s = self.superblock;
+        let (s, len) = (self.superblock, bytes);
+        debug_assert!(len >= s && len.is_multiple_of(s));
         let (sb, fences) = {
             let mut st = lock(&self.state);
-            let ext = match st.free.first_fit_aligned(s as u64) {
+            let ext = match st.free.first_fit_aligned(len as u64) {
                 Some(a) => a,
                 None => {
-                    self.grow(&mut st, dev, s, requested)?;
-                    match st.free.first_fit_aligned(s as u64) {
+                    self.grow(&mut st, dev, len, requested)?;
+                    match st.free.first_fit_aligned(len as u64) {
                         Some(a) => a,
                         // The device returned a chunk not aligned to the superblock size.
                         None => {
-                            self.grow(&mut st, dev, 2 * s, requested)?;
+                            self.grow(&mut st, dev, len + s, requested)?;
                             st.free
-                                .first_fit_aligned(s as u64)
-                                .expect("a chunk of two superblocks holds an aligned one")
+                                .first_fit_aligned(len as u64)
+                                .expect("a chunk of one superblock more holds an aligned run")
                         }
                     }
                 }
             };
             let base = ext.next_multiple_of(s as u64);
-            if !self.registry.covers(base) {
+            let last = base + (len - s) as u64;
+            if !self.registry.covers(base) || !self.registry.covers(last) {
                 return Err(Error::Unsupported(format!(
-                    "the device gave an address ({base:#x}) beyond what the superblock registry covers"
+                    "the device gave an address ({last:#x}) beyond what the superblock registry covers"
                 )));
             }
-            let (chunk, fences) = Self::carve(&mut st, ext, base, s);
+            let (chunk, fences) = Self::carve(&mut st, ext, base, len);
             st.used.insert(
                 base,
-                Used { len: s, kind: UsedKind::Superblock, chunk, from_arena: false, freeing: false },
+                Used { len, kind: UsedKind::Superblock, chunk, from_arena: false, freeing: false },
             );
-            st.in_use += s;
-            let sb = self.registry.get_or_insert(base, s / GRANULE);
+            st.in_use += len;
+            // The range was free: no live block lies in it, so its slots may be re-entered.
+            let sb = self.registry.get_or_insert(base, len / GRANULE);
             debug_assert!(sb.owner.load(Ordering::Relaxed).is_null());
             sb.clear_all_freed();
             sb.owner.store(shell, Ordering::Release);
             (sb, fences)
         };
         if !skip_fences && let Err(e) = fences.order_before(dev, home, key, || self.legacy(dev)) {
-            self.take_back(sb, &[], &[(sb.base, s)], fences, Vec::new());
+            self.take_back(sb, &[], &[(sb.base, len)], fences, Vec::new());
             return Err(e);
         }
         Ok(sb)

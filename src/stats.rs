@@ -67,6 +67,7 @@ counters!(
     superblocks_dissolved,
     arena_held_bytes,
     pool_allocations,
+    large_allocations,
 );
 
 impl Counters {
@@ -88,7 +89,7 @@ impl Counters {
 /// an operation in one counter and not yet in another. Every counter is exact once the threads
 /// that change it are quiescent, and none ever counts an exiting thread twice.
 ///
-/// The layout is C's (`#[repr(C)]`, 24 `u64`s in this order): `cuarena_stats` in
+/// The layout is C's (`#[repr(C)]`, 25 `u64`s in this order): `cuarena_stats` in
 /// `include/cuarena.h` is a leading `size` then these fields (`tests/header.rs` checks the order
 /// against the header and the Python package). New fields go at the end.
 #[repr(C)]
@@ -143,12 +144,16 @@ pub struct Stats {
     /// Arenas alive now (a thread has one per stream it allocates small blocks on: its
     /// per-thread stream and the legacy stream).
     pub arenas: u64,
-    /// Allocations served by a thread's arena (small requests on the per-thread or the legacy
-    /// stream): the path with no lock and no CUDA call. `allocations - pool_allocations`.
+    /// Allocations served by a thread's arena (requests up to `large_max` on the per-thread or
+    /// the legacy stream): the path with no lock and no CUDA call. `allocations -
+    /// pool_allocations`.
     pub arena_allocations: u64,
-    /// Allocations served by the global pool (large requests, small ones on user streams, and
-    /// small ones while a reclaimer briefly holds the thread's arena).
+    /// Allocations served by the global pool (requests over `large_max`, smaller ones on user
+    /// streams, and those made while a reclaimer briefly holds the thread's arena).
     pub pool_allocations: u64,
+    /// Of `arena_allocations`, those over `small_max`: large blocks served by an arena from its
+    /// large superblocks.
+    pub large_allocations: u64,
 }
 
 /// The list of per-thread counter blocks of one allocator.

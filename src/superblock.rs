@@ -30,6 +30,9 @@
 //!   that the block's arena free is on its way, and refuses a free of it from anyone else
 //!   meanwhile; the pool clears it when that free arrives (under its lock).
 //!
+//! The flags belong to addresses, not to superblock objects: a large superblock and the normal
+//! ones lent earlier or later over the same range share them (`registry.rs`).
+//!
 //! Invariant: for a block handed out by the owner, the flag is set exactly while an accepted
 //! free of it exists and the block has not been handed out again. In a dissolved superblock, a
 //! flag at the head of a used pool block that came from the arena is set exactly while its arena
@@ -44,6 +47,7 @@
 
 use crate::shell::ArenaShell;
 use crate::sync::{AtomicPtr, AtomicU8, Ordering, UnsafeCell};
+use std::sync::Arc;
 
 /// Tag state: a live block; payload is its length in granules.
 pub(crate) const USED: u32 = 1 << 30;
@@ -66,8 +70,14 @@ pub(crate) struct SbLocal {
 impl SbLocal {
     /// Resets to `granules` of untagged space (the caller then marks one free block).
     pub(crate) fn init(&mut self, granules: usize) {
-        self.tags.clear();
-        self.tags.resize(granules, 0);
+        if self.tags.capacity() < granules {
+            // A large superblock's tags: zeroed memory from the allocator (for a large span,
+            // fresh pages that are zero until touched; only block ends are ever written).
+            self.tags = vec![0; granules];
+        } else {
+            self.tags.clear();
+            self.tags.resize(granules, 0);
+        }
         self.live = 0;
     }
 
@@ -119,39 +129,65 @@ impl SbLocal {
     }
 }
 
-/// A superblock. Registered once per aligned address; lives as long as the registry.
+/// A superblock: a normal one (one registry slot) or a large one (several slots, see
+/// `arena.rs`). Lives as long as the registry, which keeps one per `(base, granules)`.
 pub(crate) struct Superblock {
     pub(crate) base: u64,
+    /// Its span in granules (fixed for the object).
+    pub(crate) granules: usize,
     pub(crate) owner: AtomicPtr<ArenaShell>,
-    /// Freed flags, one per granule (see the module comment).
-    freed: Box<[AtomicU8]>,
+    /// Freed flags (see the module comment), one page per registry slot covered: shared with
+    /// every superblock object that covers the same slot, since a flag belongs to its address.
+    pages: Box<[Arc<[AtomicU8]>]>,
+    /// `log2` of the granules per page.
+    page_shift: u32,
     local: UnsafeCell<SbLocal>,
 }
 
-// SAFETY: `owner` is atomic; `local` is touched only by the thread whose shell is `owner`
-// (or by the pool while `owner` is null and the pool lock is held), and ownership changes
-// only under the pool lock, which orders the accesses of successive owners.
+// SAFETY: `owner` is atomic and the flag pages are atomics; `local` is touched only by the
+// thread whose shell is `owner` (or by the pool while `owner` is null and the pool lock is
+// held), and ownership changes only under the pool lock, which orders the accesses of
+// successive owners.
 unsafe impl Send for Superblock {}
 // SAFETY: as above.
 unsafe impl Sync for Superblock {}
 
 impl Superblock {
-    pub(crate) fn new(base: u64, granules: usize) -> Superblock {
+    /// A superblock of `granules` at `base` whose freed flags are `pages`, `per_page` (a power
+    /// of two) granules each. Normal superblocks (one page) get their tags' room now; large ones
+    /// at each lending (`SbLocal::init`), and give it back when they leave their arena.
+    pub(crate) fn new(
+        base: u64,
+        granules: usize,
+        pages: Box<[Arc<[AtomicU8]>]>,
+        per_page: usize,
+    ) -> Superblock {
+        debug_assert!(per_page.is_power_of_two() && pages.len() * per_page >= granules);
         let mut local = SbLocal { tags: Vec::new(), live: 0 };
-        local.tags.reserve_exact(granules);
+        if pages.len() == 1 {
+            local.tags.reserve_exact(granules);
+        }
         Superblock {
             base,
+            granules,
             owner: AtomicPtr::new(std::ptr::null_mut()),
-            freed: (0..granules).map(|_| AtomicU8::new(0)).collect(),
+            pages,
+            page_shift: per_page.trailing_zeros(),
             local: UnsafeCell::new(local),
         }
+    }
+
+    /// The freed flag of granule `g`.
+    #[inline]
+    fn flag(&self, g: usize) -> &AtomicU8 {
+        &self.pages[g >> self.page_shift][g & ((1 << self.page_shift) - 1)]
     }
 
     /// The granule of `ptr` in this superblock, if `ptr` lies in it on a granule boundary.
     pub(crate) fn granule_of(&self, ptr: u64) -> Option<usize> {
         let off = ptr.checked_sub(self.base)?;
         let g = (off >> crate::size_class::GRANULE_SHIFT) as usize;
-        (off.is_multiple_of(crate::size_class::GRANULE as u64) && g < self.freed.len()).then_some(g)
+        (off.is_multiple_of(crate::size_class::GRANULE as u64) && g < self.granules).then_some(g)
     }
 
     /// A free away from the owner's fast path takes the flag of the block at granule `g`.
@@ -162,14 +198,14 @@ impl Superblock {
         if cfg!(cuarena_mutant = "transit_unmarked") {
             return true;
         }
-        self.freed[g].swap(1, Ordering::AcqRel) == 0
+        self.flag(g).swap(1, Ordering::AcqRel) == 0
     }
 
     /// True if a free of the block at granule `g` has been accepted and the block not handed
     /// out again.
     #[inline]
     pub(crate) fn is_freed(&self, g: usize) -> bool {
-        self.freed[g].load(Ordering::Acquire) != 0
+        self.flag(g).load(Ordering::Acquire) != 0
     }
 
     /// The owner's local free of the block at granule `g` (after `is_freed` was false). A
@@ -180,7 +216,7 @@ impl Superblock {
         if cfg!(cuarena_mutant = "owner_free_unmarked") {
             return;
         }
-        self.freed[g].store(1, Ordering::Release);
+        self.flag(g).store(1, Ordering::Release);
     }
 
     /// The block at granule `g` is handed out again (by its owner), or a free that set the
@@ -189,14 +225,17 @@ impl Superblock {
     /// own synchronisation, or by the pool's lock).
     #[inline]
     pub(crate) fn unfree(&self, g: usize) {
-        self.freed[g].store(0, Ordering::Release);
+        self.flag(g).store(0, Ordering::Release);
     }
 
     /// Clears every flag: called by the pool, under its lock, when it lends the superblock
     /// (only stale flags of refused frees can be set then; see the module comment).
     pub(crate) fn clear_all_freed(&self) {
-        for f in self.freed.iter() {
-            f.store(0, Ordering::Relaxed);
+        let per_page = 1 << self.page_shift;
+        for (i, page) in self.pages.iter().enumerate() {
+            for f in &page[..per_page.min(self.granules - i * per_page)] {
+                f.store(0, Ordering::Relaxed);
+            }
         }
     }
 

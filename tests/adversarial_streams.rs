@@ -25,8 +25,11 @@ use common::*;
 
 const HOLD: Duration = Duration::from_millis(150);
 
+/// Blocks over `small_max` (64 KiB in `small()`) are pool blocks in this file: large
+/// superblocks are off (`large_max = small_max`), so each test takes the path its name says.
+/// `tests/large.rs` runs the large-superblock paths.
 fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    Allocator::host(sim.clone(), cfg.build().unwrap()).unwrap()
+    Allocator::host(sim.clone(), cfg.large_max(64 << 10).build().unwrap()).unwrap()
 }
 
 /// The reference for the two findings below, on the simulated device alone. A block used on

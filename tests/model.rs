@@ -3,7 +3,8 @@
 //! Random sequences of operations run on three worker threads over the simulated device (small
 //! random delays). The workers are driven one command at a time through channels, so the
 //! generated order is the executed order and the model is deterministic. The operations:
-//! allocate (any size, on the per-thread, legacy or a user stream), free (correctly, with the
+//! allocate (any size: small, large from an arena's large superblocks, or from the pool; on
+//! the per-thread, legacy or a user stream), free (correctly, with the
 //! wrong size, a second time, at an interior pointer, or a foreign pointer), by the owner or by
 //! another thread (a hand-off), flush a thread, release a thread's arena, and synchronise.
 //!
@@ -30,6 +31,9 @@ use cuarena::{
 use proptest::prelude::*;
 
 const SMALL_MAX: usize = 64 << 10;
+/// Requests up to this on the per-thread and legacy streams are served by the arenas, from
+/// large superblocks above `SMALL_MAX`; above it (sizes go up to 600 KiB), by the pool.
+const LARGE_MAX: usize = 512 << 10;
 const THREADS: usize = 3;
 /// Bytes of each block written with its tag (and checked before its free).
 const TAGGED: usize = 1024;
@@ -190,10 +194,10 @@ impl Block {
     fn end(&self) -> u64 {
         self.ptr + self.bytes() as u64
     }
-    /// Served by its thread's arena (a small request: on the per-thread, the legacy or a user
-    /// stream, each of which has its arena).
+    /// Served by its thread's arena: a request up to `LARGE_MAX` on the per-thread or the
+    /// legacy stream, a small one on a user stream (each stream has its arena).
     fn arena(&self) -> bool {
-        self.size <= SMALL_MAX
+        self.size <= SMALL_MAX || (self.size <= LARGE_MAX && matches!(self.s, S::Ptds | S::Legacy))
     }
 }
 
@@ -236,6 +240,7 @@ impl Harness {
         let cfg = Config::builder()
             .superblock(256 << 10)
             .small_max(SMALL_MAX)
+            .large_max(LARGE_MAX)
             .chunk(1 << 20)
             .batch_blocks(4)
             .keep_empty(1)
@@ -381,13 +386,14 @@ impl Harness {
                 match bad {
                     Bad::WrongSize(n) => {
                         let size = wrong_size(b.size, n);
-                        let crosses = (size <= SMALL_MAX) != (b.size <= SMALL_MAX);
+                        // A size that the free routes differently (registry or pool).
+                        let crosses = (size <= LARGE_MAX) != (b.size <= LARGE_MAX);
                         let allowed = if crosses {
                             vec![SIZE_MISMATCH, InvalidFree::UnknownPointer]
                         } else {
                             vec![SIZE_MISMATCH]
                         };
-                        let may_defer = b.arena() && size <= SMALL_MAX;
+                        let may_defer = b.arena() && size <= LARGE_MAX;
                         self.bad_free(t, b.ptr, size, s, allowed, may_defer.then_some((b.tag, false)))?;
                         if may_defer {
                             // Known limitation (README): until a deferred bad free is checked,
@@ -425,7 +431,7 @@ impl Harness {
                 }
                 let b = self.freed[pick % self.freed.len()];
                 let allowed = vec![InvalidFree::DoubleFree, InvalidFree::UnknownPointer];
-                self.bad_free(t, b.ptr, b.size, s, allowed, (b.size <= SMALL_MAX).then_some((b.tag, true)))?;
+                self.bad_free(t, b.ptr, b.size, s, allowed, (b.size <= LARGE_MAX).then_some((b.tag, true)))?;
             }
             Op::Foreign { t, which, size, s } => {
                 let ptr = match which % 4 {

@@ -92,7 +92,14 @@ impl Device for StallingDevice {
 fn a_later_fence_on_a_shared_stream_is_not_dropped() {
     let sim = host(0);
     let dev = Arc::new(StallingDevice(sim.clone()));
-    let cfg = Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20).build().unwrap();
+    // Pool blocks: large superblocks off (`large_max = small_max`).
+    let cfg = Config::builder()
+        .small_max(64 << 10)
+        .large_max(64 << 10)
+        .superblock(256 << 10)
+        .chunk(1 << 20)
+        .build()
+        .unwrap();
     let a = Allocator::new(dev, cfg).unwrap();
     let kib128 = 128 << 10;
     let p1 = a.allocate(kib128, Stream::LEGACY).unwrap();

@@ -34,6 +34,7 @@ _FIELDS = [
     "cross_stream_frees", "fences_recorded", "fence_waits", "fence_polls", "driver_calls", "host_syncs",
     "invalid_frees", "superblocks_taken", "superblocks_returned", "superblocks_dissolved",
     "arena_held_bytes", "arenas", "arena_allocations", "pool_allocations",
+    "large_allocations",
 ]
 
 # include/cuarena.h's CUARENA_ERR_STATS_SIZE.
