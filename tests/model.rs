@@ -24,9 +24,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use cuarena::size_class::block_bytes;
-use cuarena::{
-    Allocator, Config, Device, DevicePtr, Error, Event, HostConfig, HostDevice, InvalidFree, Stream,
-};
+use cuarena::{Allocator, Config, Device, DevicePtr, Error, Event, InvalidFree, Stream};
+use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 use proptest::prelude::*;
 
 const SMALL_MAX: usize = 64 << 10;
@@ -240,7 +239,7 @@ impl Harness {
             .keep_empty(1)
             .build()
             .unwrap();
-        let a = Allocator::host(dev.clone(), cfg).unwrap();
+        let a = host_allocator(dev.clone(), cfg).unwrap();
         let user = dev.create_stream();
         Harness {
             dev,
