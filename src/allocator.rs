@@ -898,7 +898,7 @@ impl Allocator {
     }
 }
 
-// For the C ABI (src/ffi.rs): is an address inside memory this allocator has reserved?
+// For the C ABI (capi/src/lib.rs): is an address inside memory this allocator has reserved?
 impl Allocator {
     /// True if `ptr` lies inside a chunk this allocator has reserved from the device.
     #[doc(hidden)]
