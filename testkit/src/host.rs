@@ -777,7 +777,9 @@ mod tests {
         let p = d.reserve(1 << 20).unwrap().unwrap();
         let a = d.create_stream();
         let b = d.create_stream();
-        d.hold_and_check(p, 4096, 1, Duration::from_millis(30), a).unwrap();
+        // A long hold, so that a busy machine (parallel tests on two cores) cannot finish it
+        // before the unordered write is submitted.
+        d.hold_and_check(p, 4096, 1, Duration::from_millis(200), a).unwrap();
         std::thread::sleep(Duration::from_millis(8)); // a has written its tag and holds it
         d.write_tag(p, 4096, 2, b).unwrap();
         d.synchronize();
