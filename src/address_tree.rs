@@ -31,7 +31,7 @@ pub(crate) fn aligned_capacity(start: u64, len: u64, align: u64) -> u64 {
 }
 
 /// The map. `align` is the alignment whose runs `first_fit_aligned` searches.
-pub(crate) struct AddressTree<V> {
+pub struct AddressTree<V> {
     nodes: Vec<Option<Node<V>>>,
     spare: Vec<u32>,
     root: u32,
@@ -41,7 +41,7 @@ pub(crate) struct AddressTree<V> {
 }
 
 impl<V> AddressTree<V> {
-    pub(crate) fn new(align: u64) -> Self {
+    pub fn new(align: u64) -> Self {
         AddressTree {
             nodes: Vec::new(),
             spare: Vec::new(),
@@ -114,7 +114,7 @@ impl<V> AddressTree<V> {
     }
 
     /// Inserts an extent. `key` must not be present.
-    pub(crate) fn insert(&mut self, key: u64, len: u64, val: V) {
+    pub fn insert(&mut self, key: u64, len: u64, val: V) {
         debug_assert!(self.get(key).is_none(), "duplicate key {key:#x}");
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
@@ -139,7 +139,7 @@ impl<V> AddressTree<V> {
     }
 
     /// Removes the extent starting at `key`.
-    pub(crate) fn remove(&mut self, key: u64) -> Option<(u64, V)> {
+    pub fn remove(&mut self, key: u64) -> Option<(u64, V)> {
         let (l, r) = self.split(self.root, key);
         let (m, r) = self.split(r, key + 1);
         self.root = self.merge(l, r);
@@ -153,7 +153,7 @@ impl<V> AddressTree<V> {
     }
 
     /// The extent starting exactly at `key`.
-    pub(crate) fn get(&self, key: u64) -> Option<(u64, &V)> {
+    pub fn get(&self, key: u64) -> Option<(u64, &V)> {
         let mut t = self.root;
         while t != NIL {
             let n = self.n(t);
@@ -166,7 +166,7 @@ impl<V> AddressTree<V> {
     }
 
     /// The extent with the greatest start below `key`.
-    pub(crate) fn below(&self, key: u64) -> Option<(u64, u64, &V)> {
+    pub fn below(&self, key: u64) -> Option<(u64, u64, &V)> {
         let (mut t, mut best) = (self.root, NIL);
         while t != NIL {
             let n = self.n(t);
@@ -184,7 +184,7 @@ impl<V> AddressTree<V> {
     }
 
     /// The lowest-addressed extent of at least `len` bytes.
-    pub(crate) fn first_fit(&self, len: u64) -> Option<u64> {
+    pub fn first_fit(&self, len: u64) -> Option<u64> {
         self.descend(|n| n.max_len >= len, |n| n.len >= len)
     }
 

@@ -34,7 +34,6 @@ use crate::arena::Arena;
 use crate::config::Config;
 use crate::device::counted::Counted;
 use crate::device::cuda::CudaDevice;
-use crate::device::host::HostDevice;
 use crate::device::{Device, DeviceKind};
 use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
@@ -996,11 +995,6 @@ impl Allocator {
         Allocator::new(Arc::new(dev), config)
     }
 
-    /// An allocator over a simulated device.
-    pub fn host(device: HostDevice, config: Config) -> Result<Allocator> {
-        Allocator::new(Arc::new(device), config)
-    }
-
     /// Allocates `size` bytes, ready for use on `stream` (256-byte aligned).
     /// `size == 0` gives [`DevicePtr::NULL`].
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
@@ -1259,10 +1253,11 @@ impl Allocator {
     }
 }
 
-// For the C ABI (src/ffi.rs): is an address inside memory this allocator has reserved?
+// For the C ABI (capi/src/lib.rs): is an address inside memory this allocator has reserved?
 impl Allocator {
     /// True if `ptr` lies inside a chunk this allocator has reserved from the device.
-    pub(crate) fn contains_reserved(&self, ptr: u64) -> bool {
+    #[doc(hidden)]
+    pub fn contains_reserved(&self, ptr: u64) -> bool {
         self.inner.pool.contains(ptr)
     }
 }

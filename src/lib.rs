@@ -1,11 +1,11 @@
 #![doc = include_str!("../README.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-mod address_tree;
+// The benchmark's host baseline (a locked first-fit pool) uses the pool's address tree.
+#[doc(hidden)]
+pub mod address_tree;
 mod allocator;
 mod arena;
-#[doc(hidden)]
-pub mod bench;
 mod buffer;
 mod claim;
 pub mod config;
@@ -15,8 +15,6 @@ pub mod device;
 mod env;
 pub mod error;
 mod fence;
-#[cfg(not(loom))]
-pub mod ffi;
 mod free_lists;
 pub mod global;
 mod global_pool;
@@ -36,8 +34,6 @@ pub mod stats;
 pub mod stream;
 mod superblock;
 pub(crate) mod sync;
-#[doc(hidden)]
-pub mod testkit;
 
 pub use allocator::Allocator;
 pub use buffer::DeviceBuffer;
@@ -45,7 +41,6 @@ pub use config::{Config, ConfigBuilder, Limit};
 #[cfg(not(loom))]
 pub use cudarc_interop::CudaBuffer;
 pub use device::cuda::CudaDevice;
-pub use device::host::{HostConfig, HostDevice};
 pub use device::{Device, DeviceKind, Event};
 pub use error::{Error, InvalidFree, Result};
 pub use global::global;

@@ -8,8 +8,8 @@
 //!   `Arc<dyn Device>` needs std's unsized coercion.
 //! - Process-wide id counters ([`next_id`]) use a std atomic: a unique number, nothing ordered
 //!   by it, and loom atomics cannot live in statics.
-//! - The simulated device (`device/host.rs`) is a test fixture with real std threads; it is not
-//!   run under loom (the models use `device/model.rs`).
+//! - The simulated device (`testkit/src/host.rs`) is a test fixture with real std threads; it is not
+//!   run under loom (the models use `loom-tests/src/model.rs`).
 
 #[cfg(loom)]
 pub(crate) use loom::{

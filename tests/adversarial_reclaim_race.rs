@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use cuarena::{Allocator, Error, Stream};
+use cuarena::{Error, Stream};
+use cuarena_testkit::{assert_all_returned, host_allocator};
 
 mod common;
 use common::*;
@@ -23,7 +24,7 @@ use common::*;
 fn race_owner_fast_free_against_dissolving_reclaim() {
     let sim = host(5);
     let cfg = small().max_bytes(4 << 20).batch_blocks(8).build().unwrap();
-    let a = Allocator::host(sim.clone(), cfg).unwrap();
+    let a = host_allocator(sim.clone(), cfg).unwrap();
     let live = Arc::new(Live::default());
     let stop = Arc::new(AtomicBool::new(false));
     let mut hs = Vec::new();
@@ -81,5 +82,5 @@ fn race_owner_fast_free_against_dissolving_reclaim() {
         s.superblocks_dissolved, s.superblocks_returned, s.superblocks_taken
     );
     assert!(a.take_deferred_error().is_none(), "{:?}", a.take_deferred_error());
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }

@@ -18,7 +18,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cuarena::{Allocator, Device, DevicePtr, Error, HostDevice, InvalidFree, Stream};
+use cuarena::{Allocator, Device, DevicePtr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 mod common;
 use common::*;
@@ -29,7 +30,7 @@ const HOLD: Duration = Duration::from_millis(150);
 /// superblocks are off (`large_max = small_max`), so each test takes the path its name says.
 /// `tests/large.rs` runs the large-superblock paths.
 fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    Allocator::host(sim.clone(), cfg.large_max(64 << 10).build().unwrap()).unwrap()
+    host_allocator(sim.clone(), cfg.large_max(64 << 10).build().unwrap()).unwrap()
 }
 
 /// The reference for the two findings below, on the simulated device alone. A block used on
@@ -92,7 +93,7 @@ fn lazy_legacy_pool_block_reused_on_legacy_then_used_on_another_ptds() {
             a.deallocate(q, size, Stream::PER_THREAD).unwrap();
         }
     });
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// FINDING (legacy arenas, a79fbf2), fixed: the same hole on the arena path, with no pool and
@@ -118,7 +119,7 @@ fn legacy_arena_local_free_then_use_on_another_ptds() {
     let s2 = sim.clone();
     std::thread::spawn(move || s2.write_tag(q.0, size, 0xb, Stream::PER_THREAD).unwrap()).join().unwrap();
     a.deallocate(q, size, Stream::LEGACY).unwrap();
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: another thread's free of a legacy-arena block on the legacy stream goes through an
@@ -162,7 +163,7 @@ fn legacy_arena_block_freed_by_another_thread_on_legacy_reused_at_once() {
         }
     });
     drop(owner);
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: a block used on a user stream, ordered into the legacy stream by the user's own event
@@ -218,7 +219,7 @@ fn user_stream_use_ordered_into_legacy_then_reused_everywhere() {
         sim.synchronize();
         assert!(sim.violations().is_empty(), "{reuse}: {:?}", sim.violations());
     }
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: a pool block used on A's per-thread stream, freed on the legacy stream, reused by B
@@ -272,7 +273,7 @@ fn lazy_legacy_pool_block_reused_on_ptds_user_and_legacy() {
         sim.synchronize();
         assert!(sim.violations().is_empty(), "{reuse}: {:?}", sim.violations());
     }
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: one thread's blocks of both its arenas and of the pool, freed alternately on its
@@ -311,7 +312,7 @@ fn mixed_ptds_and_legacy_frees_of_one_threads_blocks() {
         sim.check_tag(p.0, size, tag, s).unwrap();
         a.deallocate(p, size, Stream::LEGACY).unwrap();
     }
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: many threads on the legacy stream only, with long checked work in flight, freeing
@@ -359,7 +360,7 @@ fn many_threads_on_the_legacy_stream_hand_blocks_around() {
     for h in hs {
         h.join().unwrap();
     }
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: the same with every thread using each block on its own per-thread stream first and
@@ -404,7 +405,7 @@ fn many_threads_ptds_work_freed_on_legacy_reused_on_ptds() {
     for h in hs {
         h.join().unwrap();
     }
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: trim(false) and trim(true) while lazy legacy fences guard whole chunks whose last use
@@ -430,7 +431,7 @@ fn trim_with_lazy_fences_pending() {
     let released = a.trim(true).unwrap();
     assert!(released >= size, "a blocking trim releases the chunk: {released}");
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: out of memory under a small cap while every free chunk is guarded by lazy legacy
@@ -479,7 +480,7 @@ fn out_of_memory_with_lazy_fences() {
         a.deallocate(p, 32 << 10, Stream::LEGACY).unwrap();
     }
     sim.destroy_stream(user).unwrap();
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: dropping the allocator while lazy legacy fences guard memory still under per-thread
@@ -560,7 +561,7 @@ fn thread_exit_with_pool_frees_in_the_outbox() {
         sim.synchronize();
         assert!(sim.violations().is_empty(), "{free_on:?}: {:?}", sim.violations());
     }
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: a double free of a pool block whose first free waits in an outbox is refused at once,
@@ -599,7 +600,7 @@ fn double_free_of_a_pool_block_waiting_in_an_outbox() {
         bad += 1;
         sim.destroy_stream(user).unwrap();
     }
-    assert_all_back(&a, &sim, bad);
+    assert_all_returned(&a, Some(&sim), bad);
 }
 
 /// Held: frees on user streams that are destroyed right after, of pool blocks and of another
@@ -646,7 +647,7 @@ fn user_streams_destroyed_after_frees() {
         });
     }
     drop(owner);
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Held: pending remote frees taken back behind one stream wait (2dd4d60) on both of a
@@ -698,5 +699,5 @@ fn pending_batches_waited_for_on_both_homes() {
         assert!(sim.violations().is_empty(), "{home:?}: {:?}", sim.violations());
     }
     drop(owner);
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }

@@ -9,7 +9,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use cuarena::size_class::block_bytes;
-use cuarena::{Allocator, Config, DevicePtr, Error, HostConfig, HostDevice, InvalidFree, Stream};
+use cuarena::{Allocator, Config, DevicePtr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 
 const SMALL_MAX: usize = 64 << 10;
 
@@ -29,7 +30,7 @@ fn config() -> cuarena::ConfigBuilder {
 
 fn setup() -> (HostDevice, Allocator) {
     let dev = device(256 << 20);
-    let a = Allocator::host(dev.clone(), config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), config().build().unwrap()).unwrap();
     (dev, a)
 }
 
@@ -130,7 +131,7 @@ fn sizes_near_usize_max_are_out_of_memory() {
 fn more_than_the_device_has_is_out_of_memory() {
     // The cap is the device (64 MiB): refused before any driver call.
     let dev = device(64 << 20);
-    let a = Allocator::host(dev.clone(), config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), config().build().unwrap()).unwrap();
     let live = two_blocks(&a);
     match a.allocate(65 << 20, Stream::LEGACY) {
         Err(Error::OutOfMemory { requested, reserved, in_use, largest_free, limit }) => {
@@ -143,7 +144,7 @@ fn more_than_the_device_has_is_out_of_memory() {
 
     // The cap is above the device (1 GiB on 64 MiB): the device itself says no.
     let dev = device(64 << 20);
-    let a = Allocator::host(dev.clone(), config().max_bytes(1 << 30).build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), config().max_bytes(1 << 30).build().unwrap()).unwrap();
     let live = two_blocks(&a);
     match a.allocate(100 << 20, Stream::LEGACY) {
         Err(Error::OutOfMemory { requested, limit, .. }) => {
@@ -512,7 +513,7 @@ fn keep_empty_at_its_limit_works_and_beyond_it_is_refused() {
     assert!(matches!(config().keep_empty(usize::MAX).build(), Err(Error::Config(_))));
     let dev = device(256 << 20);
     let max = cuarena::config::MAX_KEEP_EMPTY;
-    let a = Allocator::host(dev.clone(), config().keep_empty(max).build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), config().keep_empty(max).build().unwrap()).unwrap();
     let blocks: Vec<DevicePtr> = (0..64).map(|_| a.allocate_per_thread(48 << 10).unwrap()).collect();
     for p in blocks {
         a.deallocate_per_thread(p, 48 << 10).unwrap();

@@ -6,7 +6,11 @@
 use std::ffi::{CStr, c_void};
 use std::sync::Mutex;
 
-use cuarena::ffi::*;
+use cuarena_c::*;
+
+/// The C ABI (`capi/`, built as libcuarena.so), compiled into this test to be called as Rust.
+#[path = "../capi/src/lib.rs"]
+mod cuarena_c;
 
 /// The process-wide allocators and the record_stream table are shared by every test here.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -322,11 +326,12 @@ fn on_a_gpu_every_bad_input_is_refused_and_the_stats_add_up() {
 /// the C ABI refuses each input with an error (never a panic) and its statistics add up.
 #[test]
 fn the_allocator_behind_the_abi_refuses_every_bad_input_on_a_simulated_device() {
-    use cuarena::{Allocator, Config, DevicePtr, Error, HostConfig, HostDevice, Stream};
+    use cuarena::{Config, DevicePtr, Error, Stream};
+    use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
     use std::panic::{AssertUnwindSafe, catch_unwind};
 
     let dev = HostDevice::new(HostConfig { capacity: 1 << 30, ..HostConfig::default() });
-    let a = Allocator::host(dev.clone(), Config::default()).unwrap();
+    let a = host_allocator(dev.clone(), Config::default()).unwrap();
     let user = dev.create_stream();
     let no_panic = |what: &str, f: &mut dyn FnMut() -> Result<(), Error>| -> Result<(), Error> {
         catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| panic!("{what}: panicked"))
@@ -378,10 +383,11 @@ fn the_allocator_behind_the_abi_refuses_every_bad_input_on_a_simulated_device() 
 /// `ptr = u64::MAX` through the free path: refused, no overflow (it once computed `ptr + 1`).
 #[test]
 fn a_free_of_u64_max_is_refused_not_a_panic() {
-    use cuarena::{Allocator, Config, DevicePtr, Error, HostConfig, HostDevice, Stream};
+    use cuarena::{Config, DevicePtr, Error, Stream};
+    use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 
     let dev = HostDevice::new(HostConfig { capacity: 1 << 30, ..HostConfig::default() });
-    let a = Allocator::host(dev.clone(), Config::default()).unwrap();
+    let a = host_allocator(dev.clone(), Config::default()).unwrap();
     for stream in [Stream::LEGACY, Stream::PER_THREAD, dev.create_stream()] {
         for size in [1usize, 4096, 3 << 20] {
             let free = || a.deallocate(DevicePtr(u64::MAX), size, stream);
@@ -390,4 +396,23 @@ fn a_free_of_u64_max_is_refused_not_a_panic() {
         }
     }
     assert_eq!(a.stats().invalid_frees, 9);
+}
+
+/// The check behind `cuarena_record_stream`'s refusal of foreign pointers.
+#[test]
+fn contains_reserved_covers_exactly_the_reserved_chunks() {
+    use cuarena::{Config, Stream};
+    use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
+    let a = host_allocator(HostDevice::new(HostConfig::default()), Config::default()).unwrap();
+    assert!(!a.contains_reserved(0x1000), "nothing reserved yet");
+    let p = a.allocate(3 << 20, Stream::LEGACY).unwrap();
+    let (base, len) = (p.0, a.stats().reserved_bytes);
+    assert_eq!(len, a.config().chunk() as u64, "one chunk");
+    assert!(a.contains_reserved(base) && a.contains_reserved(base + 256));
+    assert!(a.contains_reserved(base + len - 1));
+    assert!(!a.contains_reserved(base + len) && !a.contains_reserved(base - 1));
+    assert!(!a.contains_reserved(0) && !a.contains_reserved(u64::MAX));
+    a.deallocate(p, 3 << 20, Stream::LEGACY).unwrap();
+    a.trim(true).unwrap();
+    assert!(!a.contains_reserved(base), "a released chunk is no longer reserved");
 }

@@ -11,11 +11,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuarena::testkit::{
+use cuarena::{Allocator, Config, CudaDevice, Device, Error, Stream};
+use cuarena_testkit::{
     GpuOps, StreamMode, StressParams, Target, TortureParams, TortureReport, assert_all_returned, gpu_or_skip,
     gpus_or_skip, stress, torture,
 };
-use cuarena::{Allocator, Config, CudaDevice, Device, Error, Stream};
 
 fn gpu() -> Option<Arc<CudaDevice>> {
     gpu_or_skip(0)
@@ -42,7 +42,7 @@ fn gpu_stress_keeps_tags_and_layout() {
     eprintln!("gpu stress: {r:?}\n{s:?}");
     assert!(s.cross_thread_frees > 1000 && s.cross_stream_frees > 100, "{s:?}");
     assert_eq!(s.host_syncs, 0);
-    assert_all_returned(&a);
+    assert_all_returned(&a, None, 0);
 }
 
 /// The test of the test on the GPU: with fencing off, reuse before the fence must show up as
@@ -102,7 +102,7 @@ fn gpu_stream_identity_and_reused_handles() {
     let (errors, _) = ops.kernels.take_counters().unwrap();
     eprintln!("handles reused {reused} times");
     assert_eq!(errors, 0);
-    assert_all_returned(&a);
+    assert_all_returned(&a, None, 0);
 }
 
 #[test]
@@ -149,7 +149,7 @@ fn gpu_memset_and_copy_through_buffers() {
         })
         .collect();
     hs.into_iter().for_each(|h| h.join().unwrap());
-    assert_all_returned(&a);
+    assert_all_returned(&a, None, 0);
 }
 
 /// cudarc's copies and kernel launches accept cuarena buffers.
@@ -168,7 +168,7 @@ fn gpu_cudarc_copies_and_launches_take_cuarena_buffers() {
     stream.memcpy_htod(&host, &mut buf).unwrap();
     assert_eq!(stream.clone_dtoh(&buf).unwrap(), host, "a round trip through a cuarena buffer");
     // A kernel over a cuarena buffer: write a tag with the test kernel, then check it.
-    let module = ctx.load_module(Ptx::from_src(include_str!("../src/device/kernels/kernels.ptx"))).unwrap();
+    let module = ctx.load_module(Ptx::from_src(include_str!("../testkit/src/kernels/kernels.ptx"))).unwrap();
     let f = module.load_function("tag_hold_check").unwrap();
     let errors = stream.alloc_zeros::<u64>(1).unwrap();
     let (words, tag, hold) = (n as u64, 0xC0FFEEu32, 0u64);
@@ -231,7 +231,7 @@ fn check_fenced(label: &str, r: &TortureReport, a: &[&Allocator]) {
     for a in a {
         let s = a.stats();
         assert_eq!((s.invalid_frees, s.host_syncs), (0, 0), "{s:?}");
-        assert_all_returned(a);
+        assert_all_returned(a, None, 0);
     }
 }
 
@@ -355,7 +355,7 @@ fn multi_gpu_a_free_on_the_wrong_device_is_refused() {
         let s = a.stats();
         assert_eq!((s.allocations, s.deallocations), (2, 2), "{s:?}");
         a.release_thread().unwrap();
-        assert_all_returned(a);
+        assert_all_returned(a, None, 0);
     }
 }
 

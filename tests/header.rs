@@ -13,7 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use cuarena::Stats;
-use cuarena::ffi::{CUARENA_ERR_STATS_SIZE, CUARENA_STATS_SIZE_V1, cuarena_stats};
+#[path = "../capi/src/lib.rs"]
+#[allow(dead_code)]
+mod cuarena_c;
+
+use cuarena_c::{CUARENA_ERR_STATS_SIZE, CUARENA_STATS_SIZE_V1, cuarena_stats};
 
 /// The repository root: the nearest ancestor of this crate's directory with `include/cuarena.h`.
 fn root() -> PathBuf {
@@ -147,22 +151,10 @@ fn header_functions() -> Vec<String> {
     names
 }
 
-/// Every function the Rust C ABI exports: `extern "C" fn cuarena_*` in the ffi source (found
-/// under the repository, wherever the crate that holds it lives).
+/// Every function the Rust C ABI exports: `extern "C" fn cuarena_*` in the C library crate's
+/// source (`capi/src/lib.rs`).
 fn exported_functions() -> Vec<String> {
-    fn walk(dir: &Path, found: &mut Vec<PathBuf>) {
-        for e in std::fs::read_dir(dir).unwrap().flatten() {
-            let p = e.path();
-            let name = e.file_name();
-            if p.is_dir() && name != "target" && name != ".git" && name != "gpu-bundle" {
-                walk(&p, found);
-            } else if name == "ffi.rs" && p.parent().is_some_and(|d| d.ends_with("src")) {
-                found.push(p);
-            }
-        }
-    }
-    let mut files = Vec::new();
-    walk(&root(), &mut files);
+    let files = [root().join("capi/src/lib.rs")];
     let mut names: Vec<String> = files
         .iter()
         .flat_map(|f| {
@@ -178,7 +170,7 @@ fn exported_functions() -> Vec<String> {
         .collect();
     assert!(
         !names.is_empty(),
-        "no src/ffi.rs with `extern \"C\" fn cuarena_*` found under {}",
+        "no `extern \"C\" fn cuarena_*` found in {}/capi/src/lib.rs",
         root().display()
     );
     names.sort();
@@ -326,7 +318,7 @@ fn a_c_program_sees_the_same_layout_and_version_and_links() {
     assert_eq!(get("offset_live_bytes"), [std::mem::offset_of!(cuarena_stats, stats).to_string()]);
     let last = std::mem::offset_of!(cuarena_stats, stats) + std::mem::offset_of!(Stats, pool_allocations);
     assert_eq!(get("offset_pool_allocations"), [last.to_string()]);
-    let v = cuarena::ffi::cuarena_version().to_string();
+    let v = cuarena_c::cuarena_version().to_string();
     assert_eq!(get("version"), [v.clone(), v], "the library's and the header's CUARENA_VERSION");
     assert_eq!(get("version_string"), [env!("CARGO_PKG_VERSION")]);
     let r = CUARENA_ERR_STATS_SIZE.to_string();

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuarena::testkit::{StressParams, stress};
-use cuarena::{Allocator, Config, DevicePtr, Error, HostConfig, HostDevice, InvalidFree, Stream};
+use cuarena::{Allocator, Config, DevicePtr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostConfig, HostDevice, StressParams, assert_all_returned, host_allocator, stress};
 
 fn device(max_delay_us: u64) -> HostDevice {
     HostDevice::new(HostConfig {
@@ -21,24 +21,10 @@ fn small_config() -> cuarena::ConfigBuilder {
     Config::builder().superblock(256 << 10).small_max(64 << 10).chunk(1 << 20).batch_blocks(8)
 }
 
-fn assert_all_returned(a: &Allocator) {
-    a.flush().unwrap(); // this thread's gathered frees (one fence per batch) go out
-    a.check_invariants();
-    let s = a.stats();
-    assert_eq!(s.live_bytes, 0, "{s:?}");
-    // Arenas of destroyed user streams wait, parked, for a device synchronise (`trim(true)`).
-    let parked = a.parked_bytes();
-    assert_eq!(a.pool_in_use(), parked, "bytes still handed out: {:?} {s:?}", a.pool_used_ranges());
-    assert_eq!(s.arena_held_bytes, parked as u64, "{s:?}");
-    assert_eq!(s.arenas, 0);
-    a.trim(true).unwrap();
-    assert_eq!((a.stats().reserved_bytes, a.stats().arena_held_bytes, a.parked_bytes()), (0, 0, 0));
-}
-
 #[test]
 fn random_threads_with_cross_thread_and_cross_stream_frees() {
     let dev = device(200);
-    let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().build().unwrap()).unwrap();
     let p = StressParams {
         threads: 6,
         steps: 1500,
@@ -56,14 +42,14 @@ fn random_threads_with_cross_thread_and_cross_stream_frees() {
     assert!(s.superblocks_taken > 6 && s.superblocks_returned + s.superblocks_dissolved > 0, "{s:?}");
     assert_eq!(s.invalid_frees, 0);
     assert_eq!(s.host_syncs, 0, "no host-blocking sync outside trim");
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
 
 #[test]
 fn default_config_stress_returns_everything() {
     let dev = device(50);
-    let a = Allocator::host(dev.clone(), Config::default()).unwrap();
+    let a = host_allocator(dev.clone(), Config::default()).unwrap();
     let p = StressParams {
         threads: 4,
         steps: 800,
@@ -73,7 +59,7 @@ fn default_config_stress_returns_everything() {
     };
     let r = stress(Arc::new(dev.clone()), &a, &p).unwrap();
     assert!(r.layout_errors.is_empty() && r.violations.is_empty() && r.tag_errors == 0, "{r:?}");
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 /// The test of the tests: with fencing switched off, the same kind of run must be caught. The
@@ -86,7 +72,7 @@ fn skipping_fences_is_caught_by_the_checker() {
         let dev = device(300);
         // Superblocks of 64 KiB: the owners run out often and take remotely freed blocks back.
         let cfg = small_config().superblock(64 << 10).skip_fences_for_testing().build().unwrap();
-        let a = Allocator::host(dev.clone(), cfg).unwrap();
+        let a = host_allocator(dev.clone(), cfg).unwrap();
         let p = StressParams {
             threads: 4,
             steps: 600,
@@ -110,7 +96,7 @@ fn skipping_fences_is_caught_by_the_checker() {
 #[test]
 fn blocks_are_aligned_disjoint_and_writable() {
     let dev = device(0);
-    let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().build().unwrap()).unwrap();
     let mut blocks = Vec::new();
     for (i, size) in
         [1usize, 255, 256, 257, 2047, 2049, 4000, 65536, 65537, 300_000].iter().cycle().take(200).enumerate()
@@ -133,13 +119,13 @@ fn blocks_are_aligned_disjoint_and_writable() {
         a.deallocate_per_thread(p, s).unwrap();
     }
     a.release_thread().unwrap();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 #[test]
 fn invalid_frees_are_refused_and_lose_nothing() {
     let dev = device(0);
-    let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().build().unwrap()).unwrap();
     let small = a.allocate_per_thread(1000).unwrap();
     let large = a.allocate(200 << 10, Stream::LEGACY).unwrap();
     let reason = |r: cuarena::Result<()>| match r {
@@ -174,13 +160,13 @@ fn invalid_frees_are_refused_and_lose_nothing() {
     assert_eq!(reason(a.deallocate(large, 200 << 10, Stream::LEGACY)), InvalidFree::DoubleFree);
     assert_eq!(a.stats().invalid_frees, 8, "every refusal is counted");
     a.release_thread().unwrap();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 8);
 }
 
 #[test]
 fn a_double_free_from_another_thread_is_refused_at_once() {
     let dev = device(0);
-    let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().build().unwrap()).unwrap();
     let p = a.allocate_per_thread(4096).unwrap();
     let a2 = a.clone();
     let second = std::thread::spawn(move || {
@@ -201,13 +187,13 @@ fn a_double_free_from_another_thread_is_refused_at_once() {
     assert!(a.take_deferred_error().is_none(), "nothing was accepted that should not have been");
     assert_eq!(a.stats().invalid_frees, 2);
     a.release_thread().unwrap();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 2);
 }
 
 #[test]
 fn zero_and_huge_sizes() {
     let dev = device(0);
-    let a = Allocator::host(dev, Config::builder().max_bytes(64 << 20).build().unwrap()).unwrap();
+    let a = host_allocator(dev, Config::builder().max_bytes(64 << 20).build().unwrap()).unwrap();
     assert_eq!(a.allocate_per_thread(0).unwrap(), DevicePtr::NULL);
     assert!(a.buffer(0, Stream::LEGACY).unwrap().is_empty());
     for huge in [usize::MAX, usize::MAX - 255, 1 << 40, (64 << 20) + 1] {
@@ -225,7 +211,7 @@ fn zero_and_huge_sizes() {
 #[test]
 fn out_of_memory_reports_figures_and_recovers() {
     let dev = device(0);
-    let a = Allocator::host(dev, small_config().max_bytes(8 << 20).build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().max_bytes(8 << 20).build().unwrap()).unwrap();
     let mut held = Vec::new();
     let err = loop {
         match a.allocate(1 << 20, Stream::LEGACY) {
@@ -249,13 +235,13 @@ fn out_of_memory_reports_figures_and_recovers() {
         a.deallocate(p, 1 << 20, Stream::LEGACY).unwrap();
     }
     a.release_thread().unwrap();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 #[test]
 fn frees_after_the_owner_thread_exited_go_to_the_pool() {
     let dev = device(100);
-    let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().build().unwrap()).unwrap();
     let a2 = a.clone();
     let blocks: Vec<(DevicePtr, usize)> = std::thread::spawn(move || {
         let v: Vec<_> =
@@ -275,15 +261,15 @@ fn frees_after_the_owner_thread_exited_go_to_the_pool() {
         a.deallocate_per_thread(p, size).unwrap();
     }
     dev.synchronize();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 #[test]
 fn hoard_rule_bounds_stranded_memory() {
     let dev = device(0);
     let sb = 256usize << 10;
-    let a =
-        Allocator::host(dev, small_config().keep_empty(1).sparse_fraction(0.25).build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().keep_empty(1).sparse_fraction(0.25).build().unwrap())
+        .unwrap();
     let mut v: Vec<_> = (0..400).map(|_| a.allocate_per_thread(16 << 10).unwrap()).collect();
     let peak_held = a.stats().arena_held_bytes as usize;
     assert!(peak_held >= 400 * (16 << 10));
@@ -304,13 +290,13 @@ fn hoard_rule_bounds_stranded_memory() {
         a.deallocate_per_thread(p, 16 << 10).unwrap();
     }
     a.release_thread().unwrap();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 #[test]
 fn stream_handles_reused_after_destroy_are_not_confused() {
     let dev = device(500);
-    let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().build().unwrap()).unwrap();
     for round in 0..40u32 {
         let s = dev.create_stream();
         let p = a.allocate(100 << 10, s).unwrap();
@@ -321,13 +307,13 @@ fn stream_handles_reused_after_destroy_are_not_confused() {
     dev.synchronize();
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     assert_eq!(dev.tag_errors(), 0);
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 #[test]
 fn config_from_env_string() {
     let c = Config::parse("small_max=1MiB,superblock=2MiB,max=80%").unwrap();
-    let a = Allocator::host(HostDevice::default(), c).unwrap();
+    let a = host_allocator(HostDevice::default(), c).unwrap();
     assert_eq!(a.config().small_max(), 1 << 20);
 }
 
@@ -343,7 +329,7 @@ fn cuda_without_a_driver_is_an_error_not_a_panic() {
 #[test]
 fn a_free_on_a_destroyed_stream_is_refused_and_the_block_stays_live() {
     let dev = device(0);
-    let a = Allocator::host(dev.clone(), small_config().build().unwrap()).unwrap();
+    let a = host_allocator(dev.clone(), small_config().build().unwrap()).unwrap();
     let p = a.allocate_per_thread(4096).unwrap();
     let q = a.allocate(200 << 10, Stream::LEGACY).unwrap();
     let s = dev.create_stream();
@@ -354,7 +340,7 @@ fn a_free_on_a_destroyed_stream_is_refused_and_the_block_stays_live() {
     a.deallocate_per_thread(p, 4096).unwrap();
     a.deallocate(q, 200 << 10, Stream::LEGACY).unwrap();
     a.release_thread().unwrap();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 /// The C example's pattern (examples/c/threads.c) on the simulated device: per-thread and user
@@ -364,7 +350,7 @@ fn a_free_on_a_destroyed_stream_is_refused_and_the_block_stays_live() {
 fn the_c_example_pattern_keeps_memory_consistent() {
     use std::sync::Mutex;
     let dev = device(0);
-    let a = Allocator::host(dev.clone(), Config::default()).unwrap();
+    let a = host_allocator(dev.clone(), Config::default()).unwrap();
     const T: usize = 8;
     type Handed = Option<(DevicePtr, usize, cuarena::Event)>;
     let slots: Arc<Vec<Mutex<Handed>>> = Arc::new((0..T).map(|_| Mutex::new(None)).collect());
@@ -409,7 +395,7 @@ fn the_c_example_pattern_keeps_memory_consistent() {
     assert!(dev.violations().is_empty(), "{:?}", &dev.violations()[..dev.violations().len().min(3)]);
     assert_eq!(a.stats().invalid_frees, 0, "{:?}", a.take_deferred_error());
     a.release_thread().unwrap();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 /// A block freed remotely and still waiting for its fence when its superblock is given back
@@ -418,7 +404,7 @@ fn the_c_example_pattern_keeps_memory_consistent() {
 fn a_double_free_of_a_pending_block_across_a_dissolved_superblock_is_refused() {
     let dev = device(0);
     let cfg = small_config().keep_empty(0).sparse_fraction(0.5).build().unwrap();
-    let a = Allocator::host(dev.clone(), cfg).unwrap();
+    let a = host_allocator(dev.clone(), cfg).unwrap();
     let blocks: Vec<_> = (0..4).map(|_| a.allocate_per_thread(16 << 10).unwrap()).collect();
     // Hold the per-thread stream of the freeing thread busy, so the fence of its free is pending.
     let (a2, d2, p) = (a.clone(), dev.clone(), blocks[0]);
@@ -444,7 +430,7 @@ fn a_double_free_of_a_pending_block_across_a_dissolved_superblock_is_refused() {
     dev.synchronize();
     a.flush().unwrap();
     a.release_thread().unwrap();
-    assert_all_returned(&a);
+    assert_all_returned(&a, Some(&dev), 1);
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
 
@@ -453,8 +439,8 @@ fn a_double_free_of_a_pending_block_across_a_dissolved_superblock_is_refused() {
 #[test]
 fn a_free_on_the_wrong_device_is_refused() {
     let (d0, d1) = (device(0), device(0));
-    let a0 = Allocator::host(d0, small_config().build().unwrap()).unwrap();
-    let a1 = Allocator::host(d1, small_config().build().unwrap()).unwrap();
+    let a0 = host_allocator(d0.clone(), small_config().build().unwrap()).unwrap();
+    let a1 = host_allocator(d1.clone(), small_config().build().unwrap()).unwrap();
     let warm = a1.allocate_per_thread(4096).unwrap(); // a1 has an arena and a pool of its own
     let small = a0.allocate_per_thread(4096).unwrap();
     let large = a0.allocate(300 << 10, Stream::LEGACY).unwrap();
@@ -468,8 +454,8 @@ fn a_free_on_the_wrong_device_is_refused() {
     a0.deallocate_per_thread(small, 4096).unwrap();
     a0.deallocate(large, 300 << 10, Stream::LEGACY).unwrap();
     a1.deallocate_per_thread(warm, 4096).unwrap();
-    for a in [&a0, &a1] {
-        a.release_thread().unwrap();
-        assert_all_returned(a);
+    // a1 refused the two foreign frees.
+    for (a, d, refused) in [(&a0, &d0, 0), (&a1, &d1, 2)] {
+        assert_all_returned(a, Some(d), refused);
     }
 }

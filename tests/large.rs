@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use cuarena::{Allocator, Device, DevicePtr, Error, HostDevice, InvalidFree, Stream};
+use cuarena::{Allocator, Device, DevicePtr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 mod common;
 use common::*;
@@ -13,7 +14,7 @@ use common::*;
 const HOLD: Duration = Duration::from_millis(150);
 
 fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    Allocator::host(sim.clone(), cfg.build().unwrap()).unwrap()
+    host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
 }
 
 #[test]
@@ -63,7 +64,7 @@ fn large_blocks_from_many_threads_never_overlap_and_all_come_back() {
     assert!(s.large_allocations > 400, "large blocks were served by the arenas: {s:?}");
     assert_eq!(s.pool_allocations, 0, "nothing went to the pool: {s:?}");
     assert!(s.superblocks_taken < s.large_allocations / 4, "large superblocks are reused: {s:?}");
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// A large block used on a user stream, freed by another thread (remote) or by its owner on
@@ -121,7 +122,7 @@ fn remote_and_cross_stream_reuse(skip_fences: bool) -> Vec<String> {
     sim.synchronize();
     let v = sim.violations();
     if !skip_fences {
-        assert_all_back(&a, &sim, 0);
+        assert_all_returned(&a, Some(&sim), 0);
         assert!(a.stats().fences_recorded <= 4, "one fence per batch: {:?}", a.stats());
     }
     v
@@ -155,7 +156,7 @@ fn a_large_block_freed_and_reused_on_its_stream_needs_no_event() {
     let after = a.stats();
     assert_eq!(after.driver_calls, before.driver_calls, "no driver call: {after:?}");
     assert_eq!(after.large_allocations - before.large_allocations, 1000);
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 #[test]
@@ -190,7 +191,7 @@ fn double_free_and_wrong_size_of_a_large_block_are_refused() {
     assert!(matches!(r, Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })), "{r:?}");
     assert_eq!(a.stats().invalid_frees, 7);
     a.flush().unwrap();
-    assert_all_back(&a, &sim, 7);
+    assert_all_returned(&a, Some(&sim), 7);
 }
 
 #[test]
@@ -217,7 +218,7 @@ fn out_of_memory_with_large_superblocks_held_by_idle_threads_recovers() {
     a.deallocate_per_thread(p, 8 << 20).unwrap();
     assert_eq!(a.stats().host_syncs, 0, "the reclaim blocked the host");
     idle.exit();
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 #[test]
@@ -239,5 +240,5 @@ fn the_statistics_count_each_path() {
     let s = a.stats();
     assert_eq!((s.arena_allocations, s.large_allocations, s.pool_allocations), (3, 2, 2), "{s:?}");
     a.flush().unwrap();
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }

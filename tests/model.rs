@@ -25,9 +25,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use cuarena::size_class::block_bytes;
-use cuarena::{
-    Allocator, Config, Device, DevicePtr, Error, Event, HostConfig, HostDevice, InvalidFree, Stream,
-};
+use cuarena::{Allocator, Config, Device, DevicePtr, Error, Event, InvalidFree, Stream};
+use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 use proptest::prelude::*;
 
 const SMALL_MAX: usize = 64 << 10;
@@ -246,7 +245,7 @@ impl Harness {
             .keep_empty(1)
             .build()
             .unwrap();
-        let a = Allocator::host(dev.clone(), cfg).unwrap();
+        let a = host_allocator(dev.clone(), cfg).unwrap();
         let user = dev.create_stream();
         Harness {
             dev,

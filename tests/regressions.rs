@@ -8,9 +8,9 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use cuarena::{
-    Allocator, Config, Device, DeviceKind, DevicePtr, Error, Event, HostConfig, HostDevice, InvalidFree,
-    Stream, StreamKey,
+    Allocator, Config, Device, DeviceKind, DevicePtr, Error, Event, InvalidFree, Stream, StreamKey,
 };
+use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 
 fn host(max_delay_us: u64) -> HostDevice {
     HostDevice::new(HostConfig {
@@ -140,7 +140,7 @@ fn a_later_fence_on_a_shared_stream_is_not_dropped() {
 fn a_double_free_parked_in_an_outbox_is_refused_and_nothing_is_handed_out_twice() {
     let sim = host(0);
     let cfg = Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20).batch_blocks(64);
-    let a = Allocator::host(sim.clone(), cfg.build().unwrap()).unwrap();
+    let a = host_allocator(sim.clone(), cfg.build().unwrap()).unwrap();
     let (to_owner, owner_rx) = mpsc::channel::<()>();
     let (b_tx, b_rx) = mpsc::channel();
     let ao = a.clone();
@@ -178,7 +178,7 @@ fn a_double_free_parked_in_an_outbox_is_refused_and_nothing_is_handed_out_twice(
 fn memory_freed_into_an_idle_arena_is_reclaimed_on_oom_and_by_trim() {
     let sim = host(20);
     let cfg = Config::builder().max_bytes(8 << 20).batch_blocks(16).build().unwrap();
-    let a = Allocator::host(sim.clone(), cfg).unwrap();
+    let a = host_allocator(sim.clone(), cfg).unwrap();
     let (to_owner, owner_rx) = mpsc::channel::<()>();
     let (blocks_tx, blocks_rx) = mpsc::channel();
     let ao = a.clone();
@@ -233,7 +233,7 @@ fn memory_freed_into_an_idle_arena_is_reclaimed_on_oom_and_by_trim() {
 fn arena_oom_reports_the_request_and_a_bad_pool_free_records_no_event() {
     let sim = host(0);
     let cfg = Config::builder().superblock(256 << 10).small_max(64 << 10).chunk(256 << 10);
-    let a = Allocator::host(sim.clone(), cfg.max_bytes(512 << 10).build().unwrap()).unwrap();
+    let a = host_allocator(sim.clone(), cfg.max_bytes(512 << 10).build().unwrap()).unwrap();
     let big = a.allocate(512 << 10, Stream::LEGACY).unwrap(); // the whole cap, from the pool
     match a.allocate_per_thread(32 << 10) {
         Err(Error::OutOfMemory { requested, .. }) => {
@@ -263,7 +263,7 @@ fn arena_oom_reports_the_request_and_a_bad_pool_free_records_no_event() {
 fn a_block_freed_on_the_legacy_stream_is_fenced_when_reused_elsewhere() {
     let sim = host(0);
     let cfg = Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20).batch_blocks(1);
-    let a = Allocator::host(sim.clone(), cfg.build().unwrap()).unwrap();
+    let a = host_allocator(sim.clone(), cfg.build().unwrap()).unwrap();
     let size = 512 << 10; // a pool block
     for reuse in ["other thread's per-thread stream", "user stream", "legacy stream"] {
         let (a1, s1) = (a.clone(), sim.clone());
@@ -305,7 +305,7 @@ fn a_block_freed_on_the_legacy_stream_is_fenced_when_reused_elsewhere() {
 /// `Allocator` is `Debug` (issue 10): it names its device and configuration.
 #[test]
 fn an_allocator_prints_its_device_and_configuration() {
-    let a = Allocator::host(host(0), Config::default()).unwrap();
+    let a = host_allocator(host(0), Config::default()).unwrap();
     let s = format!("{a:?}");
     assert!(s.starts_with("Allocator") && s.contains("\"host\"") && s.contains("small_max"), "{s}");
 }
@@ -317,7 +317,7 @@ fn an_allocator_prints_its_device_and_configuration() {
 fn oom_recovers_with_several_idle_owners_and_remote_frees() {
     let sim = host(20);
     let cfg = Config::builder().max_bytes(16 << 20).batch_blocks(8).build().unwrap();
-    let a = Allocator::host(sim.clone(), cfg).unwrap();
+    let a = host_allocator(sim.clone(), cfg).unwrap();
     let (blocks_tx, blocks_rx) = mpsc::channel::<Vec<DevicePtr>>();
     let mut gates = Vec::new();
     let mut owners = Vec::new();

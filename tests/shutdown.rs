@@ -5,7 +5,12 @@
 use std::ffi::{CStr, c_int};
 
 use cuarena::Error;
-use cuarena::ffi::{cuarena_last_error, cuarena_malloc};
+use cuarena_c::{cuarena_last_error, cuarena_malloc};
+
+/// The C ABI (`capi/`, built as libcuarena.so), compiled into this test to be called as Rust.
+#[allow(dead_code)] // this test calls two of its functions
+#[path = "../capi/src/lib.rs"]
+mod cuarena_c;
 
 unsafe extern "C" {
     fn atexit(cb: extern "C" fn()) -> c_int;

@@ -7,8 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuarena::testkit::{StreamMode, Target, TortureParams, TortureReport, assert_all_returned, torture};
-use cuarena::{Allocator, Config, HostConfig, HostDevice};
+use cuarena::{Allocator, Config};
+use cuarena_testkit::{
+    HostConfig, HostDevice, StreamMode, Target, TortureParams, TortureReport, assert_all_returned,
+    host_allocator, torture,
+};
 
 fn device(max_delay_us: u64) -> HostDevice {
     HostDevice::new(HostConfig {
@@ -39,7 +42,7 @@ fn fenced_params(mode: StreamMode) -> TortureParams {
 
 fn run_fenced(mode: StreamMode) -> TortureReport {
     let dev = device(0);
-    let a = Allocator::host(dev.clone(), Config::default()).unwrap();
+    let a = host_allocator(dev.clone(), Config::default()).unwrap();
     let tg = Target { ops: Arc::new(dev.clone()), alloc: a.clone() };
     let r = torture(&[tg], &fenced_params(mode)).unwrap();
     let s = a.stats();
@@ -67,7 +70,7 @@ fn run_fenced(mode: StreamMode) -> TortureReport {
     if mode == StreamMode::Ptds {
         assert!(s.cross_thread_frees > 1000 && s.cross_stream_frees > 1000, "{s:?}");
     }
-    assert_all_returned(&a);
+    assert_all_returned(&a, None, 0);
     assert!(dev.violations().is_empty(), "{:?}", &dev.violations()[..dev.violations().len().min(3)]);
     r
 }
@@ -76,7 +79,7 @@ fn run_fenced(mode: StreamMode) -> TortureReport {
 fn run_unfenced(mode: StreamMode) -> TortureReport {
     let dev = device(0);
     let cfg = Config::builder().skip_fences_for_testing().build().unwrap();
-    let a = Allocator::host(dev.clone(), cfg).unwrap();
+    let a = host_allocator(dev.clone(), cfg).unwrap();
     let tg = Target { ops: Arc::new(dev.clone()), alloc: a };
     let r = torture(&[tg], &fenced_params(mode)).unwrap();
     eprintln!("torture {} unfenced (host): {}", mode.name(), r.summary());
@@ -123,7 +126,7 @@ fn torture_two_devices_host() {
         .iter()
         .map(|d| Target {
             ops: Arc::new(d.clone()),
-            alloc: Allocator::host(d.clone(), Config::default()).unwrap(),
+            alloc: host_allocator(d.clone(), Config::default()).unwrap(),
         })
         .collect();
     let p = TortureParams { allocations_per_thread: 1000, ..fenced_params(StreamMode::Ptds) };
@@ -136,7 +139,7 @@ fn torture_two_devices_host() {
         let s = t.alloc.stats();
         assert_eq!((s.allocations, s.deallocations), (8_000, 8_000), "each device got half: {s:?}");
         assert_eq!(s.invalid_frees, 0);
-        assert_all_returned(&t.alloc);
+        assert_all_returned(&t.alloc, None, 0);
     }
 }
 
@@ -150,8 +153,8 @@ fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    use cuarena::testkit::LightDevice;
     use cuarena::{DevicePtr, Stream};
+    use cuarena_testkit::LightDevice;
 
     const LANES: usize = 8;
     const LIFETIMES: usize = 10_000;
@@ -240,7 +243,7 @@ fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
         base >> 20,
         worst >> 20
     );
-    assert_all_returned(&a);
+    assert_all_returned(&a, None, 0);
     assert_eq!(dev.reserved_bytes(), 0);
     drop(a);
     assert_eq!(dev.live_events(), 0, "the allocator destroys every event it created");

@@ -6,11 +6,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Live, assert_all_back, host, on_thread, small};
-use cuarena::{Allocator, Device, HostDevice, Stream};
+use common::{Live, host, on_thread, small};
+use cuarena::{Allocator, Device, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 fn alloc_on(sim: &HostDevice) -> Allocator {
-    Allocator::host(sim.clone(), small().build().unwrap()).unwrap()
+    host_allocator(sim.clone(), small().build().unwrap()).unwrap()
 }
 
 /// Same-stream churn on a user stream is served by the thread's arena with no event and no
@@ -44,7 +45,7 @@ fn user_stream_churn_is_arena_served_without_events() {
     live.assert_clean();
     a.release_thread().unwrap();
     sim.destroy_stream(s).unwrap();
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// A block freed on a user stream whose work is still running, then the stream destroyed and
@@ -83,7 +84,7 @@ fn destroyed_stream_handle_reused_by_a_new_stream() {
     live.assert_clean();
     assert!(a.parked_bytes() > 0, "arenas of destroyed streams are parked, not synchronised at once");
     assert_eq!(a.stats().host_syncs, 0, "{:?}", a.stats());
-    assert_all_back(&a, &sim, 0); // trim(true) synchronises once and gives them back
+    assert_all_returned(&a, Some(&sim), 0); // trim(true) synchronises once and gives them back
     assert_eq!(a.parked_bytes(), 0);
     assert_eq!(a.stats().host_syncs, 1, "{:?}", a.stats());
 }
@@ -127,7 +128,7 @@ fn more_user_streams_than_arenas() {
     for s in streams {
         sim.destroy_stream(s).unwrap();
     }
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// The user arenas a thread keeps at most (`allocator.rs`'s `MAX_USER_ARENAS`).
@@ -179,7 +180,7 @@ fn user_arena_blocks_freed_by_other_threads_on_other_streams() {
     assert!(s.cross_thread_frees >= 1500, "{s:?}");
     sim.destroy_stream(mine).unwrap();
     sim.destroy_stream(theirs).unwrap();
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }
 
 /// Out of memory while arenas of destroyed streams are parked: the out-of-memory path
@@ -187,7 +188,7 @@ fn user_arena_blocks_freed_by_other_threads_on_other_streams() {
 #[test]
 fn out_of_memory_takes_back_parked_arenas() {
     let sim = host(20);
-    let a = Allocator::host(sim.clone(), small().max_bytes(4 << 20).build().unwrap()).unwrap();
+    let a = host_allocator(sim.clone(), small().max_bytes(4 << 20).build().unwrap()).unwrap();
     for _ in 0..6 {
         on_thread(&a, {
             let sim = sim.clone();
@@ -207,5 +208,5 @@ fn out_of_memory_takes_back_parked_arenas() {
     assert_eq!(a.parked_bytes(), 0);
     assert!(a.stats().host_syncs >= 1);
     a.deallocate(big, 3 << 20, Stream::PER_THREAD).unwrap();
-    assert_all_back(&a, &sim, 0);
+    assert_all_returned(&a, Some(&sim), 0);
 }

@@ -5,19 +5,33 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf gpu-bundle && mkdir -p gpu-bundle
+# The workspace's default members: the benchmark binary `cuarena` (cuarena-bench) and
+# libcuarena.so (cuarena-c, capi/).
 cargo build --release --bins --lib
+cargo build --release -p cuarena-bench --example rayon_pool
+# Test binaries: integration tests as test-NAME (test-cli is cuarena-bench's), each crate's unit
+# tests as test-PACKAGE (test-cuarena: the allocator's; test-cuarena-bench also holds the binary's).
 cargo test --release --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys, shutil
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["bin"] and m.get("profile", {}).get("test"):
-        name = m["target"]["name"]
-        shutil.copy(m["executable"], f"gpu-bundle/test-{name}")
-        print("bundled test", name)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
+        kind, name = m["target"]["kind"], m["target"]["name"]
+        url, _, frag = m["package_id"].partition("#")  # path+file:///DIR#NAME@VERSION, or #VERSION
+        pkg = frag.split("@")[0] if "@" in frag else url.rstrip("/").rsplit("/", 1)[-1]
+        if pkg == "loom-tests":
+            continue  # empty without --cfg loom
+        if kind == ["test"]:
+            out = name
+        else:
+            out = pkg if kind != ["bin"] else pkg + "-bin"
+        shutil.copy(m["executable"], f"gpu-bundle/test-{out}")
+        print("bundled test", out)
 '
-cp target/release/cuarena gpu-bundle/ 2>/dev/null || true
-cp target/release/libcuarena.so gpu-bundle/ 2>/dev/null || true
+cp target/release/cuarena gpu-bundle/
+cp target/release/libcuarena.so gpu-bundle/
+cp target/release/examples/rayon_pool gpu-bundle/
 [ -d python ] && cp -r python gpu-bundle/
 [ -d include ] && cp -r include gpu-bundle/
 [ -d examples ] && cp -r examples gpu-bundle/
@@ -34,7 +48,7 @@ export CUARENA_REQUIRE_GPU=1
 bins=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do bins+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-[ ${#bins[@]} -eq 0 ] && bins=(test-gpu test-ffi test-host test-torture test-cli test-cuarena)
+[ ${#bins[@]} -eq 0 ] && bins=(test-gpu test-ffi test-host test-torture test-cli test-cuarena test-cuarena-testkit test-cuarena-bench)
 status=0
 for t in "${bins[@]}"; do
   echo "== $t"
@@ -43,5 +57,5 @@ done
 exit $status
 RUN
 chmod +x gpu-bundle/run.sh
-for f in gpu-bundle/test-* gpu-bundle/cuarena gpu-bundle/libcuarena.so; do [ -f "$f" ] && strip --strip-debug "$f"; done
+for f in gpu-bundle/test-* gpu-bundle/cuarena gpu-bundle/libcuarena.so gpu-bundle/rayon_pool; do [ -f "$f" ] && strip --strip-debug "$f"; done
 du -sh gpu-bundle

@@ -1,11 +1,14 @@
 //! Loom models of cuarena's lock-free protocols. The models are in `tests/`; this crate holds
-//! what they share. Build with `RUSTFLAGS="--cfg loom"`; see `README.md`.
+//! what they share, and [`model::ModelDevice`], the device they run on. Build with
+//! `RUSTFLAGS="--cfg loom"`; see `README.md`.
+
+pub mod model;
 
 #[cfg(loom)]
 pub mod common {
     use std::sync::Arc;
 
-    use cuarena::device::model::ModelDevice;
+    use crate::model::ModelDevice;
     use cuarena::{Allocator, Config};
 
     /// Superblocks of 64 KiB (the smallest allowed), so the registry and the device stay tiny.

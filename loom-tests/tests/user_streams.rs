@@ -4,10 +4,10 @@
 //! allocation and a blocking trim race to give the parked arenas back.
 #![cfg(loom)]
 
-use cuarena::device::model::ModelDevice;
 use cuarena::{Allocator, Config, Error, Stream};
 use loom::thread;
 use loom_tests::common::{SB, model};
+use loom_tests::model::ModelDevice;
 use std::sync::Arc;
 
 /// One superblock of room in all, so a second thread can only get memory the parked arena

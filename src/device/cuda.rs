@@ -27,7 +27,8 @@ unsafe impl Send for CudaDevice {}
 unsafe impl Sync for CudaDevice {}
 
 /// Turns a `CUresult` into a `Result`.
-pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+#[doc(hidden)]
+pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS { Ok(()) } else { Err(Error::Driver { call, code: r as u32 }) }
 }
 
@@ -51,7 +52,8 @@ pub fn device_count() -> Result<i32> {
 }
 
 /// Makes a context current for its lifetime and restores the previous one on drop.
-pub(crate) struct CtxGuard {
+#[doc(hidden)]
+pub struct CtxGuard {
     pushed: bool,
 }
 
@@ -90,7 +92,8 @@ impl CudaDevice {
     }
 
     /// Makes this device's context current until the guard drops.
-    pub(crate) fn enter(&self) -> Result<CtxGuard> {
+    #[doc(hidden)]
+    pub fn enter(&self) -> Result<CtxGuard> {
         let mut cur = std::ptr::null_mut();
         // SAFETY: `cur` is a valid out-pointer.
         check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;

@@ -1,8 +1,10 @@
-//! What the allocator needs from a device, and the two devices that provide it.
+//! What the allocator needs from a device, and the device that provides it.
 //!
 //! - [`cuda::CudaDevice`]: a real GPU through the CUDA driver API (cudarc, loaded at run time).
-//! - [`host::HostDevice`]: a simulated device in host memory with asynchronous streams, events
-//!   and a race checker, for CI, loom and machines without a GPU.
+//! - Any other [`Device`], given to [`Allocator::new`](crate::Allocator::new): the workspace's
+//!   `cuarena-testkit` crate has a simulated device in host memory with asynchronous streams,
+//!   events and a race checker (`HostDevice`), for CI and machines without a GPU, and
+//!   `loom-tests` a minimal device for the loom models.
 //!
 //! The allocator calls a device only on slow paths. It never blocks the host on the device except
 //! in [`Device::sync_event`], which only `trim(blocking)` and shutdown use, and in
@@ -11,10 +13,6 @@
 
 pub(crate) mod counted;
 pub mod cuda;
-pub mod cuda_kernels;
-pub mod host;
-#[doc(hidden)]
-pub mod model;
 
 use crate::error::Result;
 use crate::stream::{Stream, StreamKey};

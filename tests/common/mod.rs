@@ -1,13 +1,14 @@
 //! What the adversarial test files share: a simulated device, a small configuration, a
-//! generator, a map of live blocks that reports overlaps, and the end-of-test check that every
-//! byte came back.
+//! generator, a map of live blocks that reports overlaps, and worker threads. The end-of-test
+//! check is `cuarena_testkit::assert_all_returned`.
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, mpsc};
 use std::time::Duration;
 
-use cuarena::{Allocator, Config, DevicePtr, HostConfig, HostDevice};
+use cuarena::{Allocator, Config, DevicePtr};
+use cuarena_testkit::{HostConfig, HostDevice};
 
 pub fn host(max_delay_us: u64) -> HostDevice {
     HostDevice::new(HostConfig {
@@ -55,27 +56,6 @@ impl Live {
         let e = self.errors.lock().unwrap();
         assert!(e.is_empty(), "{} overlaps, first: {:?}", e.len(), &e[..e.len().min(5)]);
     }
-}
-
-/// Checks the device's findings, the statistics and that everything comes back. The calling
-/// thread is released; other threads must have released theirs.
-pub fn assert_all_back(a: &Allocator, sim: &HostDevice, bad_frees: u64) {
-    a.release_thread().unwrap();
-    sim.synchronize();
-    let v = sim.violations();
-    assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
-    assert_eq!(sim.tag_errors(), 0, "tag errors: a block was reused under running work");
-    a.check_invariants();
-    let s = a.stats();
-    assert_eq!(s.live_bytes, 0, "{s:?}");
-    assert_eq!(s.invalid_frees, bad_frees, "{s:?}");
-    assert_eq!(s.allocations, s.deallocations, "{s:?}");
-    a.trim(true).unwrap();
-    let s = a.stats();
-    assert_eq!(a.pool_in_use(), 0, "still handed out: {:?}", a.pool_used_ranges());
-    assert_eq!((s.arena_held_bytes, s.reserved_bytes, s.pool_in_use_bytes, s.arenas), (0, 0, 0, 0), "{s:?}");
-    assert_eq!(sim.reserved_bytes(), 0, "the device still holds memory");
-    assert!(a.take_deferred_error().is_none() || bad_frees > 0);
 }
 
 /// Runs `f` on a fresh thread that releases its arena at the end.

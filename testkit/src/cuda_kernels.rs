@@ -6,9 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::cuda::{CudaDevice, check};
-use crate::error::Result;
-use crate::stream::Stream;
+use cuarena::device::cuda::{CudaDevice, check};
+use cuarena::{Result, Stream};
 
 const PTX: &str = include_str!("kernels/kernels.ptx");
 
@@ -160,7 +159,7 @@ impl CudaKernels {
 
 impl Drop for CudaKernels {
     fn drop(&mut self) {
-        if crate::shutdown::process_exiting() {
+        if cuarena::shutdown::process_exiting() {
             return;
         }
         if let Ok(_g) = self.dev.enter() {

@@ -1,4 +1,5 @@
-//! The benchmark binary refuses bad arguments with a clear message and a non-zero exit status.
+//! The benchmark binary refuses bad arguments with a clear message and exit status 2, and a run
+//! in which a measurement failed exits non-zero.
 
 use std::process::{Command, Output};
 
@@ -20,7 +21,7 @@ fn run(args: &[&str]) -> Output {
 fn refused(args: &[&str], needle: &str) {
     let out = run(args);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{args:?} exited with success; stderr: {err}");
+    assert_eq!(out.status.code(), Some(2), "{args:?}: a bad argument exits with 2; stderr: {err}");
     assert!(err.contains(needle), "{args:?}: stderr lacks `{needle}`: {err}");
     assert!(out.stdout.is_empty(), "{args:?} printed a table: {}", String::from_utf8_lossy(&out.stdout));
 }
@@ -119,7 +120,7 @@ fn an_unknown_stream_mode_is_refused_with_exit_2_and_the_valid_ones_listed() {
         assert!(err.contains("unknown stream mode") && err.contains("ptds, legacy, own"), "{bad:?}: {err}");
         assert!(out.stdout.is_empty(), "--streams {bad:?} printed: {}", String::from_utf8_lossy(&out.stdout));
     }
-    refused(&["--streams"], "--streams needs a value");
+    refused(&["--streams"], "a value is required for '--streams");
 }
 
 #[test]
@@ -195,4 +196,41 @@ fn the_table_shows_the_stream_mode() {
     assert_eq!(cols[cols.len() - 2], "100.0%", "a ring of one thread frees locally: {row}");
     assert!(cols[cols.len() - 1].ends_with('%'), "cuarena reports its arena share: {row}");
     assert!(!table.contains("ptds") && !table.contains(" own "), "only the requested mode: {table}");
+}
+
+#[test]
+fn the_table_has_a_legend_and_says_when_the_figures_are_not_gpu_figures() {
+    let out = run(&[
+        "--workloads",
+        "churn",
+        "--threads",
+        "1",
+        "--secs",
+        "0.02",
+        "--no-touch",
+        "--allocators",
+        "cuarena",
+        "--streams",
+        "ptds",
+    ]);
+    let (err, table) = (String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{err}");
+    for column in ["columns:", "pairs/s", "res/pk", "calls/Mop", "syncs", "conc", "local", "arena"] {
+        assert!(table.lines().any(|l| l.trim_start().starts_with(column)), "no legend for {column}: {table}");
+    }
+    let on_host = err.contains("host-simulated device");
+    assert_eq!(table.contains("they are not GPU figures"), on_host, "{table}\n{err}");
+    assert!(!err.contains('\r'), "a progress line although stderr is not a terminal: {err:?}");
+}
+
+#[test]
+fn help_lists_workloads_allocators_stream_modes_and_defaults() {
+    let out = run(&["--help"]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    for needle in
+        ["churn", "random_allocations", "cuMemAllocAsync", "mutex-first-fit", "default: 0.5", "Exit status"]
+    {
+        assert!(help.contains(needle), "--help lacks `{needle}`: {help}");
+    }
 }

@@ -12,13 +12,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 
-use crate::allocator::DevicePtr;
-use crate::error::Error;
-use crate::global::{created, global};
-use crate::shutdown::process_exiting;
-use crate::stats::Stats;
-use crate::stream::Stream;
-use crate::sync::thread_local;
+use cuarena::global::{created, global};
+use cuarena::shutdown::process_exiting;
+use cuarena::{DevicePtr, Error, Stats, Stream};
 
 thread_local! {
     static LAST_ERROR: std::cell::RefCell<Option<CString>> = const { std::cell::RefCell::new(None) };
@@ -412,25 +408,9 @@ mod tests {
     }
 
     #[test]
-    fn contains_reserved_covers_exactly_the_reserved_chunks() {
-        use crate::{Allocator, Config, HostConfig, HostDevice};
-        let a = Allocator::host(HostDevice::new(HostConfig::default()), Config::default()).unwrap();
-        assert!(!a.contains_reserved(0x1000), "nothing reserved yet");
-        let p = a.allocate(3 << 20, Stream::LEGACY).unwrap();
-        let (base, len) = (p.0, a.stats().reserved_bytes);
-        assert_eq!(len, a.config().chunk as u64, "one chunk");
-        assert!(a.contains_reserved(base) && a.contains_reserved(base + 256));
-        assert!(a.contains_reserved(base + len - 1));
-        assert!(!a.contains_reserved(base + len) && !a.contains_reserved(base - 1));
-        assert!(!a.contains_reserved(0) && !a.contains_reserved(u64::MAX));
-        a.deallocate(p, 3 << 20, Stream::LEGACY).unwrap();
-        a.trim(true).unwrap();
-        assert!(!a.contains_reserved(base), "a released chunk is no longer reserved");
-    }
-
-    #[test]
     fn write_stats_fills_whole_fields_within_the_callers_size_only() {
-        let stats = Stats { live_bytes: 11, invalid_frees: 17, pool_allocations: 24, ..Stats::default() };
+        let mut stats = Stats::default();
+        (stats.live_bytes, stats.invalid_frees, stats.pool_allocations) = (11, 17, 24);
         let word = |b: &[u8], i: usize| u64::from_ne_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
         for size in [CUARENA_STATS_SIZE_V1, 211, 215, 216, 256, 4096] {
             let mut buf = vec![0xa5u8; size + 64];

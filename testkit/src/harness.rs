@@ -22,13 +22,12 @@ use std::sync::mpsc;
 use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::allocator::{Allocator, DevicePtr};
-use crate::device::cuda::CudaDevice;
-use crate::device::cuda_kernels::CudaKernels;
-use crate::device::host::HostDevice;
-use crate::device::{Device, DeviceKind, Event};
-use crate::error::{Error, Result};
-use crate::stream::{Stream, StreamKey};
+use cuarena::{
+    Allocator, CudaDevice, Device, DeviceKind, DevicePtr, Error, Event, Result, Stream, StreamKey,
+};
+
+use crate::cuda_kernels::CudaKernels;
+use crate::host::HostDevice;
 
 /// Stream work the workload needs from a device.
 pub trait TagOps: Send + Sync {
@@ -334,7 +333,7 @@ pub fn gpus_or_skip(n: usize) -> Option<Vec<Arc<CudaDevice>>> {
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .is_some_and(|k| k >= n);
-    let count = match crate::device::cuda::device_count() {
+    let count = match cuarena::device::cuda::device_count() {
         Ok(c) => c.max(0) as usize,
         Err(e) if need_gpu || need_n => panic!("a GPU is required but none is usable: {e}"),
         Err(e) => {
@@ -356,18 +355,41 @@ pub fn gpus_or_skip(n: usize) -> Option<Vec<Arc<CudaDevice>>> {
     )
 }
 
-/// Asserts that everything `a` handed out came back: no live bytes, no arena, nothing lent by
-/// the pool but the arenas of destroyed streams parked for a device synchronise, the pool's
-/// invariants hold, and a blocking trim gives those back and releases every reserved byte.
-pub fn assert_all_returned(a: &Allocator) {
+/// Asserts that everything `a` handed out came back, and, on a simulated device `sim`, that the
+/// device saw no race and holds no memory. The one end-of-test check of every test.
+///
+/// The calling thread's arena is released here (its gathered frees go out); every other thread
+/// that used `a` must have released its own. `bad_frees` is the number of invalid frees the
+/// test made on purpose: exactly that many must have been refused, and a deferred error is
+/// allowed only if it is not zero. Then: no live bytes, as many deallocations as allocations,
+/// the pool's invariants hold, nothing is handed out by the pool, and after a blocking trim no
+/// arena, no arena-held byte and no reserved byte is left.
+pub fn assert_all_returned(a: &Allocator, sim: Option<&HostDevice>, bad_frees: u64) {
+    a.release_thread().expect("release_thread");
+    if let Some(sim) = sim {
+        sim.synchronize();
+        let v = sim.violations();
+        assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
+        assert_eq!(sim.tag_errors(), 0, "tag errors: a block was reused under running work");
+    }
     a.check_invariants();
     let s = a.stats();
+    assert_eq!(s.live_bytes, 0, "{s:?}");
+    assert_eq!(s.invalid_frees, bad_frees, "{s:?}");
+    assert_eq!(s.allocations, s.deallocations, "{s:?}");
+    assert!(bad_frees > 0 || a.take_deferred_error().is_none(), "a deferred error with no bad free");
+    // Arenas of destroyed user streams wait, parked, for a device synchronise (`trim(true)`):
+    // before it, they are all the pool has handed out and all the arenas hold.
     let parked = a.parked_bytes() as u64;
-    assert_eq!((s.live_bytes, s.arena_held_bytes, s.arenas), (0, parked, 0), "{s:?}");
+    assert_eq!((s.arena_held_bytes, s.arenas), (parked, 0), "{s:?}");
     assert_eq!(a.pool_in_use() as u64, parked, "bytes still handed out: {:?} {s:?}", a.pool_used_ranges());
     a.trim(true).expect("trim");
     let s = a.stats();
-    assert_eq!((s.reserved_bytes, s.arena_held_bytes, a.parked_bytes()), (0, 0, 0), "{s:?}");
+    assert_eq!((s.arena_held_bytes, s.reserved_bytes, s.pool_in_use_bytes, s.arenas), (0, 0, 0, 0), "{s:?}");
+    assert_eq!(a.parked_bytes(), 0);
+    if let Some(sim) = sim {
+        assert_eq!(sim.reserved_bytes(), 0, "the device still holds memory");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

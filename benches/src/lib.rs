@@ -49,15 +49,11 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 use cudarc::driver::sys;
 
-use crate::address_tree::AddressTree;
-use crate::allocator::{Allocator, DevicePtr};
-use crate::config::Config;
-use crate::device::cuda::{CudaDevice, check};
-use crate::device::cuda_kernels::CudaKernels;
-use crate::device::host::{HostConfig, HostDevice};
-use crate::device::{Device, DeviceKind, Event};
-use crate::error::{Error, Result};
-use crate::stream::Stream;
+use cuarena::address_tree::AddressTree;
+use cuarena::device::cuda::{CudaDevice, check};
+use cuarena::{Allocator, Config, Device, DeviceKind, DevicePtr, Error, Event, Result, Stream};
+use cuarena_testkit::cuda_kernels::CudaKernels;
+use cuarena_testkit::{HostConfig, HostDevice};
 
 /// Cumulative figures an allocator reports about itself.
 #[derive(Clone, Copy, Debug, Default)]
@@ -366,44 +362,71 @@ impl Point {
         if self.peak_live_bytes == 0 { 0.0 } else { self.reserved_bytes as f64 / self.peak_live_bytes as f64 }
     }
 
-    /// One JSON object.
+    /// One JSON object (one line): the fields in this order, the times in seconds to 3 decimals,
+    /// `pairs_per_sec` whole, `memory_ratio` to 3 decimals, `driver_calls_per_mop` to 1; `null`
+    /// for a figure the point does not have.
     pub fn json(&self) -> String {
-        format!(
-            "{{\"allocator\":\"{}\",\"device\":\"{}\",\"workload\":\"{}\",\"streams\":\"{}\",\"threads\":{},\"pairs\":{},\
-             \"local_frees\":{},\"drain_frees\":{},\"secs\":{:.3},\
-             \"pairs_per_sec\":{:.0},\"p50_ns\":{},\"p99_ns\":{},\"peak_live_bytes\":{},\"reserved_bytes\":{},\
-             \"memory_ratio\":{:.3},\"driver_calls\":{},\"driver_calls_per_mop\":{:.1},\"host_syncs\":{},\"kernel_concurrency\":{},\
-             \"setup_secs\":{:.3},\"teardown_secs\":{:.3},\"arena_allocations\":{},\"pool_allocations\":{}}}",
-            self.allocator,
-            self.device,
-            self.workload,
-            self.streams,
-            self.threads,
-            self.pairs,
-            opt(self.local_frees),
-            opt(self.drain_frees),
-            self.secs,
-            self.pairs_per_sec,
-            self.p50_ns,
-            self.p99_ns,
-            self.peak_live_bytes,
-            self.reserved_bytes,
-            self.memory_ratio(),
-            self.driver_calls,
-            self.driver_calls_per_mop,
-            self.host_syncs,
-            opt(self.kernel_concurrency),
-            self.setup_secs,
-            self.teardown_secs,
-            opt(self.arena_allocations),
-            opt(self.pool_allocations)
-        )
+        let row = JsonRow {
+            allocator: &self.allocator,
+            device: self.device,
+            workload: &self.workload,
+            streams: self.streams,
+            threads: self.threads,
+            pairs: self.pairs,
+            local_frees: self.local_frees,
+            drain_frees: self.drain_frees,
+            secs: round(self.secs, 3),
+            pairs_per_sec: self.pairs_per_sec.round() as u64,
+            p50_ns: self.p50_ns,
+            p99_ns: self.p99_ns,
+            peak_live_bytes: self.peak_live_bytes,
+            reserved_bytes: self.reserved_bytes,
+            memory_ratio: round(self.memory_ratio(), 3),
+            driver_calls: self.driver_calls,
+            driver_calls_per_mop: round(self.driver_calls_per_mop, 1),
+            host_syncs: self.host_syncs,
+            kernel_concurrency: self.kernel_concurrency,
+            setup_secs: round(self.setup_secs, 3),
+            teardown_secs: round(self.teardown_secs, 3),
+            arena_allocations: self.arena_allocations,
+            pool_allocations: self.pool_allocations,
+        };
+        serde_json::to_string(&row).expect("a row of numbers and strings serialises")
     }
 }
 
-/// A JSON number, or `null`.
-fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
-    v.map_or("null".to_string(), |v| v.to_string())
+/// A [`Point`] as `--json` prints it.
+#[derive(serde::Serialize)]
+struct JsonRow<'a> {
+    allocator: &'a str,
+    device: &'a str,
+    workload: &'a str,
+    streams: &'a str,
+    threads: usize,
+    pairs: u64,
+    local_frees: Option<u64>,
+    drain_frees: Option<u64>,
+    secs: f64,
+    pairs_per_sec: u64,
+    p50_ns: u64,
+    p99_ns: u64,
+    peak_live_bytes: u64,
+    reserved_bytes: u64,
+    memory_ratio: f64,
+    driver_calls: u64,
+    driver_calls_per_mop: f64,
+    host_syncs: u64,
+    kernel_concurrency: Option<u32>,
+    setup_secs: f64,
+    teardown_secs: f64,
+    arena_allocations: Option<u64>,
+    pool_allocations: Option<u64>,
+}
+
+/// `x` rounded to `decimals` places.
+fn round(x: f64, decimals: i32) -> f64 {
+    let m = 10f64.powi(decimals);
+    (x * m).round() / m
 }
 
 /// Which streams the threads of a point allocate and free on.
@@ -573,7 +596,8 @@ impl Bench {
     pub fn allocator_names(&self) -> Vec<&'static str> {
         match self.kind() {
             DeviceKind::Cuda => vec!["cuarena", "cuMemAllocAsync", "cuMemAlloc"],
-            DeviceKind::Host => vec!["cuarena", "mutex-first-fit"],
+            // The host device, and any later kind: the baseline that needs no driver.
+            _ => vec!["cuarena", "mutex-first-fit"],
         }
     }
 
@@ -1191,6 +1215,8 @@ mod tests {
         let p =
             b.run("mutex-first-fit", Workload::Handoff, false, StreamMode::Legacy, 2, 0.02).expect("a point");
         let j = p.json();
+        let v: serde_json::Value = serde_json::from_str(&j).expect("valid JSON");
+        assert_eq!((v["pairs"].as_u64(), v["threads"].as_u64()), (Some(p.pairs), Some(2)), "{j}");
         assert!(j.contains("\"streams\":\"legacy\""), "{j}");
         assert!(j.contains(&format!("\"pairs\":{},", p.pairs)) && p.pairs > 0, "{j}");
         assert!(j.contains(&format!("\"local_frees\":{},", p.local_frees.expect("handoff"))), "{j}");

@@ -1,4 +1,4 @@
-//! `cargo bench`: the rayon stress suite of `src/bench.rs` (churn, handoff, handoff_msg,
+//! `cargo bench`: the rayon stress suite of `src/lib.rs` (churn, handoff, handoff_msg,
 //! prodcons, large, mixed, random_allocations, multi_stream, each with a touch variant, each in
 //! the stream modes ptds, legacy and own) through the main binary, so both run the same code.
 //! Arguments after `--` go to it, e.g.

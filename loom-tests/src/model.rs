@@ -5,10 +5,17 @@
 //! the models' state space small. It records whether a stream was made to wait on an event, so
 //! a model can tell "reused after completion" from "reused behind a stream wait".
 
-use crate::device::{Device, DeviceKind, Event};
-use crate::error::{Error, Result};
-use crate::stream::{Stream, StreamKey};
-use crate::sync::{AtomicU64, AtomicUsize, Ordering, thread_local};
+use cuarena::{Device, DeviceKind, Error, Event, Result, Stream, StreamKey};
+#[cfg(loom)]
+use loom::{
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
+    thread_local,
+};
+#[cfg(not(loom))]
+use std::{
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
+    thread_local,
+};
 
 const EVENTS: usize = 16;
 

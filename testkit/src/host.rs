@@ -39,9 +39,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 use std::time::Duration;
 
-use super::{Device, DeviceKind, Event};
-use crate::error::{Error, Result};
-use crate::stream::{Stream, StreamKey};
+use cuarena::{Device, DeviceKind, Error, Event, Result, Stream, StreamKey};
 
 /// Settings of a simulated device.
 #[derive(Clone, Debug)]
@@ -250,15 +248,15 @@ impl HostDevice {
             }
         };
         st.handles.insert(h, idx);
-        Stream(h)
+        Stream::from_raw(h)
     }
 
     /// Destroys a user stream. Work already queued on it still completes; the handle may be
     /// given to the next stream created.
     pub fn destroy_stream(&self, stream: Stream) -> Result<()> {
         let mut st = self.sh().lock();
-        st.handles.remove(&stream.0).ok_or(Error::Driver { call: "destroy_stream", code: 400 })?;
-        st.free_handles.push(stream.0);
+        st.handles.remove(&stream.as_raw()).ok_or(Error::Driver { call: "destroy_stream", code: 400 })?;
+        st.free_handles.push(stream.as_raw());
         Ok(())
     }
 
@@ -472,7 +470,7 @@ impl State {
             self.ptds.insert(tid, i);
             return Ok(i);
         }
-        self.handles.get(&stream.0).copied().ok_or(Error::Driver { call: "stream handle", code: 400 })
+        self.handles.get(&stream.as_raw()).copied().ok_or(Error::Driver { call: "stream handle", code: 400 })
     }
 
     fn covered(&self, start: u64, end: u64) -> bool {
@@ -784,7 +782,9 @@ mod tests {
         let p = d.reserve(1 << 20).unwrap().unwrap();
         let a = d.create_stream();
         let b = d.create_stream();
-        d.hold_and_check(p, 4096, 1, Duration::from_millis(30), a).unwrap();
+        // A long hold, so that a busy machine (parallel tests on two cores) cannot finish it
+        // before the unordered write is submitted.
+        d.hold_and_check(p, 4096, 1, Duration::from_millis(200), a).unwrap();
         std::thread::sleep(Duration::from_millis(8)); // a has written its tag and holds it
         d.write_tag(p, 4096, 2, b).unwrap();
         d.synchronize();

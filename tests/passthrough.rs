@@ -1,0 +1,212 @@
+//! Pass-through mode (`Config::passthrough`) on the simulated device: every block its own
+//! stream-ordered driver allocation, frees stream-ordered, bad frees refused.
+
+use std::time::Duration;
+
+use cuarena::{Allocator, Config, DevicePtr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostConfig, HostDevice, assert_all_returned, host_allocator};
+
+fn device(max_delay_us: u64) -> HostDevice {
+    HostDevice::new(HostConfig {
+        capacity: 256 << 20,
+        min_delay: Duration::ZERO,
+        max_delay: Duration::from_micros(max_delay_us),
+        ..HostConfig::default()
+    })
+}
+
+fn passthrough(dev: &HostDevice) -> Allocator {
+    host_allocator(
+        dev.clone(),
+        Config::parse("passthrough,small_max=64KiB,superblock=256KiB,chunk=1MiB").unwrap(),
+    )
+    .unwrap()
+}
+
+fn reason(r: cuarena::Result<()>) -> InvalidFree {
+    match r {
+        Err(Error::InvalidFree { reason, .. }) => reason,
+        other => panic!("expected an invalid free, got {other:?}"),
+    }
+}
+
+/// Many threads, each block its own driver allocation of its exact size, freed on its own
+/// stream, on another thread's stream behind an event, or with `deallocate_used_on`.
+#[test]
+fn concurrent_threads_allocate_and_free_through_the_driver() {
+    let dev = device(100);
+    let a = passthrough(&dev);
+    let (tx, rx) = std::sync::mpsc::channel::<(DevicePtr, usize, cuarena::Event, u32)>();
+    let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+    const THREADS: usize = 4;
+    const STEPS: usize = 200;
+    let hs: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (a, dev, tx, rx) = (a.clone(), dev.clone(), tx.clone(), rx.clone());
+            std::thread::spawn(move || {
+                let user = dev.create_stream();
+                let mut mine: Vec<(DevicePtr, usize, Stream)> = Vec::new();
+                for i in 0..STEPS {
+                    let size = 1 + (i * 7919 + t * 104_729) % (300 << 10);
+                    let stream = [Stream::PER_THREAD, Stream::LEGACY, user][i % 3];
+                    let p = a.allocate(size, stream).unwrap();
+                    assert_eq!(p.0 % 256, 0);
+                    assert!(
+                        mine.iter().all(|&(q, qs, _)| p.0 + size as u64 <= q.0 || q.0 + qs as u64 <= p.0)
+                    );
+                    let tag = (t * STEPS + i) as u32;
+                    dev.write_tag(p.0, size & !3, tag, stream).unwrap();
+                    dev.check_tag(p.0, size & !3, tag, stream).unwrap();
+                    match i % 4 {
+                        0 => a.deallocate(p, size, stream).unwrap(),
+                        1 => {
+                            let e = a.device().create_event().unwrap();
+                            a.device().record_event(e, stream).unwrap();
+                            tx.send((p, size, e, tag)).unwrap();
+                        }
+                        2 => a.deallocate_used_on(p, size, user, &[stream]).unwrap(),
+                        _ => mine.push((p, size, stream)),
+                    }
+                    // Free a block handed over by another thread, after waiting for its work.
+                    let handed = rx.lock().unwrap().try_recv();
+                    if let Ok((q, qs, e, qtag)) = handed {
+                        a.device().stream_wait_event(user, e).unwrap();
+                        dev.check_tag(q.0, qs & !3, qtag, user).unwrap();
+                        a.deallocate(q, qs, user).unwrap();
+                    }
+                    if mine.len() > 8 {
+                        let (q, qs, qstream) = mine.remove(i % mine.len());
+                        a.deallocate(q, qs, qstream).unwrap();
+                    }
+                }
+                // The main thread frees these on the legacy stream: order their work first.
+                let e = a.device().create_event().unwrap();
+                let ordered = |(q, qs, qstream): (DevicePtr, usize, Stream)| {
+                    a.device().record_event(e, qstream).unwrap();
+                    a.device().stream_wait_event(Stream::LEGACY, e).unwrap();
+                    (q, qs)
+                };
+                mine.into_iter().map(ordered).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    drop(tx);
+    let mut left: Vec<(DevicePtr, usize)> = hs.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    while let Ok((q, qs, e, _)) = rx.lock().unwrap().try_recv() {
+        a.device().stream_wait_event(Stream::LEGACY, e).unwrap();
+        left.push((q, qs));
+    }
+    let s = a.stats();
+    assert_eq!(s.allocations, (THREADS * STEPS) as u64);
+    assert_eq!(s.live_bytes, left.iter().map(|&(_, s)| s as u64).sum::<u64>(), "{s:?}");
+    assert!(s.driver_calls >= s.allocations + s.deallocations, "one driver call per request: {s:?}");
+    a.check_invariants();
+    for (q, qs) in left {
+        a.deallocate(q, qs, Stream::LEGACY).unwrap();
+    }
+    assert_eq!(a.stats().reserved_bytes, 0, "pass-through reserves nothing");
+    assert_all_returned(&a, Some(&dev), 0);
+    assert_eq!(a.stats().invalid_frees, 0);
+    assert!(dev.violations().is_empty(), "{:?}", &dev.violations()[..dev.violations().len().min(3)]);
+    assert_eq!(dev.tag_errors(), 0);
+}
+
+/// A free is stream-ordered: the memory goes back only after the work queued before it, and
+/// a free on another stream is ordered by `deallocate_used_on`. Without that ordering the
+/// race checker sees the free (the negative control shows it is watching).
+#[test]
+fn frees_are_stream_ordered() {
+    let dev = device(0);
+    let a = passthrough(&dev);
+    let (s1, s2) = (dev.create_stream(), dev.create_stream());
+    let p = a.allocate(4096, s1).unwrap();
+    dev.hold_and_check(p.0, 4096, 1, Duration::from_millis(30), s1).unwrap();
+    a.deallocate(p, 4096, s1).unwrap();
+    assert_eq!(dev.reserved_bytes(), 4096, "released only when the queued work is done");
+    assert_eq!(a.stats().live_bytes, 0);
+    let q = a.allocate(4096, s1).unwrap();
+    dev.hold_and_check(q.0, 4096, 2, Duration::from_millis(30), s1).unwrap();
+    a.deallocate_used_on(q, 4096, s2, &[s1]).unwrap();
+    dev.synchronize();
+    assert_eq!(dev.violations(), Vec::<String>::new());
+    assert_eq!(dev.tag_errors(), 0);
+    assert_eq!(a.stats().reserved_bytes, 0, "pass-through reserves nothing");
+    assert_all_returned(&a, Some(&dev), 0);
+
+    let r = a.allocate(4096, s1).unwrap();
+    dev.hold_and_check(r.0, 4096, 3, Duration::from_millis(30), s1).unwrap();
+    a.deallocate(r, 4096, s2).unwrap(); // breaks the contract: nothing orders s1 before s2
+    dev.synchronize();
+    assert_eq!(dev.violations().len(), 1, "{:?}", dev.violations());
+}
+
+#[test]
+fn bad_requests_are_refused_and_lose_nothing() {
+    let dev = device(0);
+    let a = passthrough(&dev);
+    assert_eq!(a.allocate(0, Stream::LEGACY).unwrap(), DevicePtr::NULL);
+    a.deallocate(DevicePtr::NULL, 0, Stream::LEGACY).unwrap();
+    a.set_limit_bytes(1 << 20);
+    for huge in [usize::MAX, (1 << 20) + 1] {
+        match a.allocate(huge, Stream::LEGACY) {
+            Err(Error::OutOfMemory { requested, limit, reserved, .. }) => {
+                assert_eq!((requested, limit, reserved), (huge, 1 << 20, 0));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let small = a.allocate(1000, Stream::PER_THREAD).unwrap();
+    let large = a.allocate(200 << 10, Stream::LEGACY).unwrap();
+    match a.allocate(900 << 10, Stream::LEGACY) {
+        Err(Error::OutOfMemory { reserved, in_use, .. }) => {
+            assert_eq!((reserved, in_use), (1000 + (200 << 10), 1000 + (200 << 10)))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        reason(a.deallocate(small, 5000, Stream::PER_THREAD)),
+        InvalidFree::SizeMismatch { allocated: 1024, given: 5000 }
+    ));
+    // A size of the same rounded class is accepted, as in the normal mode.
+    let alias = a.allocate(1000, Stream::PER_THREAD).unwrap();
+    a.deallocate(alias, 1001, Stream::PER_THREAD).unwrap();
+    assert_eq!(
+        reason(a.deallocate(DevicePtr(small.0 + 256), 256, Stream::PER_THREAD)),
+        InvalidFree::UnknownPointer
+    );
+    assert_eq!(
+        reason(a.deallocate(DevicePtr(0xdead_0000), 4096, Stream::LEGACY)),
+        InvalidFree::UnknownPointer
+    );
+    assert_eq!(reason(a.deallocate(DevicePtr(u64::MAX), 4096, Stream::LEGACY)), InvalidFree::UnknownPointer);
+    assert_eq!(reason(a.deallocate(DevicePtr::NULL, 8, Stream::LEGACY)), InvalidFree::UnknownPointer);
+    assert_eq!(reason(a.deallocate(small, 0, Stream::LEGACY)), InvalidFree::UnknownPointer);
+    assert_eq!(reason(a.deallocate(large, usize::MAX, Stream::LEGACY)), InvalidFree::UnknownPointer);
+    let gone = dev.create_stream();
+    dev.destroy_stream(gone).unwrap();
+    assert!(matches!(a.deallocate(large, 200 << 10, gone), Err(Error::Driver { .. })));
+    assert!(a.allocate(10, gone).is_err());
+    let s = a.stats();
+    assert_eq!(s.live_bytes, 1000 + (200 << 10), "the refused frees lost nothing: {s:?}");
+    a.check_invariants();
+    a.deallocate(small, 1000, Stream::PER_THREAD).unwrap();
+    a.deallocate(large, 200 << 10, Stream::LEGACY).unwrap();
+    assert_eq!(reason(a.deallocate(small, 1000, Stream::PER_THREAD)), InvalidFree::DoubleFree);
+    assert_eq!(reason(a.deallocate(large, 200 << 10, Stream::LEGACY)), InvalidFree::DoubleFree);
+    assert_eq!(a.stats().invalid_frees, 9, "every refusal is counted");
+    assert_eq!(a.stats().reserved_bytes, 0, "pass-through reserves nothing");
+    assert_all_returned(&a, Some(&dev), 9);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
+#[test]
+fn the_builder_switch_and_the_parse_key_agree() {
+    let dev = device(0);
+    let a = host_allocator(dev.clone(), Config::builder().passthrough(true).build().unwrap()).unwrap();
+    let p = a.allocate_per_thread(100).unwrap();
+    assert_eq!(dev.reserved_bytes(), 100, "an exact-size driver allocation, no chunk");
+    assert_eq!(a.stats().arenas, 0);
+    a.deallocate_per_thread(p, 100).unwrap();
+    assert_eq!(a.stats().reserved_bytes, 0, "pass-through reserves nothing");
+    assert_all_returned(&a, Some(&dev), 0);
+}
