@@ -246,6 +246,9 @@ fn stream_per_step_churn_under_a_cap() {
                 }
                 assert!(sim.reserved_bytes() <= cap, "reserved {} above the cap", sim.reserved_bytes());
                 assert!(a.parked_bytes() <= (64 << 20) + (1 << 20), "parked {}", a.parked_bytes());
+                let st = a.stats();
+                assert!(st.arenas <= 5, "the per-thread arena and at most 4 user arenas: {st:?}");
+                assert!(st.arena_held_bytes <= st.pool_in_use_bytes, "{st:?}");
                 prev = Some(s);
             }
             let s = prev.unwrap();
@@ -257,6 +260,8 @@ fn stream_per_step_churn_under_a_cap() {
             live.assert_clean();
         }
     });
+    let st = a.stats();
+    assert!(st.host_syncs > 0, "parked arenas were given back under load, after a synchronise: {st:?}");
     assert_all_back(&a, &sim, 0);
 }
 
