@@ -24,7 +24,8 @@
 //! A user-stream arena's local frees record no event. If its stream is destroyed while the
 //! arena holds memory freed on it, no event can follow that stream's queued work any more:
 //! when the arena is given up it is parked ([`Zombies`]) until one device synchronise gives
-//! back everything parked (more than `ZOMBIE_BYTES` parked, out-of-memory, or `trim(true)`).
+//! back everything parked (more than `ZOMBIE_BYTES` parked, out-of-memory, `trim(true)`, or the
+//! allocator's drop).
 //! While its stream lives, memory leaves it (return rule, reclaim, replacement, thread exit)
 //! under an event recorded on that stream after checking its identity (`Env::home_fence`).
 
@@ -100,14 +101,24 @@ struct Shells {
 /// arena is given up (thread exit, or replacement of the least recently used user arena), it
 /// is parked here, its superblocks kept, rather than synchronising at once; a thread that
 /// parks one that brings the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives
-/// them all back, as do the out-of-memory path and `trim(true)`.
+/// them all back, as do the out-of-memory paths, `trim(true)` and the allocator's drop.
 ///
 /// **Bound:** memory parked here is at most `ZOMBIE_BYTES` plus one arena's superblocks.
-/// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas.
+/// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas when they were last
+/// counted ([`Zombies::recount`], at every park): a reclaimer on out-of-memory may take
+/// superblocks from a parked arena meanwhile, so between counts it may be above the truth.
 #[derive(Default)]
 struct Zombies {
     arenas: Vec<OwnedArena>,
     bytes: usize,
+}
+
+impl Zombies {
+    /// Counts the bytes the parked arenas hold now (one held by a reclaimer this moment counts
+    /// as nothing; the reclaimer gives superblocks back, never takes any).
+    fn recount(&mut self) {
+        self.bytes = self.arenas.iter_mut().map(|a| a.with(|a| a.held_bytes()).unwrap_or(0)).sum();
+    }
 }
 
 /// Parked bytes of destroyed streams' arenas above which they are given back (see [`Zombies`]).
@@ -281,6 +292,17 @@ impl OwnedArena {
         Some(r)
     }
 
+    /// Runs `f` on the arena inside the owner's claim, first waiting out any reclaimer (for
+    /// decisions that must see the arena: giving it up).
+    #[cold]
+    fn with_waiting<R>(&mut self, f: impl FnOnce(&mut Arena) -> R) -> R {
+        self.shell.claim.enter_waiting();
+        // SAFETY: as in `with`: we hold the claim and `&mut self`.
+        let r = f(unsafe { self.ptr.as_mut() });
+        self.shell.claim.leave();
+        r
+    }
+
     /// Thread exit: waits out any reclaimer, unpublishes the arena and gives it back.
     fn exit(self, env: &Env<'_>, fence: Option<Option<Arc<Fence>>>) -> Option<Arc<ArenaShell>> {
         self.shell.claim.enter_waiting();
@@ -339,11 +361,11 @@ impl Inner {
     /// Gives up a user-stream arena (thread exit, or replacement): back to the pool under a
     /// fence on its stream, or, if that stream was destroyed, parked (see [`Zombies`]).
     fn retire_user(&self, env: &Env<'_>, mut owned: OwnedArena) {
-        let gone = owned
-            .with(|a| {
-                a.held_bytes() > 0 && !env.skip_fences && env.dev.stream_key(a.home).ok() != Some(a.key)
-            })
-            .unwrap_or(false);
+        // Waiting: a reclaimer holding the arena at this moment must not make a destroyed
+        // stream's arena look alive (its exit would then find the stream gone).
+        let gone = owned.with_waiting(|a| {
+            a.held_bytes() > 0 && !env.skip_fences && env.dev.stream_key(a.home).ok() != Some(a.key)
+        });
         // Mutation for the loom model of parked arenas: never park.
         #[cfg(cuarena_mutant = "zombie_never_parked")]
         let gone = false && gone;
@@ -356,8 +378,8 @@ impl Inner {
         }
         let over = {
             let mut z = lock(&self.zombies);
-            z.bytes += owned.with(|a| a.held_bytes()).unwrap_or(0);
             z.arenas.push(owned);
+            z.recount();
             z.bytes > ZOMBIE_BYTES
         };
         if over && let Err(e) = self.bury_zombies(env) {
@@ -400,10 +422,17 @@ impl Inner {
     /// call are skipped: they drain on their own. `own` are the caller's shells, skipped. Free
     /// ranges go back behind a fence on the legacy stream, which follows the owners' earlier
     /// per-thread-stream work, or, for a user-stream arena, on that stream (`Env::home_fence`).
-    /// Returns the bytes given back. Blocks on the device only where a user stream that an
-    /// arena holds frees of was destroyed (see `Env::home_fence`).
+    /// Returns the bytes given back. With `may_block`, an arena whose user stream was destroyed
+    /// gives its memory back after a device synchronise (see `Env::home_fence`); without, it
+    /// keeps it.
     #[cold]
-    fn reclaim_others(&self, env: &Env<'_>, own: &[*const ArenaShell], dissolve: bool) -> usize {
+    fn reclaim_others(
+        &self,
+        env: &Env<'_>,
+        own: &[*const ArenaShell],
+        dissolve: bool,
+        may_block: bool,
+    ) -> usize {
         let shells: Vec<Arc<ArenaShell>> = lock(&self.shells).all.clone();
         let mut bytes = 0;
         for sh in shells {
@@ -426,7 +455,7 @@ impl Inner {
             let (home, key) = (arena.home, arena.key);
             bytes += arena.reclaim(env, dissolve, || {
                 if home.is_user() {
-                    return if dissolve {
+                    return if may_block {
                         env.home_fence_or_sync(home, key)
                     } else {
                         env.home_fence(home, key)
@@ -449,6 +478,21 @@ impl Inner {
             largest_free: s.largest_free_block as usize,
             limit: self.pool.limit(),
         }
+    }
+}
+
+impl Drop for Inner {
+    /// Arenas still parked hold memory under work queued on their destroyed streams, which no
+    /// fence covers: they are given back after a device synchronise before the pool (dropped
+    /// after this) releases the chunks, as the pool waits for its own fences.
+    fn drop(&mut self) {
+        if crate::shutdown::process_exiting() {
+            return; // the driver is going away; the process teardown frees the memory
+        }
+        let counters = Counters::new_shared();
+        let env = self.env(&counters);
+        // An error leaves them parked: their memory goes with the pool's chunks regardless.
+        let _ = self.bury_zombies(&env);
     }
 }
 
@@ -618,7 +662,7 @@ impl Slot {
                 // Memory may be idle elsewhere: in this thread's outbox (its own frees on the
                 // legacy stream wait there), its other arenas, other threads' arenas, and
                 // parked arenas of destroyed streams. Take it back, and try once more.
-                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true);
+                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 let owned = self.arenas.get_mut(w).expect("reclaim keeps the arenas");
                 owned.with(|arena| arena.alloc_slow(&env, class, g))
             }
@@ -660,7 +704,7 @@ impl Slot {
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
             Err(Error::OutOfMemory { .. }) => {
-                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true);
+                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?
             }
             r => r?,
@@ -675,7 +719,9 @@ impl Slot {
     /// Takes back memory held without live blocks: this thread's gathered remote frees are
     /// sent, and its own arena and every idle arena give back their superblocks that hold no
     /// used block (with `dissolve`, every superblock with free or pending space). Returns the
-    /// bytes given back. Never blocks on the device.
+    /// bytes given back. Blocks on the device only with `may_block`: then parked arenas of
+    /// destroyed streams are given back after one device synchronise, and a (not parked) arena
+    /// whose user stream was destroyed gives its memory back after one.
     #[cold]
     fn reclaim(
         arenas: &mut Arenas,
@@ -684,28 +730,30 @@ impl Slot {
         inner: &Inner,
         env: &Env<'_>,
         dissolve: bool,
+        may_block: bool,
     ) -> usize {
         if let Err(e) = Self::flush_outbox(outbox, ptds, env) {
             env.defer(e);
         }
         let mut bytes = 0;
-        for owned in arenas.iter_mut() {
-            bytes += owned
-                .with(|a| {
-                    let (home, key) = (a.home, a.key);
-                    a.reclaim(env, dissolve, || {
-                        if dissolve { env.home_fence_or_sync(home, key) } else { env.home_fence(home, key) }
-                    })
-                })
-                .unwrap_or(0);
-        }
-        if dissolve {
+        if may_block {
+            // First, so that the parked arenas cost one synchronise, not one each below.
             bytes += inner.bury_zombies(env).unwrap_or_else(|e| {
                 env.defer(e);
                 0
             });
         }
-        bytes + inner.reclaim_others(env, &arenas.shells(), dissolve)
+        for owned in arenas.iter_mut() {
+            bytes += owned
+                .with(|a| {
+                    let (home, key) = (a.home, a.key);
+                    a.reclaim(env, dissolve, || {
+                        if may_block { env.home_fence_or_sync(home, key) } else { env.home_fence(home, key) }
+                    })
+                })
+                .unwrap_or(0);
+        }
+        bytes + inner.reclaim_others(env, &arenas.shells(), dissolve, may_block)
     }
 
     fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
@@ -1174,16 +1222,19 @@ impl Allocator {
     /// goes back to the pool from this thread's arena and from every idle thread's arena (its
     /// owner's help not needed), then every wholly free chunk is released. With `blocking`,
     /// waits for the chunks' pending fences (a host synchronisation); otherwise releases only
-    /// chunks whose fences are done. Returns the bytes released to the device.
+    /// chunks whose fences are done; blocking, it also gives back memory of arenas whose user
+    /// stream was destroyed, after a device synchronise. Returns the bytes released to the
+    /// device.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
         if self.inner.passthrough.is_some() {
             return Ok(0); // pass-through mode holds nothing to release
         }
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
-            Slot::reclaim(&mut slot.arenas, &mut slot.outbox, &mut slot.ptds, inner, &env, false);
+            Slot::reclaim(&mut slot.arenas, &mut slot.outbox, &mut slot.ptds, inner, &env, false, blocking);
             if blocking {
-                // Arenas of destroyed streams need a device synchronise: this call may block.
+                // Arenas parked meanwhile, or kept by a failed synchronise above (deferred):
+                // tried again, the error returned this time.
                 inner.bury_zombies(&env)?;
             }
             inner.pool.trim(&env.dev, blocking)
@@ -1237,7 +1288,9 @@ impl Allocator {
     /// (`trim(true)`, out-of-memory, or more parked; see `allocator.rs`). For tests.
     #[doc(hidden)]
     pub fn parked_bytes(&self) -> usize {
-        lock(&self.inner.zombies).bytes
+        let mut z = lock(&self.inner.zombies);
+        z.recount();
+        z.bytes
     }
 
     /// Bytes the pool has handed out (blocks and lent superblocks). For tests.

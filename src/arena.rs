@@ -784,11 +784,12 @@ impl Arena {
         } else if let Some(f) = recorded {
             f
         } else {
-            match env.home_fence(self.home, self.key) {
+            // The caller checked that the stream exists; one destroyed since (by another
+            // thread, or while a reclaimer held the arena) costs a device synchronise here
+            // rather than stranding the superblocks with a dead shell.
+            match env.home_fence_or_sync(self.home, self.key) {
                 Ok(HomeFence::Fence(f)) => f,
-                // The caller checked that the stream exists; it was destroyed since: as for an
-                // error, the superblocks stay with the dead shell.
-                Ok(HomeFence::Gone) => return None,
+                Ok(HomeFence::Gone) => unreachable!("home_fence_or_sync synchronises when gone"),
                 Err(e) => {
                     env.defer(e);
                     return None;

@@ -49,16 +49,22 @@ impl Env<'_> {
     /// `allocator.rs`, "Arenas of destroyed streams").
     ///
     /// A stream destroyed by another thread between the check and the record makes the record
-    /// fail (the caller keeps the memory); one destroyed *and* replaced by a new stream with
-    /// the same handle within that window is not detected: no driver call can tell.
+    /// fail; the identity is then asked again, and a stream found gone is [`HomeFence::Gone`]
+    /// (a race the user's own `cuStreamDestroy` may win against a reclaimer: not an error).
+    /// One destroyed *and* replaced by a new stream with the same handle within that window is
+    /// not detected: no driver call can tell.
     pub(crate) fn home_fence(&self, home: Stream, key: StreamKey) -> Result<HomeFence> {
         if self.skip_fences {
             return Ok(HomeFence::Fence(None));
         }
-        if home.is_user() && self.dev.stream_key(home).ok() != Some(key) {
+        let alive = || self.dev.stream_key(home).ok() == Some(key);
+        if home.is_user() && !alive() {
             return Ok(HomeFence::Gone);
         }
-        self.fence(home, key).map(HomeFence::Fence)
+        match self.fence(home, key) {
+            Err(_) if home.is_user() && !alive() => Ok(HomeFence::Gone),
+            r => r.map(HomeFence::Fence),
+        }
     }
 
     /// [`Env::home_fence`], synchronising the device if the stream is gone (a host block, on
