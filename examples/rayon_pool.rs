@@ -17,7 +17,7 @@
 
 use std::process::ExitCode;
 
-use cuarena::{Allocator, Config, DevicePtr, Error};
+use cuarena::{Allocator, Config, DeviceAddr, Error};
 use cuarena_testkit::{HostDevice, host_allocator};
 use rayon::prelude::*;
 
@@ -48,7 +48,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(THREADS).build()?;
     pool.install(|| -> Result<(), Error> {
         for _ in 0..ROUNDS {
-            let blocks: Vec<(DevicePtr, usize)> = (0..BLOCKS)
+            let blocks: Vec<(DeviceAddr, usize)> = (0..BLOCKS)
                 .into_par_iter()
                 .map(|i| alloc.allocate_per_thread(size(i)).map(|p| (p, size(i))))
                 .collect::<Result<_, _>>()?;

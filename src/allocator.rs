@@ -50,8 +50,8 @@ use std::sync::{Arc, Weak};
 
 use crate::sync::{AtomicUsize, Mutex, Ordering, lock, next_id, thread_local};
 
-// Re-exported for the C ABI's `crate::allocator::DevicePtr`; the type lives in `ptr.rs`.
-pub use crate::ptr::DevicePtr;
+// Re-exported for the C ABI's `crate::allocator::DeviceAddr`; the type lives in `ptr.rs`.
+pub use crate::ptr::DeviceAddr;
 
 /// A device-memory allocator for one device. Cheap to clone; clones share everything.
 #[derive(Clone)]
@@ -1044,13 +1044,13 @@ impl Allocator {
     }
 
     /// Allocates `size` bytes, ready for use on `stream` (256-byte aligned).
-    /// `size == 0` gives [`DevicePtr::NULL`].
-    pub fn allocate(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+    /// `size == 0` gives [`DeviceAddr::NULL`].
+    pub fn allocate(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if let Some(p) = &self.inner.passthrough {
             return p.allocate(size, stream, self.inner.pool.limit()); // pass-through mode
         }
         if size == 0 {
-            return Ok(DevicePtr::NULL);
+            return Ok(DeviceAddr::NULL);
         }
         let inner = &self.inner;
         if size <= inner.cfg.large_max {
@@ -1062,7 +1062,7 @@ impl Allocator {
             match arena_index(stream) {
                 Some(i) => {
                     if let Some(p) = alloc_fast(inner, i, class, gc, large) {
-                        return Ok(DevicePtr(p));
+                        return Ok(DeviceAddr(p));
                     }
                     return self.alloc_small_cold(i, class, gc, large);
                 }
@@ -1072,7 +1072,7 @@ impl Allocator {
                         let key = inner.env(&slot.counters).dev.stream_key(stream)?;
                         let p = slot.alloc_user(inner, stream, key, class, gc)?;
                         slot.counted_alloc(gc * GRANULE);
-                        Ok(DevicePtr(p))
+                        Ok(DeviceAddr(p))
                     });
                 }
                 None => {} // a large request on a user stream: the pool
@@ -1082,17 +1082,17 @@ impl Allocator {
             Some(b) if b <= inner.pool.limit() => b,
             _ => return Err(inner.oom(size)),
         };
-        with_slot(inner, |slot, inner| slot.alloc_pool(inner, bytes, stream).map(DevicePtr))
+        with_slot(inner, |slot, inner| slot.alloc_pool(inner, bytes, stream).map(DeviceAddr))
     }
 
     /// The slow path of a small allocation on the per-thread or the legacy stream.
     #[cold]
     #[inline(never)]
-    fn alloc_small_cold(&self, i: usize, class: usize, g: usize, large: bool) -> Result<DevicePtr> {
+    fn alloc_small_cold(&self, i: usize, class: usize, g: usize, large: bool) -> Result<DeviceAddr> {
         with_slot(&self.inner, |slot, inner| {
             let p = slot.alloc_small_slow(inner, i, class, g, large)?;
             slot.counted_alloc(g * GRANULE);
-            Ok(DevicePtr(p))
+            Ok(DeviceAddr(p))
         })
     }
 
@@ -1103,7 +1103,7 @@ impl Allocator {
     /// refused with [`Error::InvalidFree`] and changes nothing. A free of a block owned by
     /// another thread is checked by that thread later; if found invalid it is counted in
     /// [`Stats::invalid_frees`] and reported by [`Allocator::take_deferred_error`].
-    pub fn deallocate(&self, ptr: DevicePtr, size: usize, stream: Stream) -> Result<()> {
+    pub fn deallocate(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
         if let Some(p) = &self.inner.passthrough {
             return p.deallocate(ptr, size, stream); // pass-through mode
         }
@@ -1119,7 +1119,7 @@ impl Allocator {
     /// Every free the fast path did not take, and every invalid one.
     #[cold]
     #[inline(never)]
-    fn deallocate_cold(&self, ptr: DevicePtr, size: usize, stream: Stream) -> Result<()> {
+    fn deallocate_cold(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
         with_slot(&self.inner, |slot, inner| {
             let r = if ptr.is_null() {
                 Err(Error::InvalidFree { ptr: 0, size, reason: InvalidFree::UnknownPointer })
@@ -1139,7 +1139,7 @@ impl Allocator {
     /// host block.
     pub fn deallocate_used_on(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         size: usize,
         stream: Stream,
         used_on: &[Stream],
@@ -1181,12 +1181,12 @@ impl Allocator {
     }
 
     /// [`Allocator::allocate`] on the calling thread's per-thread default stream.
-    pub fn allocate_per_thread(&self, size: usize) -> Result<DevicePtr> {
+    pub fn allocate_per_thread(&self, size: usize) -> Result<DeviceAddr> {
         self.allocate(size, Stream::PER_THREAD)
     }
 
     /// [`Allocator::deallocate`] on the calling thread's per-thread default stream.
-    pub fn deallocate_per_thread(&self, ptr: DevicePtr, size: usize) -> Result<()> {
+    pub fn deallocate_per_thread(&self, ptr: DeviceAddr, size: usize) -> Result<()> {
         self.deallocate(ptr, size, Stream::PER_THREAD)
     }
 

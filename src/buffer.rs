@@ -2,7 +2,7 @@
 
 use crate::allocator::Allocator;
 use crate::error::Result;
-use crate::ptr::DevicePtr;
+use crate::ptr::DeviceAddr;
 use crate::stream::Stream;
 
 // Here rather than in `allocator.rs`, so that the allocator does not name the buffer built on it.
@@ -22,7 +22,7 @@ impl Allocator {
 /// ordered before later work on the stream it names.
 pub struct DeviceBuffer {
     alloc: Allocator,
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     len: usize,
     stream: Stream,
     /// Other streams that used the buffer (`record_stream`); the free fences them too.
@@ -30,12 +30,12 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
-    pub(crate) fn from_parts(alloc: Allocator, ptr: DevicePtr, len: usize, stream: Stream) -> DeviceBuffer {
+    pub(crate) fn from_parts(alloc: Allocator, ptr: DeviceAddr, len: usize, stream: Stream) -> DeviceBuffer {
         DeviceBuffer { alloc, ptr, len, stream, used_on: Vec::new() }
     }
 
     /// The device address (null for an empty buffer).
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 
@@ -69,7 +69,7 @@ impl DeviceBuffer {
     }
 
     /// Gives up ownership: the caller must free the block with `deallocate`.
-    pub fn into_raw(self) -> (DevicePtr, usize, Stream) {
+    pub fn into_raw(self) -> (DeviceAddr, usize, Stream) {
         let me = std::mem::ManuallyDrop::new(self);
         // SAFETY: `me` is never dropped, so its allocator handle and stream list are moved out
         // exactly once.

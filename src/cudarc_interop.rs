@@ -1,7 +1,7 @@
 //! Interop with cudarc: a typed buffer that cudarc's copies and kernel launches accept.
 //!
 //! [`CudaBuffer<T>`] is a cuarena block on a cudarc [`CudaStream`]. It implements cudarc's
-//! `DeviceSlice`, `DevicePtr` and `DevicePtrMut` (so `memcpy_htod`, `memcpy_dtov` and friends
+//! `DeviceSlice`, `DeviceAddr` and `DevicePtrMut` (so `memcpy_htod`, `memcpy_dtov` and friends
 //! take it) and `PushKernelArg` (so `launch_builder(..).arg(&buf)` takes it). Copies on another
 //! stream are remembered and fenced at the free, like `record_stream`. Kernel launches cannot
 //! report their stream through cudarc's API: for a launch on another stream, call
@@ -23,7 +23,7 @@ use cudarc::driver::{
 
 use crate::allocator::Allocator;
 use crate::error::{Error, Result};
-use crate::ptr::DevicePtr;
+use crate::ptr::DeviceAddr;
 use crate::stream::Stream;
 
 /// `len` values of `T` in cuarena memory, on a cudarc stream; freed on that stream on drop.
@@ -158,7 +158,7 @@ impl<T> Drop for CudaBuffer<T> {
     fn drop(&mut self) {
         let used = std::mem::take(&mut *self.used_on.lock().unwrap_or_else(|p| p.into_inner()));
         let bytes = self.len * size_of::<T>();
-        if let Err(e) = self.alloc.deallocate_used_on(DevicePtr(self.ptr), bytes, self.own(), &used) {
+        if let Err(e) = self.alloc.deallocate_used_on(DeviceAddr(self.ptr), bytes, self.own(), &used) {
             self.alloc.defer_error(e);
         }
     }

@@ -44,6 +44,6 @@ pub use device::cuda::CudaDevice;
 pub use device::{Device, DeviceKind, Event};
 pub use error::{Error, InvalidFree, Result};
 pub use global::global;
-pub use ptr::DevicePtr;
+pub use ptr::DeviceAddr;
 pub use stats::Stats;
 pub use stream::{Stream, StreamKey};

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use crate::device::Device;
 use crate::error::{Error, InvalidFree, Result};
-use crate::ptr::DevicePtr;
+use crate::ptr::DeviceAddr;
 use crate::size_class::block_bytes;
 use crate::stats::Stats;
 use crate::stream::Stream;
@@ -90,9 +90,9 @@ impl Passthrough {
 
     /// Allocates exactly `size` bytes from the driver, ordered on `stream`, under the cap
     /// `limit`. `size == 0` gives null.
-    pub(crate) fn allocate(&self, size: usize, stream: Stream, limit: usize) -> Result<DevicePtr> {
+    pub(crate) fn allocate(&self, size: usize, stream: Stream, limit: usize) -> Result<DeviceAddr> {
         if size == 0 {
-            return Ok(DevicePtr::NULL);
+            return Ok(DeviceAddr::NULL);
         }
         let oom = |st: &State| {
             let held = st.live_bytes + st.pending;
@@ -115,14 +115,14 @@ impl Passthrough {
             Some(p) => {
                 st.add_live(p, size);
                 st.allocations += 1;
-                Ok(DevicePtr(p))
+                Ok(DeviceAddr(p))
             }
         }
     }
 
     /// Frees a block of [`Passthrough::allocate`] on `stream` (stream-ordered). A bad free is
     /// refused with [`Error::InvalidFree`] and changes nothing; so does a failed driver call.
-    pub(crate) fn deallocate(&self, ptr: DevicePtr, size: usize, stream: Stream) -> Result<()> {
+    pub(crate) fn deallocate(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
         if ptr.is_null() && size == 0 {
             return Ok(());
         }
@@ -182,7 +182,7 @@ impl Passthrough {
     /// stream of `used_on` (one event each; no host block).
     pub(crate) fn deallocate_used_on(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         size: usize,
         stream: Stream,
         used_on: &[Stream],

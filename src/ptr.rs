@@ -1,12 +1,12 @@
 //! Device addresses as the allocator hands them out.
 
-/// A device address. Null is `DevicePtr(0)`.
+/// A device address. Null is `DeviceAddr(0)`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DevicePtr(pub u64);
+pub struct DeviceAddr(pub u64);
 
-impl DevicePtr {
+impl DeviceAddr {
     /// The null pointer.
-    pub const NULL: DevicePtr = DevicePtr(0);
+    pub const NULL: DeviceAddr = DeviceAddr(0);
 
     /// True for null.
     pub fn is_null(self) -> bool {

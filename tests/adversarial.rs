@@ -11,7 +11,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use cuarena::{Allocator, DevicePtr, Error, Stream};
+use cuarena::{Allocator, DeviceAddr, Error, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 mod common;
@@ -117,13 +117,13 @@ fn interior_pointers_and_wrong_sizes_are_refused_and_change_nothing() {
     let p = o.run(|a| a.allocate_per_thread(8192).unwrap());
     // Local interior pointer, unaligned pointer, wrong sizes.
     for (ptr, size) in [(p.0 + 256, 256), (p.0 + 1, 8192), (p.0, 4096), (p.0, 16384), (p.0, 1 << 20)] {
-        let r = o.run(move |a| a.deallocate_per_thread(DevicePtr(ptr), size));
+        let r = o.run(move |a| a.deallocate_per_thread(DeviceAddr(ptr), size));
         assert!(is_invalid(&r), "local ({:#x}, {size}): {r:?}", ptr - p.0);
         bad += 1;
     }
     // Remote interior pointer and unaligned ones: refused at once when possible, else later.
     for (ptr, size) in [(p.0 + 256, 256), (p.0 + 4, 8192), (p.0 + 512, 7680)] {
-        let _ = on_thread(&a, move |a| a.deallocate_per_thread(DevicePtr(ptr), size));
+        let _ = on_thread(&a, move |a| a.deallocate_per_thread(DeviceAddr(ptr), size));
         bad += 1;
     }
     o.run(|a| a.flush().unwrap()); // drains: the deferred ones are counted now
@@ -135,7 +135,7 @@ fn interior_pointers_and_wrong_sizes_are_refused_and_change_nothing() {
     for (ptr, size) in
         [(big.0 + 256, 256), (big.0, 512 << 10), (big.0, 2 << 20), (u64::MAX - 255, 256), (u64::MAX, 1)]
     {
-        assert!(is_invalid(&a.deallocate(DevicePtr(ptr), size, Stream::LEGACY)), "({ptr:#x}, {size})");
+        assert!(is_invalid(&a.deallocate(DeviceAddr(ptr), size, Stream::LEGACY)), "({ptr:#x}, {size})");
         bad += 1;
     }
     a.deallocate(big, 1 << 20, Stream::LEGACY).unwrap();
@@ -213,7 +213,7 @@ fn handed_blocks_freed_on_every_stream_with_reclaim_and_exit() {
     let a = host_allocator(sim.clone(), small().batch_blocks(16).build().unwrap()).unwrap();
     for round in 0..6u32 {
         let o = Worker::new(&a);
-        let blocks: Vec<(DevicePtr, usize)> = o.run(move |a| {
+        let blocks: Vec<(DeviceAddr, usize)> = o.run(move |a| {
             (0..200)
                 .map(|i| {
                     let n = 256 << (i % 9);
@@ -288,7 +288,7 @@ fn handed_blocks_freed_on_every_stream_with_reclaim_and_exit() {
 /// each free, some freed on legacy. OOM is allowed (the cap is small).
 fn owner_loop(a: &Allocator, sim: &HostDevice, live: &Live, seed: u64, stop: &AtomicBool, hold_us: u64) {
     let mut x = seed | 1;
-    let mut mine: Vec<(DevicePtr, usize, u32)> = Vec::new();
+    let mut mine: Vec<(DeviceAddr, usize, u32)> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
         let r = rng(&mut x);
         if mine.len() < 48 && (r % 3 != 0 || mine.is_empty()) {
@@ -472,7 +472,7 @@ fn race_thread_exit_against_trim() {
             })
         })
         .collect();
-    let (tx, rx) = mpsc::channel::<Vec<(DevicePtr, usize)>>();
+    let (tx, rx) = mpsc::channel::<Vec<(DeviceAddr, usize)>>();
     let sink = {
         let a = a.clone();
         std::thread::spawn(move || {
@@ -539,7 +539,7 @@ fn fences_of_many_threads_on_the_legacy_stream() {
         let cfg = small().chunk(4 << 20).build().unwrap();
         let a = host_allocator(sim.clone(), cfg).unwrap();
         for round in 0..4u64 {
-            let blocks: Vec<DevicePtr> =
+            let blocks: Vec<DeviceAddr> =
                 (0..threads).map(|_| a.allocate(128 << 10, Stream::LEGACY).unwrap()).collect();
             let start = Arc::new(Barrier::new(threads + 1));
             let hs: Vec<_> = blocks
@@ -602,7 +602,7 @@ fn legacy_frees_of_arena_blocks_then_reclaim_then_user_stream_reuse() {
                 o.run(|a| (0..40).map(|_| a.allocate_per_thread(16 << 10).unwrap()).collect::<Vec<_>>()),
             );
         }
-        let chunks: Vec<Vec<DevicePtr>> = all.chunks(all.len().div_ceil(6)).map(<[_]>::to_vec).collect();
+        let chunks: Vec<Vec<DeviceAddr>> = all.chunks(all.len().div_ceil(6)).map(<[_]>::to_vec).collect();
         let hs: Vec<_> = chunks
             .into_iter()
             .enumerate()
@@ -652,7 +652,7 @@ fn heavy_random_mix_with_injected_bad_frees() {
     let live = Arc::new(Live::default());
     let threads = 5;
     let (txs, rxs): (Vec<_>, Vec<_>) =
-        (0..threads).map(|_| mpsc::channel::<(DevicePtr, usize, cuarena::Event)>()).unzip();
+        (0..threads).map(|_| mpsc::channel::<(DeviceAddr, usize, cuarena::Event)>()).unzip();
     let barrier = Arc::new(Barrier::new(threads));
     let hs: Vec<_> = rxs
         .into_iter()
@@ -665,7 +665,7 @@ fn heavy_random_mix_with_injected_bad_frees() {
                 let user = sim.create_stream();
                 let streams = [Stream::PER_THREAD, Stream::LEGACY, user];
                 let mut x = 0xabcdef ^ (t as u64 * 1_000_003) | 1;
-                let mut mine: Vec<(DevicePtr, usize)> = Vec::new();
+                let mut mine: Vec<(DeviceAddr, usize)> = Vec::new();
                 for step in 0..3000 {
                     while let Ok((p, n, ev)) = rx.try_recv() {
                         let s = streams[(rng(&mut x) % 3) as usize];

@@ -18,7 +18,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cuarena::{Allocator, Device, DevicePtr, Error, InvalidFree, Stream};
+use cuarena::{Allocator, Device, DeviceAddr, Error, InvalidFree, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 mod common;
@@ -135,7 +135,7 @@ fn legacy_arena_block_freed_by_another_thread_on_legacy_reused_at_once() {
     let owner = Worker::new(&a);
     // Fill the owner's legacy arena so that the next allocation needs the freed block.
     let n = (256 << 10) / size;
-    let blocks: Vec<DevicePtr> =
+    let blocks: Vec<DeviceAddr> =
         owner.run(move |a| (0..n).map(|_| a.allocate(size, Stream::LEGACY).unwrap()).collect());
     let victim = blocks[0];
     on_thread(&a, {
@@ -231,10 +231,10 @@ fn lazy_legacy_pool_block_reused_on_ptds_user_and_legacy() {
     let a = alloc_with(&sim, small().batch_blocks(4));
     let size = 256 << 10;
     for reuse in ["ptds", "user", "legacy"] {
-        let ps: Vec<DevicePtr> = on_thread(&a, {
+        let ps: Vec<DeviceAddr> = on_thread(&a, {
             let sim = sim.clone();
             move |a| {
-                let ps: Vec<DevicePtr> =
+                let ps: Vec<DeviceAddr> =
                     (0..3).map(|_| a.allocate(size, Stream::PER_THREAD).unwrap()).collect();
                 for p in &ps {
                     sim.hold_and_check(p.0, size, 0xa, HOLD, Stream::PER_THREAD).unwrap();
@@ -253,7 +253,7 @@ fn lazy_legacy_pool_block_reused_on_ptds_user_and_legacy() {
                     "user" => sim.create_stream(),
                     _ => Stream::LEGACY,
                 };
-                let qs: Vec<DevicePtr> = (0..3).map(|_| a.allocate(size, s).unwrap()).collect();
+                let qs: Vec<DeviceAddr> = (0..3).map(|_| a.allocate(size, s).unwrap()).collect();
                 let mut sorted = qs.clone();
                 sorted.sort();
                 let mut want = ps.clone();
@@ -285,7 +285,7 @@ fn mixed_ptds_and_legacy_frees_of_one_threads_blocks() {
     let a = alloc_with(&sim, small().batch_blocks(3));
     let streams = [Stream::PER_THREAD, Stream::LEGACY];
     let mut seed = 0x1234_5678_9abc_def1u64;
-    let mut live: Vec<(DevicePtr, usize, Stream, u32)> = Vec::new();
+    let mut live: Vec<(DeviceAddr, usize, Stream, u32)> = Vec::new();
     for round in 0..600u32 {
         let r = rng(&mut seed);
         if live.len() < 40 && r % 3 != 0 {
@@ -324,7 +324,7 @@ fn many_threads_on_the_legacy_stream_hand_blocks_around() {
     let a = alloc_with(&sim, small().batch_blocks(4));
     let threads = 6;
     let (txs, rxs): (Vec<_>, Vec<_>) =
-        (0..threads).map(|_| mpsc::channel::<(DevicePtr, usize, u32)>()).unzip();
+        (0..threads).map(|_| mpsc::channel::<(DeviceAddr, usize, u32)>()).unzip();
     let txs = Arc::new(txs);
     let barrier = Arc::new(Barrier::new(threads));
     let hs: Vec<_> = rxs
@@ -371,7 +371,7 @@ fn many_threads_ptds_work_freed_on_legacy_reused_on_ptds() {
     let sim = host(300);
     let a = alloc_with(&sim, small().batch_blocks(4));
     let threads = 6;
-    let (txs, rxs): (Vec<_>, Vec<_>) = (0..threads).map(|_| mpsc::channel::<(DevicePtr, usize)>()).unzip();
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..threads).map(|_| mpsc::channel::<(DeviceAddr, usize)>()).unzip();
     let txs = Arc::new(txs);
     let barrier = Arc::new(Barrier::new(threads));
     let hs: Vec<_> = rxs
@@ -446,7 +446,7 @@ fn out_of_memory_with_lazy_fences() {
     on_thread(&a, {
         let sim = sim.clone();
         move |a| {
-            let ps: Vec<DevicePtr> = (0..2).map(|_| a.allocate(size, Stream::PER_THREAD).unwrap()).collect();
+            let ps: Vec<DeviceAddr> = (0..2).map(|_| a.allocate(size, Stream::PER_THREAD).unwrap()).collect();
             for p in &ps {
                 sim.hold_and_check(p.0, size, 0xa, Duration::from_millis(200), Stream::PER_THREAD).unwrap();
                 a.deallocate(*p, size, Stream::LEGACY).unwrap();
@@ -472,7 +472,8 @@ fn out_of_memory_with_lazy_fences() {
         a.flush().unwrap();
     }
     // Small requests under the cap: the arenas take superblocks out of lazily fenced memory.
-    let smalls: Vec<DevicePtr> = (0..32).map(|_| a.allocate(32 << 10, Stream::PER_THREAD).unwrap()).collect();
+    let smalls: Vec<DeviceAddr> =
+        (0..32).map(|_| a.allocate(32 << 10, Stream::PER_THREAD).unwrap()).collect();
     for p in &smalls {
         sim.write_tag(p.0, 32 << 10, 3, Stream::PER_THREAD).unwrap();
     }
@@ -524,10 +525,10 @@ fn thread_exit_with_pool_frees_in_the_outbox() {
     let a = alloc_with(&sim, small().batch_blocks(64));
     let size = 128 << 10;
     for free_on in [Stream::PER_THREAD, Stream::LEGACY] {
-        let ps: Vec<DevicePtr> = {
+        let ps: Vec<DeviceAddr> = {
             let (a, sim) = (a.clone(), sim.clone());
             std::thread::spawn(move || {
-                let ps: Vec<DevicePtr> =
+                let ps: Vec<DeviceAddr> =
                     (0..5).map(|_| a.allocate(size, Stream::PER_THREAD).unwrap()).collect();
                 for p in &ps {
                     sim.hold_and_check(p.0, size, 0xa, HOLD, Stream::PER_THREAD).unwrap();
@@ -545,7 +546,7 @@ fn thread_exit_with_pool_frees_in_the_outbox() {
             move |a| {
                 let u = sim.create_stream();
                 for s in [Stream::PER_THREAD, u] {
-                    let qs: Vec<DevicePtr> = (0..5).map(|_| a.allocate(size, s).unwrap()).collect();
+                    let qs: Vec<DeviceAddr> = (0..5).map(|_| a.allocate(size, s).unwrap()).collect();
                     assert!(qs.iter().all(|q| ps.contains(q)), "reused");
                     for q in &qs {
                         sim.write_tag(q.0, size, 0xb, s).unwrap();
@@ -614,7 +615,7 @@ fn user_streams_destroyed_after_frees() {
     for round in 0..20u32 {
         let sim1 = sim.clone();
         let (small_blocks, ready) = owner.run(move |a| {
-            let v: Vec<DevicePtr> =
+            let v: Vec<DeviceAddr> =
                 (0..4).map(|_| a.allocate(8 << 10, Stream::PER_THREAD).unwrap()).collect();
             // The blocks are ready on the owner's per-thread stream: the user orders `u` after it.
             let e = sim1.create_event().unwrap();
@@ -661,7 +662,7 @@ fn pending_batches_waited_for_on_both_homes() {
     let size = 32 << 10;
     let n = (256 << 10) / size;
     for home in [Stream::PER_THREAD, Stream::LEGACY] {
-        let blocks: Vec<DevicePtr> =
+        let blocks: Vec<DeviceAddr> =
             owner.run(move |a| (0..n).map(|_| a.allocate(size, home).unwrap()).collect());
         let victims = blocks.clone();
         on_thread(&a, {
@@ -677,7 +678,7 @@ fn pending_batches_waited_for_on_both_homes() {
         });
         let before = a.stats();
         let sim2 = sim.clone();
-        let again: Vec<DevicePtr> = owner.run(move |a| {
+        let again: Vec<DeviceAddr> = owner.run(move |a| {
             (0..n)
                 .map(|_| {
                     let p = a.allocate(size, home).unwrap();

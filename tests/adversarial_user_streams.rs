@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Live, Worker, host, on_thread, small};
-use cuarena::{Allocator, Device, DevicePtr, Stream};
+use cuarena::{Allocator, Device, DeviceAddr, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 fn alloc_on(sim: &HostDevice) -> Allocator {
@@ -26,7 +26,7 @@ fn park_one(a: &Allocator, sim: &HostDevice, n: usize, size: usize, hold: Durati
         let sim = sim.clone();
         move |a| {
             let s = sim.create_stream();
-            let ps: Vec<DevicePtr> = (0..n).map(|_| a.allocate(size, s).unwrap()).collect();
+            let ps: Vec<DeviceAddr> = (0..n).map(|_| a.allocate(size, s).unwrap()).collect();
             for (i, p) in ps.iter().enumerate() {
                 sim.hold_and_check(p.0, size, i as u32 | 1, hold, s).unwrap();
             }
@@ -75,7 +75,7 @@ fn small_request_out_of_memory_buries_parked_arenas() {
     // Small blocks on the per-thread stream up to nearly the cap: only possible with the
     // parked arenas' memory back.
     let size = 60 << 10;
-    let ps: Vec<DevicePtr> = (0..28).map(|_| a.allocate(size, Stream::PER_THREAD).unwrap()).collect();
+    let ps: Vec<DeviceAddr> = (0..28).map(|_| a.allocate(size, Stream::PER_THREAD).unwrap()).collect();
     let s = a.stats();
     assert_eq!(a.parked_bytes(), 0, "parked arenas given back, and the count with them: {s:?}");
     assert!(s.host_syncs - syncs <= 2, "one device synchronise for all parked arenas: {s:?}");
@@ -97,7 +97,7 @@ fn blocking_trim_takes_back_own_arena_of_destroyed_stream() {
     w.run({
         let sim = sim.clone();
         move |a| {
-            let ps: Vec<DevicePtr> = (0..4).map(|_| a.allocate(32 << 10, s).unwrap()).collect();
+            let ps: Vec<DeviceAddr> = (0..4).map(|_| a.allocate(32 << 10, s).unwrap()).collect();
             for p in &ps {
                 sim.hold_and_check(p.0, 32 << 10, 5, Duration::from_micros(300), s).unwrap();
             }
@@ -127,7 +127,7 @@ fn blocking_trim_takes_back_idle_threads_arena_of_destroyed_stream() {
     w.run({
         let sim = sim.clone();
         move |a| {
-            let ps: Vec<DevicePtr> = (0..4).map(|_| a.allocate(32 << 10, s).unwrap()).collect();
+            let ps: Vec<DeviceAddr> = (0..4).map(|_| a.allocate(32 << 10, s).unwrap()).collect();
             for p in &ps {
                 sim.hold_and_check(p.0, 32 << 10, 5, Duration::from_micros(300), s).unwrap();
             }
@@ -166,7 +166,7 @@ fn reused_handle_on_the_same_thread_gets_a_new_arena() {
             let mut s = sim.create_stream();
             for round in 0..30u32 {
                 let sizes = [256, 4 << 10, 16 << 10, 60 << 10, 1 << 10];
-                let ps: Vec<(DevicePtr, usize)> =
+                let ps: Vec<(DeviceAddr, usize)> =
                     sizes.iter().map(|&n| (a.allocate(n, s).unwrap(), n)).collect();
                 for &(p, n) in &ps {
                     live.insert(p, n);
@@ -181,7 +181,7 @@ fn reused_handle_on_the_same_thread_gets_a_new_arena() {
                 assert_eq!(t, s, "the simulator gives the handle to the next stream");
                 s = t;
                 // Same sizes at once on the new stream: a block of the old arena would race.
-                let qs: Vec<(DevicePtr, usize)> =
+                let qs: Vec<(DeviceAddr, usize)> =
                     sizes.iter().map(|&n| (a.allocate(n, s).unwrap(), n)).collect();
                 for &(p, n) in &qs {
                     live.insert(p, n);
@@ -215,7 +215,7 @@ fn stream_per_step_churn_under_a_cap() {
         move |a| {
             let live = Live::default();
             let mut x = 0x1234_5678_9abc_def1u64;
-            let mut carried: Vec<(DevicePtr, usize)> = Vec::new();
+            let mut carried: Vec<(DeviceAddr, usize)> = Vec::new();
             let mut prev: Option<Stream> = None;
             for step in 0..400u32 {
                 let s = sim.create_stream();
@@ -281,7 +281,7 @@ fn frees_into_a_parked_arena_from_other_threads_and_streams() {
         let sim = sim.clone();
         move |a| {
             let s = sim.create_stream();
-            let ps: Vec<DevicePtr> = (0..n).map(|_| a.allocate(size, s).unwrap()).collect();
+            let ps: Vec<DeviceAddr> = (0..n).map(|_| a.allocate(size, s).unwrap()).collect();
             for (i, p) in ps.iter().enumerate() {
                 sim.hold_and_check(p.0, size, i as u32 | 1, Duration::from_micros(200), s).unwrap();
             }
@@ -396,7 +396,7 @@ fn owner_bad_frees_of_user_arena_blocks() {
             a.deallocate(w, size, u).unwrap();
             // Reuse after all that on each stream: tags clean.
             for (i, on) in [s, u, Stream::PER_THREAD, Stream::LEGACY].into_iter().enumerate() {
-                let ps: Vec<DevicePtr> = (0..8).map(|_| a.allocate(size, on).unwrap()).collect();
+                let ps: Vec<DeviceAddr> = (0..8).map(|_| a.allocate(size, on).unwrap()).collect();
                 for p in &ps {
                     sim.hold_and_check(p.0, size, 0x50 + i as u32, Duration::from_micros(50), on).unwrap();
                 }
@@ -438,7 +438,7 @@ fn thread_exit_racing_a_reclaimer_strands_nothing() {
             let sim = sim.clone();
             move |a| {
                 let s = sim.create_stream();
-                let ps: Vec<DevicePtr> = (0..3).map(|_| a.allocate(2 << 10, s).unwrap()).collect();
+                let ps: Vec<DeviceAddr> = (0..3).map(|_| a.allocate(2 << 10, s).unwrap()).collect();
                 for p in &ps {
                     sim.write_tag(p.0, 2 << 10, i | 1, s).unwrap();
                 }
@@ -531,7 +531,7 @@ fn per_thread_fast_path_unaffected_by_user_arenas() {
             churn(a); // warm
             for round in 0..12u32 {
                 let s = sim.create_stream();
-                let ps: Vec<DevicePtr> = (0..5).map(|_| a.allocate(8 << 10, s).unwrap()).collect();
+                let ps: Vec<DeviceAddr> = (0..5).map(|_| a.allocate(8 << 10, s).unwrap()).collect();
                 for p in &ps {
                     sim.hold_and_check(p.0, 8 << 10, round | 1, Duration::from_micros(50), s).unwrap();
                 }

@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use cuarena::size_class::block_bytes;
-use cuarena::{Allocator, Config, DevicePtr, Error, InvalidFree, Stream};
+use cuarena::{Allocator, Config, DeviceAddr, Error, InvalidFree, Stream};
 use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 
 const SMALL_MAX: usize = 64 << 10;
@@ -35,7 +35,7 @@ fn setup() -> (HostDevice, Allocator) {
 }
 
 /// A live block: pointer, size asked for, the stream it is used on.
-type Block = (DevicePtr, usize, Stream);
+type Block = (DeviceAddr, usize, Stream);
 
 fn reason(r: cuarena::Result<()>) -> InvalidFree {
     match r {
@@ -85,8 +85,8 @@ fn size_zero_gives_null_and_null_frees_with_size_zero() {
     let (dev, a) = setup();
     let user = dev.create_stream();
     for s in [Stream::PER_THREAD, Stream::LEGACY, Stream::NULL, user] {
-        assert_eq!(a.allocate(0, s).unwrap(), DevicePtr::NULL);
-        a.deallocate(DevicePtr::NULL, 0, s).unwrap();
+        assert_eq!(a.allocate(0, s).unwrap(), DeviceAddr::NULL);
+        a.deallocate(DeviceAddr::NULL, 0, s).unwrap();
     }
     assert!(a.buffer(0, Stream::LEGACY).unwrap().is_empty());
     let s = a.stats();
@@ -161,7 +161,7 @@ fn a_null_pointer_with_a_size_is_refused() {
     let (dev, a) = setup();
     let live = two_blocks(&a);
     for (size, s) in [(8, Stream::PER_THREAD), (4096, Stream::LEGACY), (1 << 20, Stream::LEGACY)] {
-        assert_eq!(reason(a.deallocate(DevicePtr::NULL, size, s)), InvalidFree::UnknownPointer);
+        assert_eq!(reason(a.deallocate(DeviceAddr::NULL, size, s)), InvalidFree::UnknownPointer);
     }
     assert_eq!(a.stats().invalid_frees, 3);
     settle(&a, &dev, live);
@@ -175,7 +175,7 @@ fn a_foreign_pointer_is_refused() {
     let foreign = [0xdead_0000u64, 0x1000, &*host_memory as *const _ as u64, 1 << 62];
     for p in foreign {
         for (size, s) in [(4096, Stream::PER_THREAD), (4096, Stream::LEGACY), (300 << 10, Stream::LEGACY)] {
-            assert_eq!(reason(a.deallocate(DevicePtr(p), size, s)), InvalidFree::UnknownPointer, "{p:#x}");
+            assert_eq!(reason(a.deallocate(DeviceAddr(p), size, s)), InvalidFree::UnknownPointer, "{p:#x}");
         }
     }
     assert_eq!(a.stats().invalid_frees, 12);
@@ -188,9 +188,9 @@ fn an_interior_pointer_is_refused() {
     let live = two_blocks(&a);
     let (small, large) = (live[0].0, live[1].0);
     for off in [1, 8, 256, 512] {
-        let r = a.deallocate(DevicePtr(small.0 + off), 256, Stream::PER_THREAD);
+        let r = a.deallocate(DeviceAddr(small.0 + off), 256, Stream::PER_THREAD);
         assert_eq!(reason(r), InvalidFree::UnknownPointer, "small + {off}");
-        let r = a.deallocate(DevicePtr(large.0 + off * 16), 4096, Stream::LEGACY);
+        let r = a.deallocate(DeviceAddr(large.0 + off * 16), 4096, Stream::LEGACY);
         assert_eq!(reason(r), InvalidFree::UnknownPointer, "large + {}", off * 16);
     }
     settle(&a, &dev, live);
@@ -203,7 +203,7 @@ fn the_largest_address_is_refused() {
     let live = two_blocks(&a);
     for p in [u64::MAX, u64::MAX - 255, !255] {
         for (size, s) in [(4096, Stream::PER_THREAD), (4096, Stream::LEGACY), (4 << 20, Stream::LEGACY)] {
-            assert_eq!(reason(a.deallocate(DevicePtr(p), size, s)), InvalidFree::UnknownPointer, "{p:#x}");
+            assert_eq!(reason(a.deallocate(DeviceAddr(p), size, s)), InvalidFree::UnknownPointer, "{p:#x}");
         }
     }
     settle(&a, &dev, live);
@@ -312,7 +312,7 @@ fn a_double_free_whose_first_free_waits_in_another_threads_outbox_is_caught() {
     parked_rx.recv().unwrap();
     let second = a.deallocate_per_thread(p, 4096);
     // Reuse whatever the owner now has free, so a wrongly accepted free would hit a new block.
-    let fresh: Vec<DevicePtr> = (0..4).map(|_| a.allocate_per_thread(4096).unwrap()).collect();
+    let fresh: Vec<DeviceAddr> = (0..4).map(|_| a.allocate_per_thread(4096).unwrap()).collect();
     go_tx.send(()).unwrap();
     b.join().unwrap();
     a.flush().unwrap();
@@ -514,7 +514,7 @@ fn keep_empty_at_its_limit_works_and_beyond_it_is_refused() {
     let dev = device(256 << 20);
     let max = cuarena::config::MAX_KEEP_EMPTY;
     let a = host_allocator(dev.clone(), config().keep_empty(max).build().unwrap()).unwrap();
-    let blocks: Vec<DevicePtr> = (0..64).map(|_| a.allocate_per_thread(48 << 10).unwrap()).collect();
+    let blocks: Vec<DeviceAddr> = (0..64).map(|_| a.allocate_per_thread(48 << 10).unwrap()).collect();
     for p in blocks {
         a.deallocate_per_thread(p, 48 << 10).unwrap();
     }

@@ -326,7 +326,7 @@ fn on_a_gpu_every_bad_input_is_refused_and_the_stats_add_up() {
 /// the C ABI refuses each input with an error (never a panic) and its statistics add up.
 #[test]
 fn the_allocator_behind_the_abi_refuses_every_bad_input_on_a_simulated_device() {
-    use cuarena::{Config, DevicePtr, Error, Stream};
+    use cuarena::{Config, DeviceAddr, Error, Stream};
     use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
     use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -348,11 +348,11 @@ fn the_allocator_behind_the_abi_refuses_every_bad_input_on_a_simulated_device() 
             let live = a.stats().live_bytes;
             let mut n = 0;
             for (q, s, what) in [
-                (DevicePtr::NULL, size, "null"),
-                (DevicePtr(0x1234_0000), size, "foreign"),
-                (DevicePtr(p.0 + 256), size, "interior"),
-                (DevicePtr(u64::MAX - 255), 4096, "u64::MAX - 255"),
-                (DevicePtr(!0xffff), size, "near u64::MAX"),
+                (DeviceAddr::NULL, size, "null"),
+                (DeviceAddr(0x1234_0000), size, "foreign"),
+                (DeviceAddr(p.0 + 256), size, "interior"),
+                (DeviceAddr(u64::MAX - 255), 4096, "u64::MAX - 255"),
+                (DeviceAddr(!0xffff), size, "near u64::MAX"),
                 (p, size + (4 << 20), "wrong size"),
             ] {
                 let r = no_panic(what, &mut || a.deallocate(q, s, stream));
@@ -370,7 +370,7 @@ fn the_allocator_behind_the_abi_refuses_every_bad_input_on_a_simulated_device() 
                 assert!(matches!(r, Err(Error::OutOfMemory { .. })), "size {huge}: {r:?}");
             }
             assert!(a.allocate(0, stream).unwrap().is_null());
-            a.deallocate(DevicePtr::NULL, 0, stream).unwrap();
+            a.deallocate(DeviceAddr::NULL, 0, stream).unwrap();
             let end = a.stats();
             assert_eq!(end.live_bytes, start.live_bytes, "{end:?}");
             assert_eq!(end.invalid_frees - start.invalid_frees, n, "{end:?}");
@@ -383,14 +383,14 @@ fn the_allocator_behind_the_abi_refuses_every_bad_input_on_a_simulated_device() 
 /// `ptr = u64::MAX` through the free path: refused, no overflow (it once computed `ptr + 1`).
 #[test]
 fn a_free_of_u64_max_is_refused_not_a_panic() {
-    use cuarena::{Config, DevicePtr, Error, Stream};
+    use cuarena::{Config, DeviceAddr, Error, Stream};
     use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 
     let dev = HostDevice::new(HostConfig { capacity: 1 << 30, ..HostConfig::default() });
     let a = host_allocator(dev.clone(), Config::default()).unwrap();
     for stream in [Stream::LEGACY, Stream::PER_THREAD, dev.create_stream()] {
         for size in [1usize, 4096, 3 << 20] {
-            let free = || a.deallocate(DevicePtr(u64::MAX), size, stream);
+            let free = || a.deallocate(DeviceAddr(u64::MAX), size, stream);
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(free));
             assert!(matches!(r, Ok(Err(Error::InvalidFree { .. }))), "size {size}, {stream:?}: {r:?}");
         }

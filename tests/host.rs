@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuarena::{Allocator, Config, DevicePtr, Error, InvalidFree, Stream};
+use cuarena::{Allocator, Config, DeviceAddr, Error, InvalidFree, Stream};
 use cuarena_testkit::{HostConfig, HostDevice, StressParams, assert_all_returned, host_allocator, stress};
 
 fn device(max_delay_us: u64) -> HostDevice {
@@ -134,21 +134,21 @@ fn invalid_frees_are_refused_and_lose_nothing() {
     };
     // Wrong size, interior pointer, foreign pointer, null with a size.
     assert!(matches!(reason(a.deallocate_per_thread(small, 5000)), InvalidFree::SizeMismatch { .. }));
-    assert_eq!(reason(a.deallocate_per_thread(DevicePtr(small.0 + 256), 256)), InvalidFree::UnknownPointer);
+    assert_eq!(reason(a.deallocate_per_thread(DeviceAddr(small.0 + 256), 256)), InvalidFree::UnknownPointer);
     assert!(matches!(
         reason(a.deallocate(large, 100 << 10, Stream::LEGACY)),
         InvalidFree::SizeMismatch { .. }
     ));
     assert_eq!(
-        reason(a.deallocate(DevicePtr(large.0 + 4096), 4096 * 64, Stream::LEGACY)),
+        reason(a.deallocate(DeviceAddr(large.0 + 4096), 4096 * 64, Stream::LEGACY)),
         InvalidFree::UnknownPointer
     );
     assert_eq!(
-        reason(a.deallocate(DevicePtr(0xdead_0000), 4 << 20, Stream::LEGACY)),
+        reason(a.deallocate(DeviceAddr(0xdead_0000), 4 << 20, Stream::LEGACY)),
         InvalidFree::UnknownPointer
     );
-    assert_eq!(reason(a.deallocate(DevicePtr::NULL, 8, Stream::LEGACY)), InvalidFree::UnknownPointer);
-    a.deallocate(DevicePtr::NULL, 0, Stream::LEGACY).unwrap();
+    assert_eq!(reason(a.deallocate(DeviceAddr::NULL, 8, Stream::LEGACY)), InvalidFree::UnknownPointer);
+    a.deallocate(DeviceAddr::NULL, 0, Stream::LEGACY).unwrap();
     // The refused frees lost nothing: both blocks are still live and free once.
     a.deallocate_per_thread(small, 1000).unwrap();
     a.deallocate(large, 200 << 10, Stream::LEGACY).unwrap();
@@ -194,7 +194,7 @@ fn a_double_free_from_another_thread_is_refused_at_once() {
 fn zero_and_huge_sizes() {
     let dev = device(0);
     let a = host_allocator(dev, Config::builder().max_bytes(64 << 20).build().unwrap()).unwrap();
-    assert_eq!(a.allocate_per_thread(0).unwrap(), DevicePtr::NULL);
+    assert_eq!(a.allocate_per_thread(0).unwrap(), DeviceAddr::NULL);
     assert!(a.buffer(0, Stream::LEGACY).unwrap().is_empty());
     for huge in [usize::MAX, usize::MAX - 255, 1 << 40, (64 << 20) + 1] {
         match a.allocate(huge, Stream::LEGACY) {
@@ -243,7 +243,7 @@ fn frees_after_the_owner_thread_exited_go_to_the_pool() {
     let dev = device(100);
     let a = host_allocator(dev.clone(), small_config().build().unwrap()).unwrap();
     let a2 = a.clone();
-    let blocks: Vec<(DevicePtr, usize)> = std::thread::spawn(move || {
+    let blocks: Vec<(DeviceAddr, usize)> = std::thread::spawn(move || {
         let v: Vec<_> =
             (0..100).map(|i| (a2.allocate_per_thread(512 * (i + 1)).unwrap(), 512 * (i + 1))).collect();
         for &(p, s) in &v {
@@ -352,7 +352,7 @@ fn the_c_example_pattern_keeps_memory_consistent() {
     let dev = device(0);
     let a = host_allocator(dev.clone(), Config::default()).unwrap();
     const T: usize = 8;
-    type Handed = Option<(DevicePtr, usize, cuarena::Event)>;
+    type Handed = Option<(DeviceAddr, usize, cuarena::Event)>;
     let slots: Arc<Vec<Mutex<Handed>>> = Arc::new((0..T).map(|_| Mutex::new(None)).collect());
     let hs: Vec<_> = (0..T)
         .map(|t| {

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use cuarena::{Allocator, Device, DevicePtr, Error, InvalidFree, Stream};
+use cuarena::{Allocator, Device, DeviceAddr, Error, InvalidFree, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 mod common;
@@ -27,7 +27,7 @@ fn large_blocks_from_many_threads_never_overlap_and_all_come_back() {
             let (a, sim, live) = (a.clone(), sim.clone(), live.clone());
             std::thread::spawn(move || {
                 let mut x = 0x9e37_79b9_7f4a_7c15 ^ (t + 1);
-                let mut held: Vec<(DevicePtr, usize, Stream, u32)> = Vec::new();
+                let mut held: Vec<(DeviceAddr, usize, Stream, u32)> = Vec::new();
                 for i in 0..400u32 {
                     let r = rng(&mut x);
                     if held.len() >= 8 || (r.is_multiple_of(3) && !held.is_empty()) {
@@ -175,7 +175,7 @@ fn double_free_and_wrong_size_of_a_large_block_are_refused() {
         );
     }
     // An interior pointer.
-    let r = a.deallocate_per_thread(DevicePtr(p.0 + 4096), size);
+    let r = a.deallocate_per_thread(DeviceAddr(p.0 + 4096), size);
     assert!(matches!(r, Err(Error::InvalidFree { .. })), "{r:?}");
     a.deallocate_per_thread(p, size).unwrap();
     // A second free, locally and from another thread, on any stream.
@@ -202,7 +202,7 @@ fn out_of_memory_with_large_superblocks_held_by_idle_threads_recovers() {
     // The idle thread fills most of the cap with large blocks, frees them (its arena keeps the
     // large superblocks: the return rule's spare), and stays alive without allocating.
     let held = idle.run(|a| {
-        let ps: Vec<DevicePtr> = (0..5).map(|_| a.allocate_per_thread(8 << 20).unwrap()).collect();
+        let ps: Vec<DeviceAddr> = (0..5).map(|_| a.allocate_per_thread(8 << 20).unwrap()).collect();
         for p in ps {
             a.deallocate_per_thread(p, 8 << 20).unwrap();
         }

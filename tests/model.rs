@@ -25,7 +25,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use cuarena::size_class::block_bytes;
-use cuarena::{Allocator, Config, Device, DevicePtr, Error, Event, InvalidFree, Stream};
+use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Event, InvalidFree, Stream};
 use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 use proptest::prelude::*;
 
@@ -294,7 +294,7 @@ impl Harness {
         let r = self.workers[t].run(move || {
             let st = raw(s, user);
             dev.stream_wait_event(st, e).unwrap();
-            a.deallocate(DevicePtr(b.ptr), b.size, st)
+            a.deallocate(DeviceAddr(b.ptr), b.size, st)
         });
         self.note(format!("frees {:#x} ({} B, of thread {} on {:?})", b.ptr, b.size, b.owner, b.s));
         prop_assert!(r.is_ok(), "a correct free of {b:?} on thread {t}, {s:?} failed: {r:?}\n{}", self.ctx());
@@ -314,7 +314,7 @@ impl Harness {
         defer: Option<(u32, bool)>,
     ) -> Outcome {
         let (a, user) = (self.a.clone(), self.user);
-        let r = self.workers[t].run(move || a.deallocate(DevicePtr(ptr), size, raw(s, user)));
+        let r = self.workers[t].run(move || a.deallocate(DeviceAddr(ptr), size, raw(s, user)));
         self.note(format!("frees {ptr:#x} ({size} B) -> {r:?}"));
         match r {
             Err(Error::InvalidFree { reason, ptr: p, size: z }) => {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use cuarena::{Allocator, Config, DevicePtr, Error, InvalidFree, Stream};
+use cuarena::{Allocator, Config, DeviceAddr, Error, InvalidFree, Stream};
 use cuarena_testkit::{HostConfig, HostDevice, assert_all_returned, host_allocator};
 
 fn device(max_delay_us: u64) -> HostDevice {
@@ -36,7 +36,7 @@ fn reason(r: cuarena::Result<()>) -> InvalidFree {
 fn concurrent_threads_allocate_and_free_through_the_driver() {
     let dev = device(100);
     let a = passthrough(&dev);
-    let (tx, rx) = std::sync::mpsc::channel::<(DevicePtr, usize, cuarena::Event, u32)>();
+    let (tx, rx) = std::sync::mpsc::channel::<(DeviceAddr, usize, cuarena::Event, u32)>();
     let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
     const THREADS: usize = 4;
     const STEPS: usize = 200;
@@ -45,7 +45,7 @@ fn concurrent_threads_allocate_and_free_through_the_driver() {
             let (a, dev, tx, rx) = (a.clone(), dev.clone(), tx.clone(), rx.clone());
             std::thread::spawn(move || {
                 let user = dev.create_stream();
-                let mut mine: Vec<(DevicePtr, usize, Stream)> = Vec::new();
+                let mut mine: Vec<(DeviceAddr, usize, Stream)> = Vec::new();
                 for i in 0..STEPS {
                     let size = 1 + (i * 7919 + t * 104_729) % (300 << 10);
                     let stream = [Stream::PER_THREAD, Stream::LEGACY, user][i % 3];
@@ -81,7 +81,7 @@ fn concurrent_threads_allocate_and_free_through_the_driver() {
                 }
                 // The main thread frees these on the legacy stream: order their work first.
                 let e = a.device().create_event().unwrap();
-                let ordered = |(q, qs, qstream): (DevicePtr, usize, Stream)| {
+                let ordered = |(q, qs, qstream): (DeviceAddr, usize, Stream)| {
                     a.device().record_event(e, qstream).unwrap();
                     a.device().stream_wait_event(Stream::LEGACY, e).unwrap();
                     (q, qs)
@@ -91,7 +91,7 @@ fn concurrent_threads_allocate_and_free_through_the_driver() {
         })
         .collect();
     drop(tx);
-    let mut left: Vec<(DevicePtr, usize)> = hs.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    let mut left: Vec<(DeviceAddr, usize)> = hs.into_iter().flat_map(|h| h.join().unwrap()).collect();
     while let Ok((q, qs, e, _)) = rx.lock().unwrap().try_recv() {
         a.device().stream_wait_event(Stream::LEGACY, e).unwrap();
         left.push((q, qs));
@@ -144,8 +144,8 @@ fn frees_are_stream_ordered() {
 fn bad_requests_are_refused_and_lose_nothing() {
     let dev = device(0);
     let a = passthrough(&dev);
-    assert_eq!(a.allocate(0, Stream::LEGACY).unwrap(), DevicePtr::NULL);
-    a.deallocate(DevicePtr::NULL, 0, Stream::LEGACY).unwrap();
+    assert_eq!(a.allocate(0, Stream::LEGACY).unwrap(), DeviceAddr::NULL);
+    a.deallocate(DeviceAddr::NULL, 0, Stream::LEGACY).unwrap();
     a.set_limit_bytes(1 << 20);
     for huge in [usize::MAX, (1 << 20) + 1] {
         match a.allocate(huge, Stream::LEGACY) {
@@ -171,15 +171,15 @@ fn bad_requests_are_refused_and_lose_nothing() {
     let alias = a.allocate(1000, Stream::PER_THREAD).unwrap();
     a.deallocate(alias, 1001, Stream::PER_THREAD).unwrap();
     assert_eq!(
-        reason(a.deallocate(DevicePtr(small.0 + 256), 256, Stream::PER_THREAD)),
+        reason(a.deallocate(DeviceAddr(small.0 + 256), 256, Stream::PER_THREAD)),
         InvalidFree::UnknownPointer
     );
     assert_eq!(
-        reason(a.deallocate(DevicePtr(0xdead_0000), 4096, Stream::LEGACY)),
+        reason(a.deallocate(DeviceAddr(0xdead_0000), 4096, Stream::LEGACY)),
         InvalidFree::UnknownPointer
     );
-    assert_eq!(reason(a.deallocate(DevicePtr(u64::MAX), 4096, Stream::LEGACY)), InvalidFree::UnknownPointer);
-    assert_eq!(reason(a.deallocate(DevicePtr::NULL, 8, Stream::LEGACY)), InvalidFree::UnknownPointer);
+    assert_eq!(reason(a.deallocate(DeviceAddr(u64::MAX), 4096, Stream::LEGACY)), InvalidFree::UnknownPointer);
+    assert_eq!(reason(a.deallocate(DeviceAddr::NULL, 8, Stream::LEGACY)), InvalidFree::UnknownPointer);
     assert_eq!(reason(a.deallocate(small, 0, Stream::LEGACY)), InvalidFree::UnknownPointer);
     assert_eq!(reason(a.deallocate(large, usize::MAX, Stream::LEGACY)), InvalidFree::UnknownPointer);
     let gone = dev.create_stream();

@@ -8,7 +8,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use cuarena::{
-    Allocator, Config, Device, DeviceKind, DevicePtr, Error, Event, InvalidFree, Stream, StreamKey,
+    Allocator, Config, Device, DeviceAddr, DeviceKind, Error, Event, InvalidFree, Stream, StreamKey,
 };
 use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 
@@ -149,7 +149,7 @@ fn a_double_free_parked_in_an_outbox_is_refused_and_nothing_is_handed_out_twice(
         b_tx.send(b).unwrap();
         owner_rx.recv().unwrap(); // stays alive until told to exit
     });
-    let b: DevicePtr = b_rx.recv().unwrap();
+    let b: DeviceAddr = b_rx.recv().unwrap();
     a.deallocate_per_thread(b, 4096).unwrap(); // parked: the batch is not full
     to_owner.send(()).unwrap();
     owner.join().unwrap(); // the owner exits; its superblock dissolves around b
@@ -244,7 +244,7 @@ fn arena_oom_reports_the_request_and_a_bad_pool_free_records_no_event() {
     let before = a.stats();
     for (ptr, size) in [(big.0 + 4096, 4096), (big.0, 4096), (0xdead_0000, 1 << 20)] {
         let user = sim.create_stream();
-        assert!(a.deallocate(DevicePtr(ptr), size, user).is_err());
+        assert!(a.deallocate(DeviceAddr(ptr), size, user).is_err());
     }
     let after = a.stats();
     assert_eq!(after.fences_recorded, before.fences_recorded, "a refused free recorded an event");
@@ -318,7 +318,7 @@ fn oom_recovers_with_several_idle_owners_and_remote_frees() {
     let sim = host(20);
     let cfg = Config::builder().max_bytes(16 << 20).batch_blocks(8).build().unwrap();
     let a = host_allocator(sim.clone(), cfg).unwrap();
-    let (blocks_tx, blocks_rx) = mpsc::channel::<Vec<DevicePtr>>();
+    let (blocks_tx, blocks_rx) = mpsc::channel::<Vec<DeviceAddr>>();
     let mut gates = Vec::new();
     let mut owners = Vec::new();
     for t in 0..4 {
@@ -341,13 +341,13 @@ fn oom_recovers_with_several_idle_owners_and_remote_frees() {
         }));
     }
     drop(blocks_tx);
-    let all: Vec<DevicePtr> = (0..4).flat_map(|_| blocks_rx.recv().unwrap()).collect();
+    let all: Vec<DeviceAddr> = (0..4).flat_map(|_| blocks_rx.recv().unwrap()).collect();
     assert!(all.len() * (16 << 10) >= 12 << 20, "the cap was filled: {} blocks", all.len());
     assert!(
         matches!(a.allocate(8 << 20, Stream::LEGACY), Err(Error::OutOfMemory { .. })),
         "out of memory before the frees"
     );
-    let halves: Vec<Vec<DevicePtr>> = all.chunks(all.len() / 2 + 1).map(|c| c.to_vec()).collect();
+    let halves: Vec<Vec<DeviceAddr>> = all.chunks(all.len() / 2 + 1).map(|c| c.to_vec()).collect();
     let freers: Vec<_> = halves
         .into_iter()
         .map(|h| {

@@ -153,7 +153,7 @@ fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    use cuarena::{DevicePtr, Stream};
+    use cuarena::{DeviceAddr, Stream};
     use cuarena_testkit::LightDevice;
 
     const LANES: usize = 8;
@@ -163,7 +163,7 @@ fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
     let chunk = cfg.chunk() as u64;
     let dev = Arc::new(LightDevice::new(64 << 30, Duration::from_micros(30)));
     let a = Allocator::new(dev.clone(), cfg).unwrap();
-    let handed: Arc<Mutex<VecDeque<(DevicePtr, usize)>>> = Arc::default();
+    let handed: Arc<Mutex<VecDeque<(DeviceAddr, usize)>>> = Arc::default();
     let done = Arc::new(AtomicU64::new(0));
     let baseline = Arc::new(AtomicU64::new(u64::MAX));
     let worst = Arc::new(AtomicU64::new(0));
@@ -183,7 +183,7 @@ fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
                             x ^= x << 17;
                             256 << (x % 9) // 256 B .. 64 KiB
                         };
-                        let blocks: Vec<(DevicePtr, usize)> = (0..6)
+                        let blocks: Vec<(DeviceAddr, usize)> = (0..6)
                             .map(|_| {
                                 let s = size();
                                 (a2.allocate(s, Stream::PER_THREAD).unwrap(), s)

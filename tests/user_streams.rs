@@ -154,7 +154,7 @@ fn user_arena_blocks_freed_by_other_threads_on_other_streams() {
                 sim.record_event(ev, mine).unwrap();
                 sim.stream_wait_event(theirs, ev).unwrap();
                 sim.hold_and_check(p, size, tag, Duration::from_micros(80), theirs).unwrap();
-                a.deallocate(cuarena::DevicePtr(p), size, theirs).unwrap();
+                a.deallocate(cuarena::DeviceAddr(p), size, theirs).unwrap();
             }
             a.release_thread().unwrap();
             theirs

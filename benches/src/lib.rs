@@ -51,7 +51,7 @@ use cudarc::driver::sys;
 
 use cuarena::address_tree::AddressTree;
 use cuarena::device::cuda::{CudaDevice, check};
-use cuarena::{Allocator, Config, Device, DeviceKind, DevicePtr, Error, Event, Result, Stream};
+use cuarena::{Allocator, Config, Device, DeviceAddr, DeviceKind, Error, Event, Result, Stream};
 use cuarena_testkit::cuda_kernels::CudaKernels;
 use cuarena_testkit::{HostConfig, HostDevice};
 
@@ -87,7 +87,7 @@ impl BenchAlloc for Cuarena {
     }
     #[inline]
     fn free(&self, ptr: u64, size: usize, stream: Stream) -> Result<()> {
-        self.0.deallocate(DevicePtr(ptr), size, stream)
+        self.0.deallocate(DeviceAddr(ptr), size, stream)
     }
     fn counts(&self) -> Counts {
         let s = self.0.stats();

@@ -14,7 +14,7 @@ use std::sync::{LazyLock, Mutex};
 
 use cuarena::global::{created, global};
 use cuarena::shutdown::process_exiting;
-use cuarena::{DevicePtr, Error, Stats, Stream};
+use cuarena::{DeviceAddr, Error, Stats, Stream};
 
 thread_local! {
     static LAST_ERROR: std::cell::RefCell<Option<CString>> = const { std::cell::RefCell::new(None) };
@@ -189,7 +189,7 @@ fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) -> c
         // declaration for the same address is lost; put back if the free is refused (the
         // block is then still live, and a corrected retry must still be fenced after them).
         let used = if ptr.is_null() { Vec::new() } else { RECORDED.take(p) };
-        match a.deallocate_used_on(DevicePtr(p), size, stream(stream_), &used) {
+        match a.deallocate_used_on(DeviceAddr(p), size, stream(stream_), &used) {
             Ok(()) => Ok(0),
             Err(e) => {
                 RECORDED.restore(p, used);

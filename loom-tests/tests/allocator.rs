@@ -3,14 +3,14 @@
 //! flight, thread exit racing a remote free, and statistics read while a thread retires.
 #![cfg(loom)]
 
-use cuarena::{Allocator, DevicePtr};
+use cuarena::{Allocator, DeviceAddr};
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::thread;
 use loom_tests::common::{SB, assert_all_returned, model, setup, setup_batched, wait_for};
 use std::sync::Arc;
 
 /// Fills the owner's superblock with two half blocks and frees the first from another thread.
-fn fill_and_free_remotely(a: &Allocator) -> (usize, DevicePtr, DevicePtr, thread::JoinHandle<()>) {
+fn fill_and_free_remotely(a: &Allocator) -> (usize, DeviceAddr, DeviceAddr, thread::JoinHandle<()>) {
     let half = SB / 2;
     let p1 = a.allocate_per_thread(half).unwrap();
     let p2 = a.allocate_per_thread(half).unwrap();
@@ -79,7 +79,7 @@ fn a_remote_free_racing_the_owners_exit_is_adopted() {
             a2.release_thread().unwrap();
         });
         let q = wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&q| q != 0));
-        a.deallocate_per_thread(DevicePtr(q), 4096).unwrap();
+        a.deallocate_per_thread(DeviceAddr(q), 4096).unwrap();
         a.release_thread().unwrap();
         owner.join().unwrap();
         dev.complete_all();
@@ -107,7 +107,7 @@ fn a_superblock_given_back_with_a_remote_free_in_flight_loses_nothing() {
             a2.release_thread().unwrap();
         });
         let b1 = wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&b| b != 0));
-        a.deallocate_per_thread(DevicePtr(b1), SB / 4).unwrap();
+        a.deallocate_per_thread(DeviceAddr(b1), SB / 4).unwrap();
         a.release_thread().unwrap();
         owner.join().unwrap();
         dev.complete_all();
@@ -160,7 +160,7 @@ fn a_reclaim_racing_the_owner_loses_nothing() {
             a2.release_thread().unwrap();
         });
         let p = wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&p| p != 0));
-        a.deallocate_per_thread(DevicePtr(p), SB / 2).unwrap();
+        a.deallocate_per_thread(DeviceAddr(p), SB / 2).unwrap();
         a.trim(false).unwrap();
         owner.join().unwrap();
         dev.complete_all();
@@ -182,7 +182,7 @@ fn a_second_free_while_the_first_waits_in_an_outbox_is_refused() {
             s2.store(b.0, Ordering::Release);
             a2.release_thread().unwrap();
         });
-        let b = DevicePtr(wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&b| b != 0)));
+        let b = DeviceAddr(wait_for(|| Some(shared.load(Ordering::Acquire)).filter(|&b| b != 0)));
         a.deallocate_per_thread(b, 4096).unwrap(); // waits in the outbox (batch of 4)
         let second = a.deallocate_per_thread(b, 4096);
         assert!(second.is_err(), "a double free was accepted");
@@ -214,7 +214,7 @@ fn a_remote_free_after_the_owners_local_free_is_refused() {
         let done = Arc::new(AtomicU64::new(0));
         let (a2, s2, d2) = (a.clone(), shared.clone(), done.clone());
         let other = thread::spawn(move || {
-            let b = DevicePtr(wait_for(|| Some(s2.load(Ordering::Acquire)).filter(|&b| b != 0)));
+            let b = DeviceAddr(wait_for(|| Some(s2.load(Ordering::Acquire)).filter(|&b| b != 0)));
             let r = a2.deallocate_per_thread(b, 4096);
             d2.store(1, Ordering::Release);
             a2.release_thread().unwrap();

@@ -23,7 +23,7 @@ use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cuarena::{
-    Allocator, CudaDevice, Device, DeviceKind, DevicePtr, Error, Event, Result, Stream, StreamKey,
+    Allocator, CudaDevice, Device, DeviceAddr, DeviceKind, Error, Event, Result, Stream, StreamKey,
 };
 
 use crate::cuda_kernels::CudaKernels;
@@ -159,7 +159,7 @@ pub struct StressReport {
 }
 
 struct Block {
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     size: usize,
     tag: u32,
     stream: Stream,
@@ -535,7 +535,7 @@ impl TortureReport {
 }
 
 struct TBlock {
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     size: usize,
     tag: u32,
 }

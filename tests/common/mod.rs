@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, mpsc};
 use std::time::Duration;
 
-use cuarena::{Allocator, Config, DevicePtr};
+use cuarena::{Allocator, Config, DeviceAddr};
 use cuarena_testkit::{HostConfig, HostDevice};
 
 pub fn host(max_delay_us: u64) -> HostDevice {
@@ -38,7 +38,7 @@ pub struct Live {
 }
 
 impl Live {
-    pub fn insert(&self, p: DevicePtr, len: usize) {
+    pub fn insert(&self, p: DeviceAddr, len: usize) {
         let (s, e) = (p.0, p.0 + len as u64);
         let mut m = self.map.lock().unwrap();
         let below = m.range(..e).next_back().map(|(&a, &b)| (a, b));
@@ -49,7 +49,7 @@ impl Live {
         }
         m.insert(s, e);
     }
-    pub fn remove(&self, p: DevicePtr) {
+    pub fn remove(&self, p: DeviceAddr) {
         self.map.lock().unwrap().remove(&p.0);
     }
     pub fn assert_clean(&self) {
