@@ -20,14 +20,17 @@
 //! - On out-of-memory, memory held without live blocks in this thread's and idle threads'
 //!   arenas is taken back and the request tried once more (`Slot::reclaim`).
 //!
-//! ## Arenas of destroyed streams
-//! A user-stream arena's local frees record no event. If its stream is destroyed while the
-//! arena holds memory freed on it, no event can follow that stream's queued work any more:
-//! when the arena is given up it is parked ([`Zombies`]) until one device synchronise gives
-//! back everything parked (more than `ZOMBIE_BYTES` parked, out-of-memory, `trim(true)`, or the
-//! allocator's drop).
-//! While its stream lives, memory leaves it (return rule, reclaim, replacement, thread exit)
-//! under an event recorded on that stream after checking its identity (`Env::home_fence`).
+//! ## Arenas of user streams that may be gone
+//! A user-stream arena's local frees record no event, and its stream may be destroyed at any
+//! moment after the user's last call on it; the stale handle must then never reach the driver
+//! (it may name no stream, and crash the driver, or a new stream). So memory leaves a user
+//! arena under an event on its stream only inside a call on that stream (the return rule);
+//! when the arena is given up elsewhere (thread exit, replacement of the least recently used
+//! one) while it holds memory, it is parked ([`Zombies`]) until one device synchronise, which
+//! names no stream, gives back everything parked (more than `ZOMBIE_BYTES` parked,
+//! out-of-memory, `trim(true)`, or the allocator's drop). Reclaim by another thread takes a
+//! user arena's memory only where it may block (out-of-memory, `trim(true)`), after a device
+//! synchronise (`Env::home_fence`).
 
 use std::cell::RefCell;
 
@@ -92,14 +95,14 @@ struct Shells {
     idle: Vec<Arc<ArenaShell>>,
 }
 
-/// Arenas of destroyed streams.
+/// Parked user-stream arenas (see "Arenas of user streams that may be gone" above).
 ///
 /// A user-stream arena holds memory its owner freed on that stream with no event recorded (the
-/// fast path records none). If the stream is destroyed before that memory leaves the arena,
-/// no event can follow the stream's queued work any more (`Env::home_fence` finds it gone),
-/// and only a device synchronise makes the memory safe for another stream. So when such an
-/// arena is given up (thread exit, or replacement of the least recently used user arena), it
-/// is parked here, its superblocks kept, rather than synchronising at once; a thread that
+/// fast path records none). Outside a call on that stream its handle may name no stream or
+/// another one, so no event can be recorded there (`Env::home_fence`), and only a device
+/// synchronise makes the memory safe for another stream. So when such an arena is given up
+/// (thread exit, or replacement of the least recently used user arena), it is parked here,
+/// its superblocks kept, rather than synchronising at once; a thread that
 /// parks one that brings the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives
 /// them all back, as do the out-of-memory paths, `trim(true)` and the allocator's drop.
 ///
@@ -361,10 +364,13 @@ impl Inner {
     /// Gives up a user-stream arena (thread exit, or replacement): back to the pool under a
     /// fence on its stream, or, if that stream was destroyed, parked (see [`Zombies`]).
     fn retire_user(&self, env: &Env<'_>, mut owned: OwnedArena) {
-        // Waiting: a reclaimer holding the arena at this moment must not make a destroyed
-        // stream's arena look alive (its exit would then find the stream gone).
+        // This call is not on the arena's stream, so its handle must not be touched (it may
+        // name no stream, or another one, by now: `Env::home_fence`): an arena that holds
+        // memory is parked. Waiting: a reclaimer holding the arena at this moment may still be
+        // giving superblocks back.
         let gone = owned.with_waiting(|a| {
-            a.held_bytes() > 0 && !env.skip_fences && env.dev.stream_key(a.home).ok() != Some(a.key)
+            a.drain(env); // frees sent to it so far are checked now, whatever happens next
+            a.held_bytes() > 0 && !env.skip_fences
         });
         // Mutation for the loom model of parked arenas: never park.
         #[cfg(cuarena_mutant = "zombie_never_parked")]
@@ -456,9 +462,9 @@ impl Inner {
             bytes += arena.reclaim(env, dissolve, || {
                 if home.is_user() {
                     return if may_block {
-                        env.home_fence_or_sync(home, key)
+                        env.home_fence_or_sync(home, key, false).map(HomeFence::Fence)
                     } else {
-                        env.home_fence(home, key)
+                        env.home_fence(home, key, false)
                     };
                 }
                 let k = env.dev.stream_key(Stream::LEGACY)?;
@@ -748,7 +754,11 @@ impl Slot {
                 .with(|a| {
                     let (home, key) = (a.home, a.key);
                     a.reclaim(env, dissolve, || {
-                        if may_block { env.home_fence_or_sync(home, key) } else { env.home_fence(home, key) }
+                        if may_block {
+                            env.home_fence_or_sync(home, key, false).map(HomeFence::Fence)
+                        } else {
+                            env.home_fence(home, key, false)
+                        }
                     })
                 })
                 .unwrap_or(0);
@@ -1190,13 +1200,19 @@ impl Allocator {
         self.deallocate(ptr, size, Stream::PER_THREAD)
     }
 
-    /// Sends this thread's gathered remote frees and takes back frees sent to it.
+    /// Sends this thread's gathered remote frees and takes back frees sent to it (and to
+    /// arenas parked without an owner: see "Arenas of user streams that may be gone").
     pub fn flush(&self) -> Result<()> {
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
             Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, &env)?;
             for a in slot.arenas.iter_mut() {
                 a.with(|a| a.tidy(&env));
+            }
+            // Parked arenas have no owner to take in frees sent to them: any flush does, so
+            // that a bad one among them is found and reported now (the memory stays parked).
+            for a in lock(&inner.zombies).arenas.iter_mut() {
+                a.with(|a| a.drain(&env));
             }
             Ok(())
         })

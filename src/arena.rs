@@ -346,7 +346,7 @@ impl Arena {
         r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
         self.live -= g;
         if self.over_held() {
-            self.shrink(env);
+            self.shrink(env, true); // inside a free on the home stream
         }
         Ok(())
     }
@@ -389,7 +389,8 @@ impl Arena {
     }
 
     /// Gives superblocks back until the return rule holds.
-    fn shrink(&mut self, env: &Env<'_>) {
+    /// `live`: the caller is inside a call on the home stream (see `Env::home_fence`).
+    fn shrink(&mut self, env: &Env<'_>, live: bool) {
         self.flush_cache();
         let normal = self.granules;
         while self.over_held() {
@@ -408,10 +409,10 @@ impl Arena {
             else {
                 return; // only large superblocks in use: they go back when empty
             };
-            let fence = match env.home_fence(self.home, self.key) {
+            let fence = match env.home_fence(self.home, self.key, live) {
                 Ok(HomeFence::Fence(f)) => f,
-                // A user stream destroyed meanwhile: keep the superblock, which goes back with
-                // the arena (see `allocator.rs`, "Arenas of destroyed streams").
+                // A user stream, outside a call on it: keep the superblock, which goes back with
+                // the arena (see `allocator.rs`, "Arenas of user streams that may be gone").
                 Ok(HomeFence::Gone) => return,
                 Err(e) => return env.defer(e), // keep the superblock; try again later
             };
@@ -543,7 +544,7 @@ impl Arena {
     }
 
     /// Takes remote frees from the inbox: checks them and sets them aside until their fence.
-    fn drain(&mut self, env: &Env<'_>) {
+    pub(crate) fn drain(&mut self, env: &Env<'_>) {
         if self.shell.inbox.is_empty() {
             return;
         }
@@ -641,7 +642,7 @@ impl Arena {
         self.drain(env);
         if self.complete_ready(env) {
             if self.over_held() {
-                self.shrink(env);
+                self.shrink(env, true); // inside an allocation on the home stream
             }
             if let Some(p) = self.alloc(class, g) {
                 return Ok(p);
@@ -761,7 +762,7 @@ impl Arena {
         self.drain(env);
         self.poll(env);
         if self.over_held() {
-            self.shrink(env);
+            self.shrink(env, false); // on no particular stream: a user home is not touched
         }
     }
 
@@ -784,12 +785,11 @@ impl Arena {
         } else if let Some(f) = recorded {
             f
         } else {
-            // The caller checked that the stream exists; one destroyed since (by another
-            // thread, or while a reclaimer held the arena) costs a device synchronise here
-            // rather than stranding the superblocks with a dead shell.
-            match env.home_fence_or_sync(self.home, self.key) {
-                Ok(HomeFence::Fence(f)) => f,
-                Ok(HomeFence::Gone) => unreachable!("home_fence_or_sync synchronises when gone"),
+            // A user stream's arena that holds memory is parked by its caller and comes here
+            // with `recorded` set after a device synchronise; any other way here costs a
+            // device synchronise rather than a call on a handle that may be gone.
+            match env.home_fence_or_sync(self.home, self.key, false) {
+                Ok(f) => f,
                 Err(e) => {
                     env.defer(e);
                     return None;

@@ -41,41 +41,38 @@ impl Env<'_> {
     /// memory leaving that arena: the rule for every such fence.
     ///
     /// The per-thread and legacy streams exist as long as the thread and the process. A user
-    /// stream may have been destroyed since the arena was made, and CUDA may have given its
-    /// handle to a new stream: recording on the handle then would order nothing. So its
-    /// identity is checked first (one `cuStreamGetId`); if the handle now names another stream
-    /// or none, the stream is [`HomeFence::Gone`]: its queued work can no longer be fenced by
-    /// an event, only by a device synchronise, which the caller decides on (see
-    /// `allocator.rs`, "Arenas of destroyed streams").
-    ///
-    /// A stream destroyed by another thread between the check and the record makes the record
-    /// fail; the identity is then asked again, and a stream found gone is [`HomeFence::Gone`]
-    /// (a race the user's own `cuStreamDestroy` may win against a reclaimer: not an error).
-    /// One destroyed *and* replaced by a new stream with the same handle within that window is
-    /// not detected: no driver call can tell.
-    pub(crate) fn home_fence(&self, home: Stream, key: StreamKey) -> Result<HomeFence> {
+    /// stream may have been destroyed since the arena was made, and its handle is then not
+    /// to be passed to the driver at all: CUDA may have freed what it points to (a call
+    /// crashes inside the driver), or given it to a new stream (an event recorded there
+    /// orders nothing). So a user stream's handle is used only while the caller is inside a
+    /// call that passed that very stream (`live`: the user vouches for it then); otherwise
+    /// the stream is [`HomeFence::Gone`] as far as cuarena can know, and only a device
+    /// synchronise, which touches no stream, can follow its work (see `allocator.rs`, "Arenas
+    /// of destroyed streams").
+    pub(crate) fn home_fence(&self, home: Stream, key: StreamKey, live: bool) -> Result<HomeFence> {
         if self.skip_fences {
             return Ok(HomeFence::Fence(None));
         }
-        let alive = || self.dev.stream_key(home).ok() == Some(key);
-        if home.is_user() && !alive() {
+        if home.is_user() && !live {
             return Ok(HomeFence::Gone);
         }
-        match self.fence(home, key) {
-            Err(_) if home.is_user() && !alive() => Ok(HomeFence::Gone),
-            r => r.map(HomeFence::Fence),
-        }
+        self.fence(home, key).map(HomeFence::Fence)
     }
 
-    /// [`Env::home_fence`], synchronising the device if the stream is gone (a host block, on
-    /// out-of-memory and blocking trim paths only).
-    pub(crate) fn home_fence_or_sync(&self, home: Stream, key: StreamKey) -> Result<HomeFence> {
-        match self.home_fence(home, key)? {
+    /// [`Env::home_fence`], synchronising the device where the stream may be gone (a host
+    /// block: out-of-memory, blocking trim and exit paths only). Never [`HomeFence::Gone`].
+    pub(crate) fn home_fence_or_sync(
+        &self,
+        home: Stream,
+        key: StreamKey,
+        live: bool,
+    ) -> Result<Option<Arc<Fence>>> {
+        match self.home_fence(home, key, live)? {
             HomeFence::Gone => {
                 self.dev.synchronize()?;
-                Ok(HomeFence::Fence(None))
+                Ok(None)
             }
-            f => Ok(f),
+            HomeFence::Fence(f) => Ok(f),
         }
     }
 

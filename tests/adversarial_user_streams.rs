@@ -393,6 +393,8 @@ fn owner_bad_frees_of_user_arena_blocks() {
             order(&sim, d, u);
             sim.destroy_stream(d).unwrap();
             assert!(a.deallocate(w, size, d).is_err(), "a free on a destroyed stream's handle");
+            // That stale handle was the caller's own, passed on by the free: the only one.
+            assert_eq!(sim.take_stale_handle_calls(), 1, "the caller's stale handle, once");
             a.deallocate(w, size, u).unwrap();
             // Reuse after all that on each stream: tags clean.
             for (i, on) in [s, u, Stream::PER_THREAD, Stream::LEGACY].into_iter().enumerate() {

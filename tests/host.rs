@@ -336,6 +336,8 @@ fn a_free_on_a_destroyed_stream_is_refused_and_the_block_stays_live() {
     dev.destroy_stream(s).unwrap();
     assert!(matches!(a.deallocate(p, 4096, s), Err(Error::Driver { .. })));
     assert!(matches!(a.deallocate(q, 200 << 10, s), Err(Error::Driver { .. })));
+    // Those stale handles were the caller's own, one per free.
+    assert_eq!(dev.take_stale_handle_calls(), 2);
     assert_eq!(a.stats().live_bytes, 4096 + (200 << 10));
     a.deallocate_per_thread(p, 4096).unwrap();
     a.deallocate(q, 200 << 10, Stream::LEGACY).unwrap();

@@ -371,6 +371,7 @@ pub fn assert_all_returned(a: &Allocator, sim: Option<&HostDevice>, bad_frees: u
         let v = sim.violations();
         assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
         assert_eq!(sim.tag_errors(), 0, "tag errors: a block was reused under running work");
+        assert_eq!(sim.stale_handle_calls(), 0, "a destroyed stream's handle reached the device");
     }
     a.check_invariants();
     let s = a.stats();

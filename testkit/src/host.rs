@@ -184,6 +184,8 @@ struct State {
     streams: Vec<SimStream>,
     handles: HashMap<usize, usize>,
     free_handles: Vec<usize>,
+    /// Calls made with the handle of a destroyed stream not yet reused (see `resolve`).
+    stale_handle_calls: u64,
     next_handle: usize,
     ptds: HashMap<ThreadId, usize>,
     events: Vec<SimEvent>,
@@ -213,6 +215,7 @@ impl HostDevice {
             streams: Vec::new(),
             handles: HashMap::new(),
             free_handles: Vec::new(),
+            stale_handle_calls: 0,
             next_handle: 0x1000,
             ptds: HashMap::new(),
             events: Vec::new(),
@@ -294,6 +297,19 @@ impl HostDevice {
         while st.streams.iter().any(|s| s.completed < s.submitted()) {
             st = sh.wait(st);
         }
+    }
+
+    /// Device calls made so far with the handle of a destroyed stream that no new stream had
+    /// yet: on CUDA such a call may crash inside the driver. The allocator must make none of
+    /// its own accord (only a caller passing a stale handle can cause one).
+    pub fn stale_handle_calls(&self) -> u64 {
+        self.sh().lock().stale_handle_calls
+    }
+
+    /// [`HostDevice::stale_handle_calls`], reset: for a test whose caller passes a stale handle
+    /// on purpose.
+    pub fn take_stale_handle_calls(&self) -> u64 {
+        std::mem::take(&mut self.sh().lock().stale_handle_calls)
     }
 
     /// Race-checker findings so far (empty when every access was ordered).
@@ -470,7 +486,15 @@ impl State {
             self.ptds.insert(tid, i);
             return Ok(i);
         }
-        self.handles.get(&stream.as_raw()).copied().ok_or(Error::Driver { call: "stream handle", code: 400 })
+        if let Some(&i) = self.handles.get(&stream.as_raw()) {
+            return Ok(i);
+        }
+        if self.free_handles.contains(&stream.as_raw()) {
+            // A destroyed stream's handle, not yet given to a new stream: on CUDA the driver
+            // may read freed memory through it (and crash). Counted for the tests.
+            self.stale_handle_calls += 1;
+        }
+        Err(Error::Driver { call: "stream handle", code: 400 })
     }
 
     fn covered(&self, start: u64, end: u64) -> bool {
