@@ -188,6 +188,7 @@ fn bad_requests_are_refused_and_lose_nothing() {
     assert!(a.allocate(10, gone).is_err());
     // The caller's own stale handle reached the device, once per call above: no other.
     assert!(dev.take_stale_handle_calls() <= 2);
+    let s = a.stats();
     assert_eq!(s.live_bytes, 1000 + (200 << 10), "the refused frees lost nothing: {s:?}");
     a.check_invariants();
     a.deallocate(small, 1000, Stream::PER_THREAD).unwrap();

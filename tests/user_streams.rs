@@ -89,9 +89,9 @@ fn destroyed_stream_handle_reused_by_a_new_stream() {
     assert_eq!(a.stats().host_syncs, 1, "{:?}", a.stats());
 }
 
-/// A thread cycling through more user streams than it keeps arenas for gives back the least
-/// recently used one under a fence on its (living) stream; blocks move between the streams
-/// only behind fences.
+/// A thread cycling through more user streams than it keeps arenas for gives up the least
+/// recently used one (parked: its stream is not touched outside a call on it); blocks move
+/// between the streams only behind fences or a synchronise.
 #[test]
 fn more_user_streams_than_arenas() {
     let sim = host(50);
@@ -124,7 +124,9 @@ fn more_user_streams_than_arenas() {
             live.assert_clean();
         }
     });
-    assert_eq!(a.parked_bytes(), 0, "every stream is alive: nothing parked");
+    // A replaced arena's stream is not touched outside a call on it (it may be gone), so a
+    // replaced arena that held memory is parked until a synchronise, within its bound.
+    assert!(a.parked_bytes() <= 64 << 20, "parked within the bound: {}", a.parked_bytes());
     for s in streams {
         sim.destroy_stream(s).unwrap();
     }
