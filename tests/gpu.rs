@@ -52,20 +52,31 @@ fn gpu_stress_keeps_tags_and_layout() {
 fn gpu_unfenced_reuse_is_caught() {
     let Some(dev) = gpu() else { return };
     let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
-    let cfg = Config::builder().skip_fences_for_testing().build().unwrap();
-    let a = Allocator::new(dev, cfg).unwrap();
-    let p = StressParams {
-        threads: 8,
-        steps: 2000,
-        slots: 8,
-        max_size: 64 << 10,
-        handoff_pct: 90,
-        hold: Duration::from_micros(300),
-        ..Default::default()
-    };
-    let r = stress(ops, &a, &p).unwrap();
-    eprintln!("unfenced: {} overwritten words", r.tag_errors);
-    assert!(r.tag_errors > 0, "unfenced reuse went unnoticed on the GPU");
+    // Superblocks of 64 KiB: owners run out often and take remotely freed blocks back at once.
+    // Whether a reuse meets running work is timing: up to three runs must catch one.
+    let mut found = Vec::new();
+    for seed in 1..=3 {
+        let cfg = Config::builder().superblock(64 << 10).small_max(32 << 10).skip_fences_for_testing();
+        let a = Allocator::new(dev.clone(), cfg.build().unwrap()).unwrap();
+        let p = StressParams {
+            threads: 8,
+            steps: 2000,
+            slots: 8,
+            max_size: 32 << 10,
+            handoff_pct: 90,
+            cross_stream_pct: 60,
+            hold: Duration::from_micros(300),
+            seed,
+            ..Default::default()
+        };
+        let r = stress(ops.clone(), &a, &p).unwrap();
+        eprintln!("unfenced, run {seed}: {} overwritten words", r.tag_errors);
+        found.push(r.tag_errors);
+        if r.tag_errors > 0 {
+            return;
+        }
+    }
+    panic!("unfenced reuse went unnoticed on the GPU in three runs: {found:?}");
 }
 
 #[test]
@@ -230,7 +241,11 @@ fn check_fenced(label: &str, r: &TortureReport, a: &[&Allocator]) {
     assert!(r.handoffs > 0 && r.cross_stream_frees > 0 && r.local_frees > 0 && r.large_allocations > 0);
     for a in a {
         let s = a.stats();
-        assert_eq!((s.invalid_frees, s.host_syncs), (0, 0), "{s:?}");
+        assert_eq!(s.invalid_frees, 0, "{s:?}");
+        // Own-stream threads destroy their streams before they exit: their arenas are parked,
+        // and each device synchronise gives back more than 64 MiB of them (`allocator.rs`).
+        let sb = Config::default().superblock() as u64;
+        assert!(s.host_syncs == 0 || s.host_syncs * (64 << 20) < s.superblocks_taken * sb, "{s:?}");
         assert_all_returned(a, None, 0);
     }
 }
