@@ -132,11 +132,17 @@ impl Registry {
             }
             // SAFETY: installed above or earlier; freed only in Drop.
             let slot = &unsafe { &*leaf }.slots[l];
-            if !std::ptr::eq(slot.load(Ordering::Relaxed), sb) {
-                slot.store(
-                    sb as *mut Superblock,
-                    ordering!(Ordering::Release, "registry_publish_relaxed" => Ordering::Relaxed),
-                );
+            let old = slot.load(Ordering::Relaxed);
+            if !std::ptr::eq(old, sb) {
+                // `Release` both for a first entry and for a replacement (a lock-free reader
+                // of the new entry must see the new superblock initialised). The mutations
+                // weaken each for its loom model (`loom-tests/tests/registry.rs`).
+                let publish = if old.is_null() {
+                    ordering!(Ordering::Release, "registry_publish_relaxed" => Ordering::Relaxed)
+                } else {
+                    ordering!(Ordering::Release, "registry_replace_relaxed" => Ordering::Relaxed)
+                };
+                slot.store(sb as *mut Superblock, publish);
             }
         }
         // SAFETY: as in `lookup`.
