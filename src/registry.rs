@@ -136,12 +136,11 @@ impl Registry {
             if !std::ptr::eq(old, sb) {
                 // `Release` both for a first entry and for a replacement (a lock-free reader
                 // of the new entry must see the new superblock initialised). The mutations
-                // weaken each for its loom model (`loom-tests/tests/registry.rs`).
-                let publish = if old.is_null() {
-                    ordering!(Ordering::Release, "registry_publish_relaxed" => Ordering::Relaxed)
-                } else {
-                    ordering!(Ordering::Release, "registry_replace_relaxed" => Ordering::Relaxed)
-                };
+                // weaken the one or the other for the loom models (`loom-tests/tests/registry.rs`).
+                #[cfg(not(cuarena_mutant = "registry_replace_relaxed"))]
+                let publish = ordering!(Ordering::Release, "registry_publish_relaxed" => Ordering::Relaxed);
+                #[cfg(cuarena_mutant = "registry_replace_relaxed")]
+                let publish = if old.is_null() { Ordering::Release } else { Ordering::Relaxed };
                 slot.store(sb as *mut Superblock, publish);
             }
         }

@@ -137,10 +137,10 @@ fn remote_and_cross_stream_large_frees_race_the_owners_return_of_the_superblock(
                 live.remove(p);
                 a.deallocate(p, size, s).unwrap();
                 // A second free from here: refused at once (the flag), never sent.
-                if n % 7 == 0 {
+                if n.is_multiple_of(7) {
                     assert!(is_double(&a.deallocate(p, size, s)), "a second remote free of {p:?}");
                 }
-                if n % 11 == 0 {
+                if n.is_multiple_of(11) {
                     a.flush().unwrap();
                 }
             }
@@ -158,10 +158,10 @@ fn remote_and_cross_stream_large_frees_race_the_owners_return_of_the_superblock(
             // Everything without a used block goes back now, remote frees in flight or not.
             a.trim(false).unwrap();
         }
-        if held.len() > 12 || (r % 3 == 0 && !held.is_empty()) {
+        if held.len() > 12 || (r.is_multiple_of(3) && !held.is_empty()) {
             let (p, size, t) = held.swap_remove((r >> 8) as usize % held.len());
             check(&sim, p, size, t, Stream::PER_THREAD);
-            if r % 2 == 0 {
+            if r.is_multiple_of(2) {
                 // To another thread, used on our stream until the event.
                 sim.hold_and_check(p.0, 256, t, Duration::from_micros(50), Stream::PER_THREAD).unwrap();
                 let e = sim.create_event().unwrap();
@@ -174,7 +174,7 @@ fn remote_and_cross_stream_large_frees_race_the_owners_return_of_the_superblock(
             }
             continue;
         }
-        let size = if r % 4 == 0 {
+        let size = if r.is_multiple_of(4) {
             1 + (r >> 16) as usize % SMALL_MAX
         } else {
             SMALL_MAX + 1 + (r >> 16) as usize % (3 * MIB)
@@ -316,7 +316,7 @@ fn layout_churn_with_remote_frees_in_flight_never_hands_out_a_byte_twice() {
                 sim.stream_wait_event(Stream::PER_THREAD, e).unwrap();
                 live.remove(p);
                 a.deallocate_per_thread(p, size).unwrap();
-                if i % 13 == 0 {
+                if i.is_multiple_of(13) {
                     a.flush().unwrap();
                 }
             }
@@ -336,7 +336,7 @@ fn layout_churn_with_remote_frees_in_flight_never_hands_out_a_byte_twice() {
                     let mut ooms = 0;
                     for i in 0..30u32 {
                         let r = rng(&mut x);
-                        let size = if r % 3 == 0 {
+                        let size = if r.is_multiple_of(3) {
                             1 + (r >> 20) as usize % SMALL_MAX
                         } else {
                             SMALL_MAX + (r >> 20) as usize % (4 * MIB)
@@ -352,7 +352,7 @@ fn layout_churn_with_remote_frees_in_flight_never_hands_out_a_byte_twice() {
                         live.insert(p, size);
                         tag(&sim, p, size, i, Stream::PER_THREAD);
                         held.push((p, size, i));
-                        if r % 4 == 0 {
+                        if r.is_multiple_of(4) {
                             let (p, size, t) = held.swap_remove(0);
                             check(&sim, p, size, t, Stream::PER_THREAD);
                             live.remove(p);
@@ -363,7 +363,7 @@ fn layout_churn_with_remote_frees_in_flight_never_hands_out_a_byte_twice() {
                     // Half the rest to the freer now (their owner then exits with them live).
                     for (k, (p, size, t)) in held.into_iter().enumerate() {
                         check(&sim, p, size, t, Stream::PER_THREAD);
-                        if k % 2 == 0 {
+                        if k.is_multiple_of(2) {
                             let e = sim.create_event().unwrap();
                             sim.record_event(e, Stream::PER_THREAD).unwrap();
                             tx.send((p, size, e)).unwrap();
@@ -518,13 +518,13 @@ fn a_tight_cap_with_many_threads_and_idle_holders_of_large_superblocks() {
                 let mut held: Vec<(DeviceAddr, usize, u32)> = Vec::new();
                 for i in 0..300u32 {
                     let r = rng(&mut x);
-                    if held.len() >= 2 || (r % 2 == 0 && !held.is_empty()) {
+                    if held.len() >= 2 || (r.is_multiple_of(2) && !held.is_empty()) {
                         let (p, size, tg) = held.swap_remove(0);
                         check(&sim, p, size, tg, Stream::PER_THREAD);
                         live.remove(p);
                         a.deallocate_per_thread(p, size).unwrap();
                     }
-                    let size = if r % 5 == 0 {
+                    let size = if r.is_multiple_of(5) {
                         1 + (r >> 20) as usize % SMALL_MAX
                     } else {
                         SMALL_MAX + (r >> 20) as usize % (3 * MIB)
@@ -596,8 +596,11 @@ fn thread_exit_with_large_superblocks_holding_live_blocks() {
             let u = sim2.create_stream();
             let mut v = Vec::new();
             for i in 0..8u32 {
-                let size =
-                    if i % 3 == 0 { 1000 * (i as usize + 1) } else { (1 + i as usize % 4) * MIB + 512 };
+                let size = if i.is_multiple_of(3) {
+                    1000 * (i as usize + 1)
+                } else {
+                    (1 + i as usize % 4) * MIB + 512
+                };
                 let p = a.allocate_per_thread(size).unwrap();
                 let tg = t * 100 + i;
                 tag(&sim2, p, size, tg, Stream::PER_THREAD);
@@ -619,7 +622,7 @@ fn thread_exit_with_large_superblocks_holding_live_blocks() {
         let (a, sim) = (a.clone(), sim.clone());
         std::thread::spawn(move || {
             for i in 0..200u32 {
-                let size = if i % 2 == 0 { 3 * MIB } else { 4096 };
+                let size = if i.is_multiple_of(2) { 3 * MIB } else { 4096 };
                 let p = a.allocate_per_thread(size).unwrap();
                 tag(&sim, p, size, 10_000 + i, Stream::PER_THREAD);
                 check(&sim, p, size, 10_000 + i, Stream::PER_THREAD);
@@ -755,7 +758,7 @@ fn the_stranded_memory_bound_holds_with_large_superblocks() {
         // Grow to a working set of ~200 MiB, mostly large, then shrink to a few blocks.
         for _ in 0..150 {
             let r = rng(&mut x);
-            let size = if r % 3 == 0 {
+            let size = if r.is_multiple_of(3) {
                 1 + (r >> 20) as usize % SMALL_MAX
             } else {
                 SMALL_MAX + (r >> 20) as usize % (3 * MIB)
@@ -810,7 +813,7 @@ fn large_max_equal_to_small_max_sends_every_large_request_to_the_pool() {
     sim.record_event(e, u).unwrap();
     let e2 = sim.create_event().unwrap();
     sim.record_event(e2, Stream::PER_THREAD).unwrap();
-    let (mine, theirs): (Vec<_>, Vec<_>) = ps.into_iter().enumerate().partition(|(k, _)| k % 2 == 0);
+    let (mine, theirs): (Vec<_>, Vec<_>) = ps.into_iter().enumerate().partition(|(k, _)| k.is_multiple_of(2));
     let sim2 = sim.clone();
     let refused = on_thread(&a, move |a| {
         sim2.stream_wait_event(Stream::PER_THREAD, e).unwrap();
