@@ -766,9 +766,9 @@ impl Arena {
         bytes
     }
 
-    /// Bytes of the superblocks this arena holds.
+    /// Bytes of the superblocks this arena holds, normal and large.
     pub(crate) fn held_bytes(&self) -> usize {
-        self.owned.len() * (self.granules << GRANULE_SHIFT)
+        self.held << GRANULE_SHIFT
     }
 
     /// Drains, polls and returns what the return rule allows (an explicit flush).
