@@ -233,6 +233,14 @@ impl Arena {
             return Some(sb.base + ((first as u64) << GRANULE_SHIFT));
         }
         let b = self.lists.take_fit(class)?;
+        Some(self.carve(b, g))
+    }
+
+    /// Hands out the first `g` granules of the free block `b` (taken out of the lists), putting
+    /// the rest back.
+    #[inline(always)]
+    fn carve(&mut self, b: FreeBlock, g: usize) -> u64 {
+        debug_assert!(b.len >= g);
         // SAFETY: every block in our free lists lies in a superblock we own.
         let sb = unsafe { &*b.sb };
         let lists = &mut self.lists;
@@ -252,7 +260,7 @@ impl Arena {
             sb.unfree(b.first);
         }
         self.live += g;
-        Some(sb.base + ((b.first as u64) << GRANULE_SHIFT))
+        sb.base + ((b.first as u64) << GRANULE_SHIFT)
     }
 
     /// Checks that a block of `g` granules starts at `ptr` in `l` and is live.
@@ -498,8 +506,9 @@ impl Arena {
     /// Takes a superblock from the pool, for a request of `g` granules: a normal one for a small
     /// request, a large one ([`large_superblock_bytes`]) for a request over `small_max`. If
     /// the pool cannot lend a large one of that size (its cap), smaller ones are asked for,
-    /// halving down to the request rounded up to whole normal superblocks.
-    fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<()> {
+    /// halving down to the request rounded up to whole normal superblocks. Returns the free-list
+    /// node of the superblock's one free block.
+    fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<usize> {
         let s = self.granules << GRANULE_SHIFT;
         let requested = g << GRANULE_SHIFT;
         let least = requested.next_multiple_of(s);
@@ -524,11 +533,12 @@ impl Arena {
         let lists = &mut self.lists;
         let granules = sb.granules;
         // SAFETY: the pool just made us the owner.
-        unsafe {
+        let id = unsafe {
             sb.with_local(|l| {
                 l.init(granules);
                 let id = lists.insert(FreeBlock { sb: sbp, first: 0, len: granules });
                 l.mark(0, granules, FREE, id);
+                id
             })
         };
         self.owned.push(sbp);
@@ -540,7 +550,7 @@ impl Arena {
         let c = env.dev.counters;
         c.bump(&c.superblocks_taken, 1);
         c.bump(&c.arena_held_bytes, (granules as u64) << GRANULE_SHIFT);
-        Ok(())
+        Ok(id)
     }
 
     /// Takes remote frees from the inbox: checks them and sets them aside until their fence.
@@ -666,8 +676,13 @@ impl Arena {
                 return Ok(p);
             }
         }
-        self.grow(env, g)?;
-        Ok(self.alloc(class, g).expect("a fresh superblock fits the request"))
+        // The fresh superblock's one free block holds the request, but is taken by its id, not
+        // by fit: under a cap it may be only the request rounded up to whole superblocks, which
+        // can be less than the request's size class (4 MiB + 1 byte is class 4.5 MiB, in 4.25
+        // MiB of 256 KiB superblocks), so a fit by class would miss it.
+        let id = self.grow(env, g)?;
+        let b = self.lists.remove(id);
+        Ok(self.carve(b, g))
     }
 
     /// Completes the pending batches that need no wait: fencing off, freed on this arena's
@@ -752,9 +767,9 @@ impl Arena {
         bytes
     }
 
-    /// Bytes of the superblocks this arena holds.
+    /// Bytes of the superblocks this arena holds, normal and large.
     pub(crate) fn held_bytes(&self) -> usize {
-        self.owned.len() * (self.granules << GRANULE_SHIFT)
+        self.held << GRANULE_SHIFT
     }
 
     /// Drains, polls and returns what the return rule allows (an explicit flush).

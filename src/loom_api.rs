@@ -42,6 +42,24 @@ impl RegistryModel {
     pub fn granules(&self) -> usize {
         self.granules
     }
+
+    /// Registers the superblock of `slots` registry slots at `base` under the writers' lock, as
+    /// the pool does when it lends a range (one slot: a normal superblock; more: a large one).
+    /// Its entries replace what the slots named before (the range is free in the model).
+    pub fn insert_span(&self, base: u64, slots: usize) {
+        let _g = lock(&self.writers);
+        self.registry.get_or_insert(base, slots * self.granules);
+    }
+
+    /// Looks `addr` up without a lock, as a free does, and reads what `Superblock::new` set
+    /// before publication: `Some((base, granules, tag capacity))` if found. A normal
+    /// superblock is made with room for its tags, a large one with none (see `superblock.rs`).
+    pub fn lookup_span(&self, addr: u64) -> Option<(u64, usize, usize)> {
+        let sb = self.registry.lookup(addr)?;
+        // SAFETY: as in `lookup`: nobody owns a superblock in this model.
+        let cap = unsafe { sb.with_local(|l| l.tags.capacity()) };
+        Some((sb.base, sb.granules, cap))
+    }
 }
 
 /// The claim protocol of `claim.rs` over a tracked cell standing for an arena's owner-only

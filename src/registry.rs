@@ -132,11 +132,16 @@ impl Registry {
             }
             // SAFETY: installed above or earlier; freed only in Drop.
             let slot = &unsafe { &*leaf }.slots[l];
-            if !std::ptr::eq(slot.load(Ordering::Relaxed), sb) {
-                slot.store(
-                    sb as *mut Superblock,
-                    ordering!(Ordering::Release, "registry_publish_relaxed" => Ordering::Relaxed),
-                );
+            let old = slot.load(Ordering::Relaxed);
+            if !std::ptr::eq(old, sb) {
+                // `Release` both for a first entry and for a replacement (a lock-free reader
+                // of the new entry must see the new superblock initialised). The mutations
+                // weaken the one or the other for the loom models (`loom-tests/tests/registry.rs`).
+                #[cfg(not(cuarena_mutant = "registry_replace_relaxed"))]
+                let publish = ordering!(Ordering::Release, "registry_publish_relaxed" => Ordering::Relaxed);
+                #[cfg(cuarena_mutant = "registry_replace_relaxed")]
+                let publish = if old.is_null() { Ordering::Release } else { Ordering::Relaxed };
+                slot.store(sb as *mut Superblock, publish);
             }
         }
         // SAFETY: as in `lookup`.

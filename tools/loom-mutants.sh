@@ -27,6 +27,8 @@ done <<'LIST'
 inbox_push_relaxed       inbox      concurrent_pushes_and_drains_deliver_each_value_once
 inbox_take_relaxed       inbox      concurrent_pushes_and_drains_deliver_each_value_once
 registry_publish_relaxed registry   a_lock_free_lookup_sees_an_initialised_superblock_or_nothing
+registry_replace_relaxed registry   a_lookup_racing_a_large_superblock_over_normal_ones_sees_the_old_or_the_new
+registry_replace_relaxed registry   a_lookup_racing_normal_superblocks_over_a_large_one_sees_the_old_or_the_new
 fence_skip_check         allocator  a_remotely_freed_block_is_not_reused_while_its_fence_is_pending
 exit_close_first         allocator  a_remote_free_racing_the_owners_exit_is_adopted
 owner_cleared_early      allocator  a_superblock_given_back_with_a_remote_free_in_flight_loses_nothing
