@@ -595,18 +595,22 @@ impl Slot {
         key: StreamKey,
         class: usize,
         g: usize,
+        large: bool,
     ) -> Result<u64> {
         self.arenas.tick = self.arenas.tick.wrapping_add(1);
         if let Some(j) = self.arenas.user(key) {
             let u = &mut self.arenas.users[j];
             u.last_use = self.arenas.tick;
             if let Some(Some(p)) = u.arena.with(|a| a.alloc(class, g)) {
+                if large {
+                    self.counters.bump(&self.counters.large_allocations, 1);
+                }
                 return Ok(p);
             }
-            return self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, false);
+            return self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, large);
         }
         self.new_user_arena(inner, stream, key)?;
-        self.alloc_slow_in(inner, Which::User(self.arenas.users.len() - 1), (stream, key), class, g, false)
+        self.alloc_slow_in(inner, Which::User(self.arenas.users.len() - 1), (stream, key), class, g, large)
     }
 
     /// Adds an (empty) arena for the user stream `stream` with identity `key`, first giving
@@ -1076,16 +1080,15 @@ impl Allocator {
                     }
                     return self.alloc_small_cold(i, class, gc, large);
                 }
-                // A user stream: a small request goes to its arena, found by its identity.
-                None if !large => {
+                // A user stream: its arena, found by its identity.
+                None => {
                     return with_slot(inner, |slot, inner| {
                         let key = inner.env(&slot.counters).dev.stream_key(stream)?;
-                        let p = slot.alloc_user(inner, stream, key, class, gc)?;
+                        let p = slot.alloc_user(inner, stream, key, class, gc, large)?;
                         slot.counted_alloc(gc * GRANULE);
                         Ok(DeviceAddr(p))
                     });
                 }
-                None => {} // a large request on a user stream: the pool
             }
         }
         let bytes = match block_bytes(size, inner.cfg.small_max) {

@@ -685,10 +685,11 @@ fn trim_keeps_large_superblocks_with_live_blocks_and_takes_the_rest() {
     assert_all_returned(&a, Some(&sim), 0);
 }
 
-/// Large requests on user streams go to the pool (no arena for them); their frees on other
-/// streams and by other threads are fenced; bad frees are refused.
+/// Large requests on user streams come from the thread's arena for that stream (large
+/// superblocks); their frees on other streams and by other threads are fenced; bad frees are
+/// refused.
 #[test]
-fn large_blocks_on_user_streams_come_from_the_pool_and_are_fenced_across_streams() {
+fn large_blocks_on_user_streams_come_from_their_arena_and_are_fenced_across_streams() {
     let sim = host(0);
     let a = alloc_with(&sim, small());
     let (u1, u2) = (sim.create_stream(), sim.create_stream());
@@ -696,7 +697,7 @@ fn large_blocks_on_user_streams_come_from_the_pool_and_are_fenced_across_streams
     let before = a.stats();
     let p = a.allocate(size, u1).unwrap();
     let s = a.stats();
-    assert_eq!((s.pool_allocations - before.pool_allocations, s.large_allocations), (1, 0), "{s:?}");
+    assert_eq!((s.pool_allocations - before.pool_allocations, s.large_allocations), (0, 1), "{s:?}");
     // Used on u1 for a while, freed on u2 after an event: reused only after that use.
     sim.hold_and_check(p.0, size, 0x77, Duration::from_millis(100), u1).unwrap();
     let e = sim.create_event().unwrap();

@@ -243,9 +243,9 @@ fn check_fenced(label: &str, r: &TortureReport, a: &[&Allocator]) {
         let s = a.stats();
         assert_eq!(s.invalid_frees, 0, "{s:?}");
         // Own-stream threads destroy their streams before they exit: their arenas are parked,
-        // and each device synchronise gives back more than 64 MiB of them (`allocator.rs`).
-        let sb = Config::default().superblock() as u64;
-        assert!(s.host_syncs == 0 || s.host_syncs * (64 << 20) < s.superblocks_taken * sb, "{s:?}");
+        // and a parking that passes 64 MiB synchronises once (`allocator.rs`): at most one per
+        // thread.
+        assert!(s.host_syncs <= 16, "{s:?}");
         assert_all_returned(a, None, 0);
     }
 }

@@ -41,7 +41,9 @@ fn random_threads_with_cross_thread_and_cross_stream_frees() {
     assert!(s.cross_thread_frees > 100 && s.cross_stream_frees > 10 && s.fences_recorded > 0, "{s:?}");
     assert!(s.superblocks_taken > 6 && s.superblocks_returned + s.superblocks_dissolved > 0, "{s:?}");
     assert_eq!(s.invalid_frees, 0);
-    assert_eq!(s.host_syncs, 0, "no host-blocking sync outside trim");
+    // Host syncs only where parked user-stream arenas (each thread's two user streams, given
+    // up at its exit) pass 64 MiB: at most one per such arena.
+    assert!(s.host_syncs <= 2 * p.threads as u64, "{s:?}");
     assert_all_returned(&a, Some(&dev), 0);
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }

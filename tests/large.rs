@@ -226,19 +226,20 @@ fn the_statistics_count_each_path() {
     let sim = host(0);
     let a = alloc_with(&sim, small().large_max(1 << 20));
     let user = sim.create_stream();
-    let cases: [(usize, Stream); 5] = [
+    let cases: [(usize, Stream); 6] = [
         (4 << 10, Stream::PER_THREAD),       // arena, small
         (512 << 10, Stream::PER_THREAD),     // arena, large
         (1 << 20, Stream::LEGACY),           // arena, large (at large_max)
         ((1 << 20) + 1, Stream::PER_THREAD), // pool: over large_max
-        (512 << 10, user),                   // pool: no arena for a user stream
+        (512 << 10, user),                   // arena, large: the user stream's arena
+        ((1 << 20) + 1, user),               // pool: over large_max
     ];
     for (size, s) in cases {
         let p = a.allocate(size, s).unwrap();
         a.deallocate(p, size, s).unwrap();
     }
     let s = a.stats();
-    assert_eq!((s.arena_allocations, s.large_allocations, s.pool_allocations), (3, 2, 2), "{s:?}");
+    assert_eq!((s.arena_allocations, s.large_allocations, s.pool_allocations), (4, 3, 2), "{s:?}");
     a.flush().unwrap();
     assert_all_returned(&a, Some(&sim), 0);
 }

@@ -193,10 +193,10 @@ impl Block {
     fn end(&self) -> u64 {
         self.ptr + self.bytes() as u64
     }
-    /// Served by its thread's arena: a request up to `LARGE_MAX` on the per-thread or the
-    /// legacy stream, a small one on a user stream (each stream has its arena).
+    /// Served by its thread's arena: a request up to `LARGE_MAX`, on any stream (each stream
+    /// has its arena).
     fn arena(&self) -> bool {
-        self.size <= SMALL_MAX || (self.size <= LARGE_MAX && matches!(self.s, S::Ptds | S::Legacy))
+        self.size <= LARGE_MAX
     }
 }
 

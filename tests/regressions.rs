@@ -262,8 +262,9 @@ fn arena_oom_reports_the_request_and_a_bad_pool_free_records_no_event() {
 #[test]
 fn a_block_freed_on_the_legacy_stream_is_fenced_when_reused_elsewhere() {
     let sim = host(0);
-    let cfg = Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20).batch_blocks(1);
-    let a = host_allocator(sim.clone(), cfg.build().unwrap()).unwrap();
+    // large_max = small_max: this test is about pool blocks.
+    let cfg = Config::builder().small_max(64 << 10).large_max(64 << 10).superblock(256 << 10).chunk(1 << 20);
+    let a = host_allocator(sim.clone(), cfg.batch_blocks(1).build().unwrap()).unwrap();
     let size = 512 << 10; // a pool block
     for reuse in ["other thread's per-thread stream", "user stream", "legacy stream"] {
         let (a1, s1) = (a.clone(), sim.clone());

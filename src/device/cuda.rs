@@ -92,12 +92,23 @@ impl CudaDevice {
     }
 
     /// Makes this device's context current until the guard drops.
+    ///
+    /// A thread with no current context gets this device's primary context made current for
+    /// good (`cuCtxSetCurrent`, what the runtime API does on a thread's first call), so that
+    /// its later calls need no push and pop: a push and pop per call serialised threads that
+    /// call the driver on every operation (user streams' `cuStreamGetId`). A thread with
+    /// another context current gets ours pushed, and its own back when the guard drops.
     #[doc(hidden)]
     pub fn enter(&self) -> Result<CtxGuard> {
         let mut cur = std::ptr::null_mut();
         // SAFETY: `cur` is a valid out-pointer.
         check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
         if cur as usize == self.ctx {
+            return Ok(CtxGuard { pushed: false });
+        }
+        if cur.is_null() {
+            // SAFETY: the primary context is retained for our lifetime.
+            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.context()) })?;
             return Ok(CtxGuard { pushed: false });
         }
         // SAFETY: the primary context is retained for our lifetime.
