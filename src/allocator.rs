@@ -606,6 +606,9 @@ impl Slot {
     #[cold]
     #[inline(never)]
     fn new_user_arena(&mut self, inner: &Inner, stream: Stream, key: StreamKey) -> Result<()> {
+        // CUDA graphs: the first use of a stream by a thread refuses it if it is being captured
+        // (see README).
+        inner.env(&self.counters).dev.refuse_capturing(stream)?;
         if self.arenas.users.len() >= MAX_USER_ARENAS {
             let lru = (0..self.arenas.users.len())
                 .min_by_key(|&j| self.arenas.users[j].last_use)
@@ -648,6 +651,9 @@ impl Slot {
         if let Which::Fixed(i) = w
             && self.arenas.fixed[i].is_none()
         {
+            // CUDA graphs: the first use of a stream by a thread refuses it if it is being
+            // captured (see README).
+            env.dev.refuse_capturing(home)?;
             let sb = inner.cfg.superblock / GRANULE;
             inner.arenas.fetch_add(1, Ordering::Relaxed);
             let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
@@ -700,6 +706,8 @@ impl Slot {
     #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
         let env = inner.env(&self.counters);
+        // CUDA graphs: a slow path refuses a stream being captured (see README).
+        env.dev.refuse_capturing(stream)?;
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
             Err(Error::OutOfMemory { .. }) => {
@@ -1166,6 +1174,12 @@ impl Allocator {
         if !used_on.is_empty() {
             with_slot(&self.inner, |slot, inner| -> Result<()> {
                 let env = inner.env(&slot.counters);
+                // CUDA graphs: no event on a stream being captured; checked first, so a refused
+                // free changes nothing.
+                env.dev.refuse_capturing(stream)?;
+                for &s in used_on {
+                    env.dev.refuse_capturing(s)?;
+                }
                 let key = env.dev.stream_key(stream)?;
                 for &s in used_on {
                     let ks = env.dev.stream_key(s)?;

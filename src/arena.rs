@@ -499,6 +499,8 @@ impl Arena {
     /// the pool cannot lend a large one of that size (its cap), smaller ones are asked for,
     /// halving down to the request rounded up to whole normal superblocks.
     fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<()> {
+        // CUDA graphs: an arena does not grow for a stream being captured (see README).
+        env.dev.refuse_capturing(self.home)?;
         let s = self.granules << GRANULE_SHIFT;
         let requested = g << GRANULE_SHIFT;
         let least = requested.next_multiple_of(s);
