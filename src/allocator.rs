@@ -606,9 +606,6 @@ impl Slot {
     #[cold]
     #[inline(never)]
     fn new_user_arena(&mut self, inner: &Inner, stream: Stream, key: StreamKey) -> Result<()> {
-        // CUDA graphs: the first use of a stream by a thread refuses it if it is being captured
-        // (see README).
-        inner.env(&self.counters).dev.refuse_capturing(stream)?;
         if self.arenas.users.len() >= MAX_USER_ARENAS {
             let lru = (0..self.arenas.users.len())
                 .min_by_key(|&j| self.arenas.users[j].last_use)
@@ -651,9 +648,6 @@ impl Slot {
         if let Which::Fixed(i) = w
             && self.arenas.fixed[i].is_none()
         {
-            // CUDA graphs: the first use of a stream by a thread refuses it if it is being
-            // captured (see README).
-            env.dev.refuse_capturing(home)?;
             let sb = inner.cfg.superblock / GRANULE;
             inner.arenas.fetch_add(1, Ordering::Relaxed);
             let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
