@@ -98,9 +98,15 @@ typedef struct cuarena_stats {
     uint64_t arena_allocations;     /* allocations served by an arena (no lock, no CUDA call) */
     uint64_t pool_allocations;      /* allocations served by the global pool */
     uint64_t large_allocations;     /* of arena_allocations, those over small_max (large superblocks) */
+    /* Added after CUARENA_STATS_SIZE_V1 (filled only if out->size covers them): */
+    uint64_t peak_live_bytes_upper; /* upper bound of the peak of live_bytes (sum of per-thread peaks); UINT64_MAX if unknown */
+    uint64_t peak_exact;            /* 1 if peak_live_bytes is exact (CUARENA_CONF stats=exact, or passthrough) */
+    uint64_t alloc_retries;         /* allocations retried after out-of-memory (reclaim or OOM hook) */
+    uint64_t ooms;                  /* allocations that failed out of memory */
+    uint64_t oom_hook_calls;        /* calls of the OOM hook (cuarena_set_oom_hook) */
 } cuarena_stats;
 
-/* The size of the first cuarena_stats: `size` and 24 counters. A smaller `size` is refused. */
+/* The size of the first cuarena_stats: `size` and 25 counters. A smaller `size` is refused. */
 #define CUARENA_STATS_SIZE_V1 208
 /* cuarena_get_stats's result when out->size is below CUARENA_STATS_SIZE_V1. */
 #define CUARENA_ERR_STATS_SIZE (-2)
@@ -128,6 +134,29 @@ void cuarena_set_memory_fraction(double fraction, int device);
  * failure. On failure nothing is written and the reason is in cuarena_last_error. Never writes
  * past out->size bytes. */
 int cuarena_get_stats(int device, cuarena_stats *out);
+/* Restarts the peaks (peak_live_bytes, peak_live_bytes_upper, peak_reserved_bytes) at their
+ * values now (torch.cuda.reset_peak_memory_stats). 0 on success, -1 on failure. */
+int cuarena_reset_peak(int device);
+/* Restarts the accumulated counters (allocations, deallocations, frees by kind, fences, driver
+ * calls, invalid frees, retries, ooms, the size histogram, ...) at zero; gauges such as
+ * live_bytes and reserved_bytes are kept. Safe while other threads allocate. 0 or -1. */
+int cuarena_reset_counters(int device);
+/* The allocation-size histogram since the last reset: bucket 0 counts blocks (requests rounded
+ * to their size class, or to 256 B above small_max) of up to 256 B, bucket k those of
+ * 2^(7+k)+1 .. 2^(8+k) B, the last bucket everything larger. Writes min(n, buckets) counts to
+ * out and returns the library's number of buckets, or -1 on failure. */
+#define CUARENA_SIZE_HISTOGRAM_BUCKETS 25
+int cuarena_get_size_histogram(int device, uint64_t *out, size_t n);
+/* The OOM hook of `device`: when an allocation is out of memory after cuarena's own reclaim,
+ * cb(requested_bytes, device, user) is called on the allocating thread, with no cuarena lock
+ * held (it may free, allocate, or read stats; an out-of-memory inside it fails at once without
+ * calling it again). A non-zero return retries the allocation, at most CUARENA_MAX_OOM_RETRIES
+ * times per allocation; zero (or the retries spent) fails it. `user` is passed back as given and
+ * must be usable from any thread that allocates. cb == NULL removes the hook. An allocation
+ * already in its out-of-memory path may still call a hook after it is replaced: keep cb and user
+ * valid. 0 or -1. */
+#define CUARENA_MAX_OOM_RETRIES 3
+int cuarena_set_oom_hook(int device, int (*cb)(size_t requested, int device, void *user), void *user);
 /* The loaded library's version: major * 1000000 + minor * 1000 + patch (see CUARENA_VERSION). */
 int cuarena_version(void);
 /* The loaded library's version as a string, e.g. "0.1.0". Static: never freed. */

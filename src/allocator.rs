@@ -86,6 +86,8 @@ pub(crate) struct Inner {
     arenas: AtomicUsize,
     /// Pass-through mode (passthrough.rs): when set, every request goes straight to it.
     passthrough: Option<crate::passthrough::Passthrough>,
+    /// The OOM hook (see [`Allocator::set_oom_hook`]).
+    oom_hook: Mutex<Option<OomHook>>,
 }
 
 /// Arena shells: every one ever made (kept so `owner` pointers never dangle) and the idle ones.
@@ -552,16 +554,12 @@ impl Slot {
 
     #[inline]
     fn counted_alloc(&self, bytes: usize) {
-        let c = &*self.counters;
-        c.bump(&c.allocations, 1);
-        c.bump(&c.live_bytes, bytes as u64);
+        self.counters.count_alloc(bytes);
     }
 
     #[inline]
     fn counted_free(&self, bytes: usize) {
-        let c = &*self.counters;
-        c.bump(&c.deallocations, 1);
-        c.bump(&c.live_bytes, (bytes as u64).wrapping_neg());
+        self.counters.count_free(bytes);
     }
 
     /// The arena path's slow path for the fixed arena `i` (see [`arena_index`]).
@@ -673,6 +671,7 @@ impl Slot {
                 // legacy stream wait there), its other arenas, other threads' arenas, and
                 // parked arenas of destroyed streams. Take it back, and try once more.
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
+                self.counters.bump(&self.counters.alloc_retries, 1);
                 let owned = self.arenas.get_mut(w).expect("reclaim keeps the arenas");
                 owned.with(|arena| arena.alloc_slow(&env, class, g))
             }
@@ -711,10 +710,13 @@ impl Slot {
     #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
         let env = inner.env(&self.counters);
+        // CUDA graphs: a slow path refuses a stream being captured (see README).
+        env.dev.refuse_capturing(stream)?;
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
             Err(Error::OutOfMemory { .. }) => {
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
+                self.counters.bump(&self.counters.alloc_retries, 1);
                 inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?
             }
             r => r?,
@@ -1039,12 +1041,13 @@ impl Allocator {
                 passthrough: (config.passthrough)
                     .then(|| crate::passthrough::Passthrough::new(Arc::clone(&device), config.small_max)),
                 device,
+                counters: CounterRegistry::new(config.exact_stats),
                 cfg: config,
-                counters: CounterRegistry::new(),
                 shells: Mutex::new(Shells::default()),
                 zombies: Mutex::new(Zombies::default()),
                 deferred: Mutex::new(None),
                 arenas: AtomicUsize::new(0),
+                oom_hook: Mutex::new(None),
             }),
         })
     }
@@ -1059,7 +1062,22 @@ impl Allocator {
 
     /// Allocates `size` bytes, ready for use on `stream` (256-byte aligned).
     /// `size == 0` gives [`DeviceAddr::NULL`].
+    ///
+    /// Out of memory: memory idle in this thread's and idle threads' arenas is taken back and
+    /// the request tried once more; then, if an OOM hook is set ([`Allocator::set_oom_hook`]),
+    /// it is called and the request retried while it asks to, at most [`MAX_OOM_RETRIES`]
+    /// times; then [`Error::OutOfMemory`].
+    #[inline]
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        match self.allocate_once(size, stream) {
+            Err(e @ Error::OutOfMemory { .. }) => self.after_oom(size, stream, e),
+            r => r,
+        }
+    }
+
+    /// [`Allocator::allocate`] without the OOM hook.
+    #[inline]
+    fn allocate_once(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if let Some(p) = &self.inner.passthrough {
             return p.allocate(size, stream, self.inner.pool.limit()); // pass-through mode
         }
@@ -1163,6 +1181,12 @@ impl Allocator {
         if !used_on.is_empty() {
             with_slot(&self.inner, |slot, inner| -> Result<()> {
                 let env = inner.env(&slot.counters);
+                // CUDA graphs: no event on a stream being captured; checked first, so a refused
+                // free changes nothing.
+                env.dev.refuse_capturing(stream)?;
+                for &s in used_on {
+                    env.dev.refuse_capturing(s)?;
+                }
                 let key = env.dev.stream_key(stream)?;
                 for &s in used_on {
                     let ks = env.dev.stream_key(s)?;
@@ -1269,7 +1293,11 @@ impl Allocator {
     /// A snapshot of the allocator's state.
     pub fn stats(&self) -> Stats {
         if let Some(p) = &self.inner.passthrough {
-            return p.stats(); // pass-through mode
+            // Pass-through mode; the OOM path's counts are kept per thread as usual.
+            let (mut s, mut c) = (p.stats(), Stats::default());
+            self.inner.counters.fill(&mut c);
+            (s.alloc_retries, s.ooms, s.oom_hook_calls) = (c.alloc_retries, c.ooms, c.oom_hook_calls);
+            return s;
         }
         let mut s = Stats::default();
         self.inner.counters.fill(&mut s);
@@ -1278,6 +1306,45 @@ impl Allocator {
         // Counted on the pool's paths only, so the arena's fast path counts nothing extra.
         s.arena_allocations = s.allocations.wrapping_sub(s.pool_allocations);
         s
+    }
+
+    /// Restarts every peak at its value now: `peak_live_bytes` (and its upper bound
+    /// `peak_live_bytes_upper`, and the exact peak of `stats=exact`) at the live bytes now,
+    /// `peak_reserved_bytes` at the reserved bytes now (`torch.cuda.reset_peak_memory_stats`).
+    /// Safe while other threads allocate: no thread's counters are written (see `stats.rs`).
+    pub fn reset_peak(&self) {
+        if let Some(p) = &self.inner.passthrough {
+            return p.reset_peak(); // pass-through mode
+        }
+        self.inner.counters.reset_peak();
+        self.inner.pool.reset_peak_reserved();
+    }
+
+    /// Restarts every accumulated counter at zero: allocations, deallocations, frees by kind,
+    /// fences, polls, waits, driver calls, host syncs, invalid frees, superblock moves, per-path
+    /// counts, retries, out-of-memory counts and the size histogram
+    /// (`torch.cuda.reset_accumulated_memory_stats`). Gauges (`live_bytes`, `reserved_bytes`,
+    /// `arena_held_bytes`, ...) and peaks are kept. Safe while other threads allocate: each
+    /// thread's counters are only read, into a baseline that later reads subtract (see
+    /// `stats.rs`), so no bump racing the reset is lost or torn; an operation racing it is
+    /// counted before or after it, whole.
+    pub fn reset_counters(&self) {
+        if let Some(p) = &self.inner.passthrough {
+            p.reset_counters(); // pass-through mode
+        }
+        self.inner.counters.reset_counters();
+    }
+
+    /// Allocations since the last `reset_counters` by block size (the request rounded to its
+    /// size class for small blocks, to 256 B for large ones): bucket `k` counts blocks up to
+    /// [`size_bucket_limit(k)`](crate::stats::size_bucket_limit) bytes and over the previous
+    /// bucket's limit (bucket 0: up to 256 B; the last bucket: over 2 GiB). Pass-through mode
+    /// counts the sizes asked for.
+    pub fn size_histogram(&self) -> [u64; crate::stats::SIZE_HISTOGRAM_BUCKETS] {
+        if let Some(p) = &self.inner.passthrough {
+            return p.size_histogram(); // pass-through mode
+        }
+        self.inner.counters.size_histogram()
     }
 
     /// The device.
@@ -1331,5 +1398,85 @@ impl Allocator {
     #[doc(hidden)]
     pub fn contains_reserved(&self, ptr: u64) -> bool {
         self.inner.pool.contains(ptr)
+    }
+}
+
+// ---- The OOM hook (issue 11, item 4) ----
+
+/// An OOM hook: called with the bytes requested and the device ordinal; returns true to have
+/// the allocation tried again (see [`Allocator::set_oom_hook`]).
+pub type OomHook = Arc<dyn Fn(usize, i32) -> bool + Send + Sync>;
+
+/// The most times one allocation is retried at its OOM hook's request.
+pub const MAX_OOM_RETRIES: u32 = 3;
+
+thread_local! {
+    // Allocators whose OOM hook runs on this thread now: an out-of-memory inside a hook does
+    // not call that allocator's hook again (no recursion).
+    #[allow(clippy::missing_const_for_thread_local)]
+    static IN_OOM_HOOK: RefCell<Vec<u64>> = RefCell::new(Vec::new());
+}
+
+impl Allocator {
+    /// Sets (or, with `None`, removes) the hook called when an allocation is out of memory
+    /// after cuarena's own reclaim: `hook(requested_bytes, device_ordinal)`. If it returns true
+    /// (it freed memory, spilled, or raised the cap), the allocation is tried again, at most
+    /// [`MAX_OOM_RETRIES`] times; if false, or once the retries are spent, the allocation fails
+    /// with [`Error::OutOfMemory`].
+    ///
+    /// The hook runs on the allocating thread with no cuarena lock held and no arena claimed:
+    /// it may free blocks, allocate (an out-of-memory there returns [`Error::OutOfMemory`] at
+    /// once, without calling the hook again), call `stats`, `trim`, or set the hook. A panic
+    /// in the hook propagates to the caller of `allocate`, leaving the allocator intact (the C
+    /// ABI catches it: the allocation fails with "internal error (caught panic)").
+    /// [`Stats::oom_hook_calls`], [`Stats::alloc_retries`] and [`Stats::ooms`] count what
+    /// happens.
+    pub fn set_oom_hook(&self, hook: Option<OomHook>) {
+        *lock(&self.inner.oom_hook) = hook;
+    }
+
+    /// Counts `f`'s counter on this thread's block.
+    fn count(&self, f: impl FnOnce(&Counters) -> &crate::stats::Counter) {
+        with_slot(&self.inner, |slot, _| slot.counters.bump(f(&slot.counters), 1));
+    }
+
+    /// The out-of-memory path of [`Allocator::allocate`]: the hook and bounded retries.
+    #[cold]
+    #[inline(never)]
+    fn after_oom(&self, size: usize, stream: Stream, mut err: Error) -> Result<DeviceAddr> {
+        let id = self.inner.id;
+        let nested = IN_OOM_HOOK.try_with(|v| v.borrow().contains(&id)).unwrap_or(true);
+        let mut retries = 0;
+        while !nested && retries < MAX_OOM_RETRIES {
+            // Cloned out of the lock: the hook runs with no cuarena lock held.
+            let Some(hook) = lock(&self.inner.oom_hook).clone() else { break };
+            self.count(|c| &c.oom_hook_calls);
+            let _ = IN_OOM_HOOK.try_with(|v| v.borrow_mut().push(id));
+            struct Leave(u64);
+            impl Drop for Leave {
+                fn drop(&mut self) {
+                    let _ = IN_OOM_HOOK.try_with(|v| {
+                        let mut v = v.borrow_mut();
+                        if let Some(i) = v.iter().rposition(|&x| x == self.0) {
+                            v.remove(i);
+                        }
+                    });
+                }
+            }
+            let leave = Leave(id);
+            let retry = hook(size, self.inner.device.ordinal());
+            drop(leave);
+            if !retry {
+                break;
+            }
+            retries += 1;
+            self.count(|c| &c.alloc_retries);
+            match self.allocate_once(size, stream) {
+                Err(e @ Error::OutOfMemory { .. }) => err = e,
+                r => return r,
+            }
+        }
+        self.count(|c| &c.ooms);
+        Err(err)
     }
 }

@@ -509,6 +509,8 @@ impl Arena {
     /// halving down to the request rounded up to whole normal superblocks. Returns the free-list
     /// node of the superblock's one free block.
     fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<usize> {
+        // CUDA graphs: an arena does not grow for a stream being captured (see README).
+        env.dev.refuse_capturing(self.home)?;
         let s = self.granules << GRANULE_SHIFT;
         let requested = g << GRANULE_SHIFT;
         let least = requested.next_multiple_of(s);

@@ -25,6 +25,10 @@
 //!   under 20 calls per 10^6 and 1.5 at `f = 0.6` (host device, 1 thread, 2026-11-30).
 //! - `batch = 64` blocks or `batch_bytes = 4 MiB`: remote frees are sent in batches of this size,
 //!   one CUDA event per batch.
+//! - `stats=sampled` (the default) or `stats=exact`: with `exact`, one shared live-byte counter
+//!   is updated with `fetch_add` on every allocation and free so that the peak of live bytes is
+//!   exact; by default the fast path makes no atomic read-modify-write and the peak is bounded
+//!   from both sides (see `stats.rs`).
 //! - `passthrough` (off): a debug mode. Every request goes straight to the driver
 //!   (`cuMemAllocAsync`/`cuMemFreeAsync`), so tools such as compute-sanitizer see each
 //!   allocation at its exact size. Frees are still checked (see `passthrough.rs`).
@@ -41,7 +45,7 @@
 //! Items `key=value` or, as in `PYTORCH_CUDA_ALLOC_CONF`, `key:value`, separated by commas
 //! (`max:80%,small_max:1MiB`); spaces around items, keys and values are ignored and a later
 //! item overrides an earlier one. Keys are exact and lowercase: `small_max`, `large_max`,
-//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`; the builder's
+//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`, `stats`; the builder's
 //! names are aliases with the same meaning: `max_bytes` for `max`, `sparse_fraction` for
 //! `sparse`, `batch_blocks` for `batch`. Every error names `CUARENA_CONF` and lists the keys.
 //!
@@ -75,7 +79,7 @@ pub const MAX_KEEP_EMPTY: usize = 1024;
 pub const MAX_BATCH: usize = 1 << 16;
 
 /// The keys of a `CUARENA_CONF` string, for error messages.
-const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough; \
+const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough, stats; \
                     aliases: max_bytes = max, sparse_fraction = sparse, batch_blocks = batch; \
                     items are key=value or key:value, separated by commas";
 
@@ -107,6 +111,7 @@ pub struct Config {
     pub(crate) batch_bytes: usize,
     pub(crate) skip_fences: bool,
     pub(crate) passthrough: bool,
+    pub(crate) exact_stats: bool,
 }
 
 impl Default for Config {
@@ -123,6 +128,7 @@ impl Default for Config {
             batch_bytes: 4 << 20,
             skip_fences: false,
             passthrough: false,
+            exact_stats: false,
         }
     }
 }
@@ -147,7 +153,8 @@ impl Config {
     /// Items are `key=value` or `key:value`, separated by commas; a later item overrides an
     /// earlier one. Keys (exact, lowercase): `small_max`, `superblock`, `chunk`, `max` (alias
     /// `max_bytes`), `keep_empty`, `sparse` (alias `sparse_fraction`), `batch` (alias
-    /// `batch_blocks`), `batch_bytes`, and `passthrough` (a bare key, or `true|false|1|0`).
+    /// `batch_blocks`), `batch_bytes`, `stats` (`exact` or `sampled`), and `passthrough` (a bare
+    /// key, or `true|false|1|0`).
     ///
     /// Sizes are a number and a unit in any case: `4096B`, `64 KiB`, `2M`, `1g`, `512mb`,
     /// `1.5GiB` (binary units: `K`/`Ki`/`KiB` … `T`/`Ti`/`TiB`; decimal: `KB` … `TB`). A fraction
@@ -200,6 +207,11 @@ impl Config {
                 "sparse" | "sparse_fraction" => b.sparse_fraction(number(v)?),
                 "batch" | "batch_blocks" => b.batch_blocks(whole(v)?),
                 "batch_bytes" => b.batch_bytes(size(v)?),
+                "stats" => b.exact_stats(match v {
+                    "exact" => true,
+                    "sampled" => false,
+                    _ => return Err(config_error(format!("stats=`{v}` is not exact or sampled"))),
+                }),
                 "passthrough" => b.passthrough(match v {
                     "true" | "1" => true,
                     "false" | "0" => false,
@@ -235,6 +247,11 @@ impl Config {
     /// True in pass-through mode: every request goes straight to the driver.
     pub fn passthrough(&self) -> bool {
         self.passthrough
+    }
+
+    /// `stats=exact`: the peak of live bytes is exact (one shared counter; see `stats.rs`).
+    pub fn exact_stats(&self) -> bool {
+        self.exact_stats
     }
     /// The cap in bytes for a device of `total` bytes.
     pub fn limit_bytes(&self, total: usize) -> usize {
@@ -445,6 +462,16 @@ impl ConfigBuilder {
     /// checked against the live blocks.
     pub fn passthrough(mut self, on: bool) -> Self {
         self.0.passthrough = on;
+        self
+    }
+    /// `stats=exact`: keeps one shared live-byte counter, updated with an atomic
+    /// read-modify-write (`fetch_add`) on every allocation and free, so that
+    /// `Stats::peak_live_bytes` is exact. Off by default: the fast path then makes no atomic
+    /// read-modify-write, and the peak is bounded from both sides (`peak_live_bytes` and
+    /// `peak_live_bytes_upper`). It costs a contended cache line under many threads; the
+    /// benchmark measures it (`BENCHMARKS.md`).
+    pub fn exact_stats(mut self, on: bool) -> Self {
+        self.0.exact_stats = on;
         self
     }
     /// **Breaks the allocator on purpose.** Hands freed blocks to other streams with no fence.

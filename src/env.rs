@@ -88,7 +88,7 @@ impl Env<'_> {
         c.bump(&c.invalid_frees, 1);
         c.bump(&c.deallocations, u64::MAX); // -1
         if let Some(b) = crate::size_class::block_bytes(size, self.small_max) {
-            c.bump(&c.live_bytes, b as u64);
+            c.add_live(b as u64);
         }
         self.defer(e);
     }

@@ -60,6 +60,10 @@ pub enum Error {
     ShutDown,
     /// The device did something cuarena cannot work with (the message says what).
     Unsupported(String),
+    /// An allocation or free on a stream that is being captured into a CUDA graph (or a free
+    /// declared used on one): refused, nothing changed (see README, "CUDA graphs"). `stream`
+    /// is the raw handle.
+    StreamCapturing { stream: usize },
 }
 
 impl fmt::Display for Error {
@@ -92,6 +96,11 @@ impl fmt::Display for Error {
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
             Error::ShutDown => write!(f, "the allocator has shut down: process exit has begun"),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
+            Error::StreamCapturing { stream } => write!(
+                f,
+                "stream {stream:#x} is being captured into a CUDA graph: cuarena does not allocate or free on a \
+                 capturing stream (allocate before the capture, or on a stream not being captured)"
+            ),
         }
     }
 }

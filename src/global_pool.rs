@@ -500,6 +500,12 @@ impl GlobalPool {
     }
 
     /// Fills the pool's part of `s`.
+    /// Restarts the peak of reserved bytes at the reserved bytes now.
+    pub(crate) fn reset_peak_reserved(&self) {
+        let mut st = lock(&self.state);
+        st.peak_reserved = st.reserved;
+    }
+
     pub(crate) fn fill_stats(&self, s: &mut Stats) {
         let st = lock(&self.state);
         s.reserved_bytes = st.reserved as u64;

@@ -35,7 +35,7 @@ pub mod stream;
 mod superblock;
 pub(crate) mod sync;
 
-pub use allocator::Allocator;
+pub use allocator::{Allocator, MAX_OOM_RETRIES, OomHook};
 pub use buffer::DeviceBuffer;
 pub use config::{Config, ConfigBuilder, Limit};
 #[cfg(not(loom))]

@@ -112,3 +112,53 @@ impl ClaimModel {
         self.state.with_mut(|p| unsafe { *p })
     }
 }
+
+/// The statistics registry of `stats.rs` with one worker thread's counter block: the worker
+/// counts allocations and frees as the allocator does, while another thread resets and reads.
+pub struct StatsModel {
+    registry: crate::stats::CounterRegistry,
+}
+
+/// A worker thread's counter block (written by that thread only).
+pub struct StatsThread(Arc<crate::stats::Counters>);
+
+impl StatsModel {
+    /// A registry in the default (sampled) mode.
+    pub fn new() -> Arc<StatsModel> {
+        Arc::new(StatsModel { registry: crate::stats::CounterRegistry::new(false) })
+    }
+
+    /// A block for the calling thread.
+    pub fn register(&self) -> StatsThread {
+        StatsThread(self.registry.register())
+    }
+
+    /// `reset_peak`.
+    pub fn reset_peak(&self) {
+        self.registry.reset_peak();
+    }
+
+    /// `reset_counters`.
+    pub fn reset_counters(&self) {
+        self.registry.reset_counters();
+    }
+
+    /// `(allocations, live_bytes, peak_live_bytes, peak_live_bytes_upper)` as `stats()` reads them.
+    pub fn read(&self) -> (u64, u64, u64, u64) {
+        let mut s = crate::stats::Stats::default();
+        self.registry.fill(&mut s);
+        (s.allocations, s.live_bytes, s.peak_live_bytes, s.peak_live_bytes_upper)
+    }
+}
+
+impl StatsThread {
+    /// Counts an allocation of `bytes`, as the allocator's paths do.
+    pub fn alloc(&self, bytes: usize) {
+        self.0.count_alloc(bytes);
+    }
+
+    /// Counts a free of `bytes`.
+    pub fn free(&self, bytes: usize) {
+        self.0.count_free(bytes);
+    }
+}

@@ -60,6 +60,7 @@ struct State {
     driver_calls: u64,
     fences_recorded: u64,
     fence_waits: u64,
+    size_hist: [u64; crate::stats::SIZE_HISTOGRAM_BUCKETS],
 }
 
 impl State {
@@ -115,6 +116,7 @@ impl Passthrough {
             Some(p) => {
                 st.add_live(p, size);
                 st.allocations += 1;
+                st.size_hist[crate::stats::size_bucket(size)] += 1;
                 Ok(DeviceAddr(p))
             }
         }
@@ -226,8 +228,34 @@ impl Passthrough {
             driver_calls: st.driver_calls,
             fences_recorded: st.fences_recorded,
             fence_waits: st.fence_waits,
+            peak_live_bytes_upper: st.peak_live as u64,
+            peak_exact: 1,
             ..Stats::default()
         }
+    }
+
+    /// Restarts the peaks at the values now.
+    pub(crate) fn reset_peak(&self) {
+        let mut st = lock(&self.state);
+        st.peak_live = st.live_bytes;
+        st.peak_reserved = st.live_bytes + st.pending;
+    }
+
+    /// Restarts the accumulated counters at zero (the live map and byte counts are kept).
+    pub(crate) fn reset_counters(&self) {
+        let mut st = lock(&self.state);
+        st.allocations = 0;
+        st.deallocations = 0;
+        st.invalid_frees = 0;
+        st.driver_calls = 0;
+        st.fences_recorded = 0;
+        st.fence_waits = 0;
+        st.size_hist = Default::default();
+    }
+
+    /// Allocations by the size asked for, since the last `reset_counters`.
+    pub(crate) fn size_histogram(&self) -> [u64; crate::stats::SIZE_HISTOGRAM_BUCKETS] {
+        lock(&self.state).size_hist
     }
 
     /// Checks that the live map and the byte count agree; panics otherwise. For tests.

@@ -4,8 +4,44 @@
 //! plain load + store (no read-modify-write, no shared cache line). `CounterRegistry`
 //! lists the blocks; reading the stats locks the list and sums them. When a thread exits its
 //! block is folded into `retired` and unlisted, so the list does not grow with dead threads.
+//!
+//! ## Resets without writing another thread's counters
+//! A thread's counters are written by that thread alone with load + store: if another thread
+//! stored into them, the owner's next load + store could overwrite the reset (a lost update).
+//! So `reset_counters` writes nothing of theirs: under the list lock it copies every block's
+//! accumulated counters into that block's *baseline*, kept beside it in the list, and reads
+//! report `counter − baseline`. A read racing the owner's bump sees the value before or after
+//! it, both whole (each counter is one atomic word), so every baseline is a value the counter
+//! really had, and a later read (ordered after the reset by the lock) never sees less. Gauges
+//! (`live_bytes`, `arena_held_bytes`) are never reset.
+//!
+//! ## The peak of live bytes, from both sides
+//! - **Lower bound** (`peak_live_bytes`): the largest sum of the per-thread live counters
+//!   sampled (on one slow path in 64 per thread, in every `stats()` call and at every reset).
+//! - **Upper bound** (`peak_live_bytes_upper`): each thread keeps the peak of its *own* live
+//!   counter (a signed delta: its allocations minus its frees) on its own block, with no
+//!   read-modify-write; the sum over threads of these peaks is at least the peak of the sum.
+//!   Every change that raises a thread's live counter (an allocation, a refused remote free
+//!   put back) updates its peak.
+//! - **Exact** (`stats=exact`): one shared counter updated with `fetch_add` on every allocation
+//!   and free, and its maximum; `peak_live_bytes` is then that maximum. This breaks the
+//!   fast path's no-read-modify-write rule, by the user's choice.
+//!
+//! `reset_peak` restarts all three. A thread's peak is a *window* tagged with the reset epoch
+//! it started in, which only the thread itself restarts: after its live counter rises, it loads
+//! the registry's epoch and, if it changed, restarts its window at its live value. The reset
+//! stores the new epoch, then, per thread, reads its live counter as the window's *base* `B`:
+//! the thread's bound is `max(B, its peak)` once it has restarted, `B` before (until it
+//! allocates, its live counter only falls). For that, no allocation whose new live value the
+//! reset did not read may also miss the new epoch: a store-then-load race on two words (Dekker).
+//! The thread orders its store before its load with the light half of the asymmetric barrier
+//! (`sync.rs`: a compiler fence where `membarrier` works), the reset with the heavy half, so at
+//! least one side sees the other. `loom-tests/tests/stats.rs` models it; the mutation
+//! `stats_peak_no_barrier` drops the thread's barrier and must fail, as must
+//! `stats_reset_stores_counters`, a reset that zeroes the threads' counters instead of keeping
+//! baselines.
 
-use crate::sync::{AtomicU64, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, Ordering, heavy_barrier, light_barrier, lock};
 use std::sync::Arc;
 
 /// One counter. Single-writer unless `Counters::shared` is set.
@@ -23,37 +59,136 @@ impl Counter {
         }
     }
 
+    #[inline]
     fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
+
+    #[inline]
+    fn set(&self, v: u64) {
+        self.0.store(v, Ordering::Relaxed);
+    }
+}
+
+/// Buckets of the allocation-size histogram ([`Stats`] has none: see
+/// [`crate::Allocator::size_histogram`]). Bucket 0 counts blocks of up to 256 B, bucket `k`
+/// blocks of `2^(7+k) + 1 ..= 2^(8+k)` bytes, the last one everything over 2^(8+HIST-2) B
+/// (over 2 GiB).
+pub const SIZE_HISTOGRAM_BUCKETS: usize = 25;
+
+/// The histogram bucket of a block of `bytes` (> 0) bytes (see [`SIZE_HISTOGRAM_BUCKETS`]).
+#[inline]
+pub fn size_bucket(bytes: usize) -> usize {
+    let bits = (usize::BITS - (bytes.max(1) - 1).leading_zeros()) as usize; // ceil(log2(bytes))
+    bits.saturating_sub(8).min(SIZE_HISTOGRAM_BUCKETS - 1)
+}
+
+/// The largest block size bucket `k` counts (`u64::MAX` for the last, open one).
+pub fn size_bucket_limit(k: usize) -> u64 {
+    if k + 1 >= SIZE_HISTOGRAM_BUCKETS { u64::MAX } else { 1u64 << (8 + k) }
+}
+
+/// What every thread's block of one registry shares: the reset epoch and, with `stats=exact`,
+/// the shared live counter and its maximum.
+#[derive(Default, Debug)]
+pub(crate) struct Shared {
+    /// Bumped by every `reset_peak`; each thread restarts its peak window when it sees a new one.
+    epoch: AtomicU64,
+    /// `stats=exact`.
+    exact: bool,
+    /// With `exact`: bytes live now (a wrapping signed value), changed by `fetch_add`.
+    exact_live: AtomicU64,
+    /// With `exact`: the largest `exact_live` since the last reset.
+    exact_peak: AtomicU64,
 }
 
 macro_rules! counters {
-    ($($name:ident),* $(,)?) => {
+    (gauges: $($g:ident),* ; accumulated: $($name:ident),* $(,)?) => {
         /// Per-thread event counts. `live_bytes` is a wrapping signed delta: a thread that frees
         /// blocks allocated elsewhere goes negative, and the sum over threads is exact.
-        #[derive(Default, Debug)]
+        #[derive(Debug)]
         pub(crate) struct Counters {
             shared: bool,
+            reg: Arc<Shared>,
+            $(pub(crate) $g: Counter,)*
             $(pub(crate) $name: Counter,)*
+            /// Allocations by block size (see [`SIZE_HISTOGRAM_BUCKETS`]).
+            size_hist: [Counter; SIZE_HISTOGRAM_BUCKETS],
+            /// The largest `live_bytes` (signed) of this thread's current peak window.
+            peak: Counter,
+            /// The reset epoch the current peak window started in.
+            peak_epoch: Counter,
+        }
+
+        /// A plain copy of a block's counters (summed, or kept as a baseline).
+        #[derive(Clone, Copy, Debug, Default)]
+        pub(crate) struct Totals {
+            $($g: u64,)*
+            $($name: u64,)*
+            size_hist: [u64; SIZE_HISTOGRAM_BUCKETS],
         }
 
         impl Counters {
-            fn fold_into(&self, to: &Counters) {
-                $(to.$name.add(self.$name.get(), true);)*
+            fn totals(&self) -> Totals {
+                let mut t = Totals::default();
+                $(t.$g = self.$g.get();)*
+                $(t.$name = self.$name.get();)*
+                for (d, c) in t.size_hist.iter_mut().zip(&self.size_hist) {
+                    *d = c.get();
+                }
+                t
             }
-            /// Adds this block into the [`Stats`] field of the same name.
-            fn sum_into(&self, s: &mut Stats) {
-                $(s.$name = s.$name.wrapping_add(self.$name.get());)*
+
+            /// The naive reset the loom model of resets must catch: storing into the owner's
+            /// counters races its load + store.
+            #[cfg(cuarena_mutant = "stats_reset_stores_counters")]
+            fn zero_accumulated(&self) {
+                $(self.$name.set(0);)*
+                self.size_hist.iter().for_each(|c| c.set(0));
+            }
+
+            fn fold_into(&self, to: &Counters) {
+                $(to.$g.add(self.$g.get(), true);)*
+                $(to.$name.add(self.$name.get(), true);)*
+                for (d, c) in to.size_hist.iter().zip(&self.size_hist) {
+                    d.add(c.get(), true);
+                }
+            }
+        }
+
+        impl Totals {
+            /// Adds `other`'s gauges and its accumulated counters less `base`'s.
+            fn add_since(&mut self, other: &Totals, base: &Totals) {
+                $(self.$g = self.$g.wrapping_add(other.$g);)*
+                $(self.$name = self.$name.wrapping_add(other.$name.wrapping_sub(base.$name));)*
+                for k in 0..SIZE_HISTOGRAM_BUCKETS {
+                    self.size_hist[k] =
+                        self.size_hist[k].wrapping_add(other.size_hist[k].wrapping_sub(base.size_hist[k]));
+                }
+            }
+
+            /// Adds the accumulated counters of `other` (a baseline), gauges untouched.
+            fn add_base(&mut self, other: &Totals) {
+                $(self.$name = self.$name.wrapping_add(other.$name);)*
+                for k in 0..SIZE_HISTOGRAM_BUCKETS {
+                    self.size_hist[k] = self.size_hist[k].wrapping_add(other.size_hist[k]);
+                }
+            }
+
+            /// Into the [`Stats`] fields of the same names.
+            fn write_to(&self, s: &mut Stats) {
+                $(s.$g = self.$g;)*
+                $(s.$name = self.$name;)*
             }
         }
     };
 }
 
 counters!(
+    gauges: live_bytes, arena_held_bytes;
+    accumulated:
     allocations,
     deallocations,
-    live_bytes,
     cross_thread_frees,
     cross_stream_frees,
     fences_recorded,
@@ -65,20 +200,111 @@ counters!(
     superblocks_taken,
     superblocks_returned,
     superblocks_dissolved,
-    arena_held_bytes,
     pool_allocations,
     large_allocations,
+    alloc_retries,
+    ooms,
+    oom_hook_calls,
 );
 
+impl Default for Counters {
+    fn default() -> Counters {
+        Counters::with(false, Arc::new(Shared::default()))
+    }
+}
+
 impl Counters {
+    fn with(shared: bool, reg: Arc<Shared>) -> Counters {
+        let z = || Counter::default();
+        Counters {
+            shared,
+            reg,
+            live_bytes: z(),
+            arena_held_bytes: z(),
+            allocations: z(),
+            deallocations: z(),
+            cross_thread_frees: z(),
+            cross_stream_frees: z(),
+            fences_recorded: z(),
+            fence_waits: z(),
+            fence_polls: z(),
+            driver_calls: z(),
+            host_syncs: z(),
+            invalid_frees: z(),
+            superblocks_taken: z(),
+            superblocks_returned: z(),
+            superblocks_dissolved: z(),
+            pool_allocations: z(),
+            large_allocations: z(),
+            alloc_retries: z(),
+            ooms: z(),
+            oom_hook_calls: z(),
+            size_hist: std::array::from_fn(|_| z()),
+            peak: z(),
+            peak_epoch: z(),
+        }
+    }
+
     /// A block that any thread may write (used when a thread has no slot of its own).
     pub(crate) fn new_shared() -> Counters {
-        Counters { shared: true, ..Counters::default() }
+        Counters::with(true, Arc::new(Shared::default()))
     }
 
     #[inline]
     pub(crate) fn bump(&self, c: &Counter, n: u64) {
         c.add(n, self.shared);
+    }
+
+    /// Counts an allocation of a block of `bytes` bytes.
+    #[inline]
+    pub(crate) fn count_alloc(&self, bytes: usize) {
+        self.bump(&self.allocations, 1);
+        self.bump(&self.size_hist[size_bucket(bytes)], 1);
+        self.add_live(bytes as u64);
+    }
+
+    /// Counts a free of a block of `bytes` bytes.
+    #[inline]
+    pub(crate) fn count_free(&self, bytes: usize) {
+        self.bump(&self.deallocations, 1);
+        self.bump(&self.live_bytes, (bytes as u64).wrapping_neg());
+        if self.reg.exact {
+            self.reg.exact_live.fetch_sub(bytes as u64, Ordering::SeqCst);
+        }
+    }
+
+    /// Raises `live_bytes` by `n`, and this thread's peak with it (see the module comment).
+    #[inline]
+    pub(crate) fn add_live(&self, n: u64) {
+        if self.shared {
+            // A shared block is never listed: it keeps no peak.
+            self.live_bytes.add(n, true);
+        } else {
+            let live = self.live_bytes.get().wrapping_add(n);
+            self.live_bytes.set(live);
+            // Orders the store of `live` before the load of the epoch (Dekker with
+            // `CounterRegistry::reset_peak`'s heavy barrier).
+            #[cfg(not(cuarena_mutant = "stats_peak_no_barrier"))]
+            light_barrier();
+            let epoch = self.reg.epoch.load(Ordering::Relaxed);
+            if epoch != self.peak_epoch.get() {
+                self.peak_epoch.set(epoch);
+                self.peak.set(live);
+            } else if (live as i64) > (self.peak.get() as i64) {
+                self.peak.set(live);
+            }
+        }
+        if self.reg.exact {
+            let v = self.reg.exact_live.fetch_add(n, Ordering::SeqCst).wrapping_add(n);
+            if (v as i64) > (self.reg.exact_peak.load(Ordering::SeqCst) as i64) {
+                self.reg.exact_peak.fetch_max(v, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// This thread's bound on its live counter since the reset with window base `base`.
+    fn window_max(&self, base: i64, epoch: u64) -> i64 {
+        if self.peak_epoch.get() == epoch { base.max(self.peak.get() as i64) } else { base }
     }
 }
 
@@ -89,22 +315,32 @@ impl Counters {
 /// an operation in one counter and not yet in another. Every counter is exact once the threads
 /// that change it are quiescent, and none ever counts an exiting thread twice.
 ///
-/// The layout is C's (`#[repr(C)]`, 25 `u64`s in this order): `cuarena_stats` in
+/// Accumulated counters (allocations, frees, fences, driver calls, ...) count since the
+/// allocator was made or since the last [`Allocator::reset_counters`](crate::Allocator::reset_counters);
+/// peaks since the last [`Allocator::reset_peak`](crate::Allocator::reset_peak). Gauges
+/// (`live_bytes`, `reserved_bytes`, `arena_held_bytes`, ...) are never reset.
+///
+/// The layout is C's (`#[repr(C)]`, `u64`s in this order): `cuarena_stats` in
 /// `include/cuarena.h` is a leading `size` then these fields (`tests/header.rs` checks the order
 /// against the header and the Python package). New fields go at the end.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {
-    /// Bytes in live blocks (after size-class rounding).
+    /// Bytes in live blocks (after size-class rounding). Exact whenever no allocator call is
+    /// running (at any quiescent point).
     pub live_bytes: u64,
-    /// The largest `live_bytes` seen. Sampled on one slow path in 64 per thread and in every
-    /// `stats()` call, so a peak reached and left between two samples can be missed: a lower
-    /// bound.
+    /// The largest `live_bytes` since the last peak reset. With `stats=exact`: exact (one shared
+    /// counter). By default: the largest sum of the per-thread live counters sampled (on one
+    /// slow path in 64 per thread, in every `stats()` call and at `reset_peak`), so a peak
+    /// reached and left between two samples is missed: a lower bound, except that a sum read
+    /// while blocks pass between threads is not a snapshot and can exceed every real state (a
+    /// free counted on one thread, its block's new allocation on another); it never exceeds
+    /// `peak_live_bytes_upper` at a quiescent point.
     pub peak_live_bytes: u64,
     /// Bytes reserved from the device.
     pub reserved_bytes: u64,
-    /// The largest `reserved_bytes` seen (exact).
+    /// The largest `reserved_bytes` since the last peak reset (exact).
     pub peak_reserved_bytes: u64,
     /// Bytes the global pool has handed out: live large blocks plus lent superblocks.
     pub pool_in_use_bytes: u64,
@@ -154,28 +390,74 @@ pub struct Stats {
     /// Of `arena_allocations`, those over `small_max`: large blocks served by an arena from its
     /// large superblocks.
     pub large_allocations: u64,
+    /// An upper bound of the peak of `live_bytes` since the last peak reset, at any quiescent
+    /// point: the sum over threads of each thread's own peak (see `stats.rs`). `u64::MAX` if no
+    /// bound is known (only after a `reset_peak` whose `membarrier` failed). With
+    /// `stats=exact` and in pass-through mode it is kept too (pass-through: the exact peak).
+    pub peak_live_bytes_upper: u64,
+    /// 1 if `peak_live_bytes` is exact (`stats=exact`, or pass-through mode), else 0.
+    pub peak_exact: u64,
+    /// Allocations that met out-of-memory, took memory back (reclaim from idle arenas, parked
+    /// arenas, or an OOM hook) and were tried again.
+    pub alloc_retries: u64,
+    /// Allocations that failed with [`Error::OutOfMemory`](crate::Error::OutOfMemory).
+    pub ooms: u64,
+    /// Calls of the OOM hook ([`Allocator::set_oom_hook`](crate::Allocator::set_oom_hook)).
+    pub oom_hook_calls: u64,
+}
+
+/// A listed block with its baselines (see the module comment).
+struct Entry {
+    c: Arc<Counters>,
+    /// The accumulated counters at the last `reset_counters` (zero before one).
+    base: Totals,
+    /// The thread's live counter at the last `reset_peak` (its window's base; 0 before one).
+    peak_base: i64,
+}
+
+struct List {
+    live: Vec<Entry>,
+    /// `retired`'s accumulated counters at the last `reset_counters`, and the baselines of the
+    /// blocks folded into it since.
+    retired_base: Totals,
+    /// The sum over retired blocks of their bound since the last `reset_peak` (see `retire`).
+    retired_peak: i64,
+    /// False after a `reset_peak` whose heavy barrier failed: no upper bound is known.
+    upper_known: bool,
 }
 
 /// The list of per-thread counter blocks of one allocator.
 pub(crate) struct CounterRegistry {
-    live: Mutex<Vec<Arc<Counters>>>,
+    list: Mutex<List>,
     retired: Counters,
     peak_live: AtomicU64,
+    reg: Arc<Shared>,
 }
 
 impl CounterRegistry {
-    pub(crate) fn new() -> CounterRegistry {
+    /// A registry; with `exact`, the shared live counter of `stats=exact` is kept.
+    pub(crate) fn new(exact: bool) -> CounterRegistry {
+        let reg = Arc::new(Shared { exact, ..Shared::default() });
         CounterRegistry {
-            live: Mutex::new(Vec::new()),
-            retired: Counters::new_shared(),
+            list: Mutex::new(List {
+                live: Vec::new(),
+                retired_base: Totals::default(),
+                retired_peak: 0,
+                upper_known: true,
+            }),
+            retired: Counters::with(true, Arc::new(Shared::default())),
             peak_live: AtomicU64::new(0),
+            reg,
         }
     }
 
     /// A new block for the calling thread.
     pub(crate) fn register(&self) -> Arc<Counters> {
-        let c = Arc::new(Counters::default());
-        lock(&self.live).push(Arc::clone(&c));
+        let c = Arc::new(Counters::with(false, Arc::clone(&self.reg)));
+        let mut l = lock(&self.list);
+        // Under the lock no reset runs: the window starts now, at 0 live bytes.
+        c.peak_epoch.set(self.reg.epoch.load(Ordering::Relaxed));
+        l.live.push(Entry { c: Arc::clone(&c), base: Totals::default(), peak_base: 0 });
         c
     }
 
@@ -184,27 +466,57 @@ impl CounterRegistry {
     pub(crate) fn retire(&self, c: &Arc<Counters>) {
         #[cfg(cuarena_mutant = "stats_retire_unlocked")]
         c.fold_into(&self.retired);
-        let mut l = lock(&self.live);
+        let mut l = lock(&self.list);
         #[cfg(cuarena_mutant = "stats_retire_unlocked")]
-        if let Some(i) = l.iter().position(|x| Arc::ptr_eq(x, c)) {
-            l.swap_remove(i);
+        if let Some(i) = l.live.iter().position(|x| Arc::ptr_eq(&x.c, c)) {
+            l.live.swap_remove(i);
             return;
         }
-        if let Some(i) = l.iter().position(|x| Arc::ptr_eq(x, c)) {
+        if let Some(i) = l.live.iter().position(|x| Arc::ptr_eq(&x.c, c)) {
+            let epoch = self.reg.epoch.load(Ordering::Relaxed);
+            let e = l.live.swap_remove(i);
+            // Its live counter stays at its last value from now on, at most this bound.
+            l.retired_peak = l.retired_peak.wrapping_add(c.window_max(e.peak_base, epoch));
+            l.retired_base.add_base(&e.base);
             c.fold_into(&self.retired);
-            l.swap_remove(i);
         }
     }
 
     /// Every thread's counters summed into `s` (its other fields untouched), and the sampled
     /// peak updated.
     pub(crate) fn fill(&self, s: &mut Stats) {
-        {
-            let l = lock(&self.live);
-            self.retired.sum_into(s);
-            l.iter().for_each(|c| c.sum_into(s));
-        }
+        let upper = {
+            let l = lock(&self.list);
+            let epoch = self.reg.epoch.load(Ordering::Relaxed);
+            let mut t = Totals::default();
+            t.add_since(&self.retired.totals(), &l.retired_base);
+            let mut upper = l.retired_peak;
+            for e in &l.live {
+                t.add_since(&e.c.totals(), &e.base);
+                upper = upper.wrapping_add(e.c.window_max(e.peak_base, epoch));
+            }
+            t.write_to(s);
+            if l.upper_known { upper.max(0) as u64 } else { u64::MAX }
+        };
         s.peak_live_bytes = self.sample_peak(s.live_bytes);
+        s.peak_live_bytes_upper = upper;
+        if self.reg.exact {
+            let live = self.reg.exact_live.load(Ordering::SeqCst) as i64;
+            let peak = self.reg.exact_peak.load(Ordering::SeqCst) as i64;
+            s.peak_live_bytes = peak.max(live).max(0) as u64;
+            s.peak_exact = 1;
+        }
+    }
+
+    /// The allocation-size histogram since the last `reset_counters`.
+    pub(crate) fn size_histogram(&self) -> [u64; SIZE_HISTOGRAM_BUCKETS] {
+        let l = lock(&self.list);
+        let mut t = Totals::default();
+        t.add_since(&self.retired.totals(), &l.retired_base);
+        for e in &l.live {
+            t.add_since(&e.c.totals(), &e.base);
+        }
+        t.size_hist
     }
 
     /// Raises the peak to `live` if higher and returns the peak.
@@ -220,5 +532,48 @@ impl CounterRegistry {
     /// Samples the peak from the live-byte sum now (slow paths call this now and then).
     pub(crate) fn sample(&self) {
         self.fill(&mut Stats::default());
+    }
+
+    /// Restarts every accumulated counter at zero, without writing any thread's block: each
+    /// block's baseline becomes its value now (see the module comment).
+    pub(crate) fn reset_counters(&self) {
+        let mut l = lock(&self.list);
+        l.retired_base = self.retired.totals();
+        for e in &mut l.live {
+            #[cfg(cuarena_mutant = "stats_reset_stores_counters")]
+            e.c.zero_accumulated();
+            #[cfg(not(cuarena_mutant = "stats_reset_stores_counters"))]
+            {
+                e.base = e.c.totals();
+            }
+        }
+    }
+
+    /// Restarts the peaks (sampled, per-thread windows, exact) at the live bytes now.
+    pub(crate) fn reset_peak(&self) {
+        let mut l = lock(&self.list);
+        let epoch = self.reg.epoch.load(Ordering::Relaxed).wrapping_add(1);
+        self.reg.epoch.store(epoch, Ordering::Relaxed);
+        // Orders the store of the epoch before the loads of the live counters (Dekker with
+        // `Counters::add_live`); the threads' side is the light barrier.
+        let ordered = heavy_barrier() || heavy_barrier();
+        let mut sum: i64 = self.retired.live_bytes.get() as i64;
+        l.retired_peak = sum;
+        for e in &mut l.live {
+            e.peak_base = e.c.live_bytes.get() as i64;
+            sum = sum.wrapping_add(e.peak_base);
+        }
+        l.upper_known = ordered;
+        self.peak_live.store(sum.max(0) as u64, Ordering::Relaxed);
+        if self.reg.exact {
+            // Zeroed first, then raised to the live count: an allocation's `fetch_max` either
+            // lands after the zero, or its `fetch_add` is in the live count read after it
+            // (all SeqCst, one total order).
+            self.reg.exact_peak.store(0, Ordering::SeqCst);
+            let live = self.reg.exact_live.load(Ordering::SeqCst);
+            if (live as i64) > 0 {
+                self.reg.exact_peak.fetch_max(live, Ordering::SeqCst);
+            }
+        }
     }
 }

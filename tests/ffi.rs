@@ -96,7 +96,8 @@ fn get_stats_refuses_a_too_small_size_and_writes_nothing() {
         let e = err();
         assert!(e.contains(&format!("out->size is {size}")) && e.contains("sizeof(cuarena_stats)"), "{e}");
     }
-    assert_eq!(cuarena_stats::default().size, CUARENA_STATS_SIZE_V1 as u64);
+    assert_eq!(cuarena_stats::default().size, size_of::<cuarena_stats>() as u64);
+    assert!(size_of::<cuarena_stats>() >= CUARENA_STATS_SIZE_V1);
 }
 
 #[test]
@@ -415,4 +416,52 @@ fn contains_reserved_covers_exactly_the_reserved_chunks() {
     a.deallocate(p, 3 << 20, Stream::LEGACY).unwrap();
     a.trim(true).unwrap();
     assert!(!a.contains_reserved(base), "a released chunk is no longer reserved");
+}
+
+/// The C OOM hook's adapter: the C function gets the requested size, the device ordinal and
+/// its `user` pointer back; its non-zero return retries (bounded), zero fails the allocation.
+#[test]
+fn a_c_oom_hook_gets_its_arguments_and_its_answer_is_obeyed() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use cuarena::{Error, MAX_OOM_RETRIES};
+    use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
+
+    struct Seen {
+        calls: AtomicUsize,
+        requested: AtomicUsize,
+        answer: c_int,
+    }
+    unsafe extern "C" fn hook(requested: usize, device: c_int, user: *mut c_void) -> c_int {
+        // SAFETY: `user` is the `Seen` the test passed; it outlives every allocation below.
+        let seen = unsafe { &*user.cast::<Seen>() };
+        assert_eq!(device, 0);
+        seen.calls.fetch_add(1, Ordering::Relaxed);
+        seen.requested.store(requested, Ordering::Relaxed);
+        seen.answer
+    }
+    use std::ffi::c_int;
+    let dev = HostDevice::new(HostConfig { capacity: 1 << 30, ..HostConfig::default() });
+    let cfg = cuarena::Config::builder().max_bytes(32 << 20).build().unwrap();
+    let a = host_allocator(dev, cfg).unwrap();
+    for (answer, calls) in [(0, 1), (1, MAX_OOM_RETRIES as usize)] {
+        let seen = Seen { calls: AtomicUsize::new(0), requested: AtomicUsize::new(0), answer };
+        a.set_oom_hook(Some(c_oom_hook(hook, (&raw const seen).cast_mut().cast())));
+        let e = a.allocate_per_thread(64 << 20).unwrap_err();
+        assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+        assert_eq!(seen.calls.load(Ordering::Relaxed), calls, "answer {answer}");
+        assert_eq!(seen.requested.load(Ordering::Relaxed), 64 << 20);
+        a.set_oom_hook(None);
+    }
+}
+
+/// Without a driver, setting a device's hook fails cleanly with the reason.
+#[test]
+fn set_oom_hook_without_a_driver_fails_cleanly() {
+    let _g = serial();
+    if gpu_present() {
+        return;
+    }
+    assert_eq!(cuarena_set_oom_hook(0, None, std::ptr::null_mut()), -1);
+    assert!(err().contains("driver"), "{}", err());
 }

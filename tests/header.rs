@@ -122,6 +122,11 @@ fn header_macros_are_the_librarys_values() {
     assert_eq!(header_define("CUARENA_VERSION_PATCH"), part(env!("CARGO_PKG_VERSION_PATCH")));
     assert_eq!(header_define("CUARENA_STATS_SIZE_V1"), CUARENA_STATS_SIZE_V1 as i64);
     assert_eq!(header_define("CUARENA_ERR_STATS_SIZE"), CUARENA_ERR_STATS_SIZE as i64);
+    assert_eq!(
+        header_define("CUARENA_SIZE_HISTOGRAM_BUCKETS"),
+        cuarena::stats::SIZE_HISTOGRAM_BUCKETS as i64
+    );
+    assert_eq!(header_define("CUARENA_MAX_OOM_RETRIES"), cuarena::MAX_OOM_RETRIES as i64);
 }
 
 #[test]

@@ -247,5 +247,7 @@ fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
     assert_eq!(dev.reserved_bytes(), 0);
     drop(a);
     assert_eq!(dev.live_events(), 0, "the allocator destroys every event it created");
-    assert!(per_life <= 5.0, "{per_life:.1} driver calls per thread lifetime (at most 5 expected)");
+    // 6: since CUDA graph safety (README, "CUDA graphs"), one `cuStreamIsCapturing` before the
+    // arena's first growth and one before its exit fence are among them.
+    assert!(per_life <= 6.0, "{per_life:.1} driver calls per thread lifetime (at most 6 expected)");
 }

@@ -72,4 +72,14 @@ grep -E "^cupy stream check:|^note:|FAILED" "$out/cupy-stream.log" || tail -5 "$
 step "Out of memory under a 256 MiB cap: PyTorch and CuPy raise, no null tensor, then recover"
 python3 examples/oom_check.py >"$out/oom.log" 2>&1 || fail oom
 grep -E "^(torch|cupy) OOM:|FAILED" "$out/oom.log" || tail -5 "$out/oom.log"
+
+step "Issue 11: graph capture (driver API, global and thread-local), stats, OOM hook tests"
+bash gpu-bundle/run.sh test-gpu_capture test-capture test-stats test-oom_hook >"$out/issue11.log" 2>&1 || fail issue11-tests
+grep -E "^== |test result" "$out/issue11.log"
+step "PyTorch: a spilling layer on the OOM hook (examples/oom_spill.py)"
+python3 examples/oom_spill.py >"$out/oom-spill.log" 2>&1 || fail oom-spill
+tail -8 "$out/oom-spill.log"
+step "PyTorch: torch.cuda.graph capture through the plug-in (examples/torch_graph.py)"
+python3 examples/torch_graph.py >"$out/torch-graph.log" 2>&1 || fail torch-graph
+tail -10 "$out/torch-graph.log"
 exit $status

@@ -39,5 +39,7 @@ transit_unmarked         allocator  a_second_free_while_the_first_waits_in_an_ou
 owner_free_unmarked      allocator  a_remote_free_after_the_owners_local_free_is_refused
 zombie_no_sync           user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
 zombie_never_parked      user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
+stats_peak_no_barrier    stats      a_peak_reset_racing_a_threads_allocations_keeps_the_upper_bound
+stats_reset_stores_counters stats   a_counter_reset_racing_a_threads_bumps_is_not_lost
 LIST
 exit $missed

@@ -271,7 +271,7 @@ pub const CUARENA_STATS_SIZE_V1: usize = 8 + 25 * 8;
 pub const CUARENA_ERR_STATS_SIZE: c_int = -2;
 
 const _: () = assert!(
-    size_of::<cuarena_stats>() == CUARENA_STATS_SIZE_V1
+    size_of::<cuarena_stats>() >= CUARENA_STATS_SIZE_V1
         && size_of::<cuarena_stats>() == 8 + size_of::<Stats>(),
     "cuarena_stats must match include/cuarena.h"
 );
@@ -323,6 +323,94 @@ unsafe fn write_stats(stats: Stats, out: *mut u8, size: u64) {
     // SAFETY: `full` is a local of `size_of::<cuarena_stats>() >= n` bytes; the caller
     // guarantees `out` has `size >= n` writable bytes; the two do not overlap.
     unsafe { std::ptr::copy_nonoverlapping((&raw const full).cast::<u8>(), out, n) };
+}
+
+// ---- Statistics resets and the size histogram (issue 11, item 3) ----
+
+/// Restarts `device`'s peaks (`peak_live_bytes`, `peak_live_bytes_upper`,
+/// `peak_reserved_bytes`) at their values now. 0 on success, -1 on failure (see
+/// [`cuarena_last_error`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_reset_peak(device: c_int) -> c_int {
+    guard(-1, || {
+        global(device).map_err(|e| e.to_string())?.reset_peak();
+        Ok(0)
+    })
+}
+
+/// Restarts `device`'s accumulated counters (allocations, frees, fences, driver calls, ...,
+/// the size histogram) at zero. 0 on success, -1 on failure (see [`cuarena_last_error`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_reset_counters(device: c_int) -> c_int {
+    guard(-1, || {
+        global(device).map_err(|e| e.to_string())?.reset_counters();
+        Ok(0)
+    })
+}
+
+/// Writes up to `n` buckets of `device`'s allocation-size histogram to `out` (see
+/// `Allocator::size_histogram`) and returns the number of buckets the library has
+/// (`CUARENA_SIZE_HISTOGRAM_BUCKETS`), or -1 on failure (nothing written; see
+/// [`cuarena_last_error`]). `out` may be NULL when `n` is 0.
+///
+/// # Safety
+/// `out` must point to `n` writable `uint64_t`s (or `n` is 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuarena_get_size_histogram(device: c_int, out: *mut u64, n: usize) -> c_int {
+    guard(-1, || {
+        if out.is_null() && n > 0 {
+            return Err("cuarena_get_size_histogram: out is NULL".into());
+        }
+        let h = global(device).map_err(|e| e.to_string())?.size_histogram();
+        let k = n.min(h.len());
+        if k > 0 {
+            // SAFETY: the caller guarantees `n >= k` writable u64s at `out` (non-NULL here).
+            unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), out, k) };
+        }
+        Ok(h.len() as c_int)
+    })
+}
+
+// ---- The OOM hook (issue 11, item 4) ----
+
+/// A C OOM hook: `cb(requested, device, user)`, non-zero to retry.
+pub type CuarenaOomHook = unsafe extern "C" fn(usize, c_int, *mut c_void) -> c_int;
+
+/// The `user` pointer of a C hook, handed back to it on whichever thread allocates.
+#[derive(Clone, Copy)]
+struct UserPtr(*mut c_void);
+// SAFETY: cuarena never dereferences it; the header makes the caller responsible for `user`
+// being usable from every thread that allocates (the hook is called on the allocating thread).
+unsafe impl Send for UserPtr {}
+// SAFETY: as above.
+unsafe impl Sync for UserPtr {}
+
+/// The Rust hook that calls the C hook `cb` with `user`.
+pub fn c_oom_hook(cb: CuarenaOomHook, user: *mut c_void) -> cuarena::OomHook {
+    let user = UserPtr(user);
+    std::sync::Arc::new(move |requested, device| {
+        let u = user;
+        // SAFETY: `cb` is the caller's function of this signature, valid until it is replaced
+        // (the header's contract); C code cannot unwind into us.
+        unsafe { cb(requested, device, u.0) != 0 }
+    })
+}
+
+/// Sets `device`'s OOM hook to `cb` (NULL removes it). When an allocation on `device` is out of
+/// memory after cuarena's own reclaim, `cb(requested, device, user)` is called on the
+/// allocating thread with no cuarena lock held; non-zero retries the allocation (at most
+/// [`cuarena::MAX_OOM_RETRIES`] times). 0 on success, -1 on failure (see [`cuarena_last_error`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_set_oom_hook(
+    device: c_int,
+    cb: Option<CuarenaOomHook>,
+    user: *mut c_void,
+) -> c_int {
+    guard(-1, || {
+        let a = global(device).map_err(|e| e.to_string())?;
+        a.set_oom_hook(cb.map(|cb| c_oom_hook(cb, user)));
+        Ok(0)
+    })
 }
 
 /// This library's version: `major * 1000000 + minor * 1000 + patch`, as `CUARENA_VERSION` in
@@ -417,7 +505,7 @@ mod tests {
             buf[..8].copy_from_slice(&(size as u64).to_ne_bytes());
             // SAFETY: `buf` has `size` (and more) writable bytes and `size >= CUARENA_STATS_SIZE_V1`.
             unsafe { write_stats(stats, buf.as_mut_ptr(), size as u64) };
-            let n = CUARENA_STATS_SIZE_V1;
+            let n = size.min(size_of::<cuarena_stats>()) / 8 * 8;
             assert_eq!(word(&buf, 0), n as u64, "size {size}: the bytes filled");
             assert_eq!((word(&buf, 1), word(&buf, 17), word(&buf, 24)), (11, 17, 24), "size {size}");
             assert!(buf[n..].iter().all(|&b| b == 0xa5), "size {size}: a byte past the struct was written");

@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = ["CuarenaError", "OutOfMemoryError", "LibraryNotFoundError", "library_path", "load", "version",
            "malloc", "free", "stats", "last_error", "install_torch", "torch_shim_path", "TorchInstall",
-           "install_cupy"]
+           "install_cupy", "reset_peak", "reset_counters", "size_histogram", "memory_stats", "set_oom_hook"]
 
 # The fields of cuarena_stats after its leading `size`, in order: the Rust Stats and
 # include/cuarena.h (tests/header.rs checks that the three agree).
@@ -34,7 +34,7 @@ _FIELDS = [
     "cross_stream_frees", "fences_recorded", "fence_waits", "fence_polls", "driver_calls", "host_syncs",
     "invalid_frees", "superblocks_taken", "superblocks_returned", "superblocks_dissolved",
     "arena_held_bytes", "arenas", "arena_allocations", "pool_allocations",
-    "large_allocations",
+    "large_allocations", "peak_live_bytes_upper", "peak_exact", "alloc_retries", "ooms", "oom_hook_calls",
 ]
 
 # include/cuarena.h's CUARENA_ERR_STATS_SIZE.
@@ -58,6 +58,12 @@ class _Stats(ctypes.Structure):
     """cuarena_stats: a leading size (in: this struct's size; out: the bytes filled), then _FIELDS."""
     _fields_ = [("size", ctypes.c_uint64)] + [(name, ctypes.c_uint64) for name in _FIELDS]
 
+
+# include/cuarena.h's OOM hook type: int (*)(size_t requested, int device, void *user).
+_OOM_HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+# Every ctypes callback handed to the library, kept alive for good: an allocation already in its
+# out-of-memory path may still call a hook after it was replaced.
+_oom_hooks = []
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIB_NAME = "libcuarena.so"
@@ -110,6 +116,10 @@ def _bind(lib):
         "cuarena_empty_cache": ([], None),
         "cuarena_set_memory_fraction": ([c.c_double, c.c_int], None),
         "cuarena_get_stats": ([c.c_int, c.POINTER(_Stats)], c.c_int),
+        "cuarena_reset_peak": ([c.c_int], c.c_int),
+        "cuarena_reset_counters": ([c.c_int], c.c_int),
+        "cuarena_get_size_histogram": ([c.c_int, c.POINTER(c.c_uint64), c.c_size_t], c.c_int),
+        "cuarena_set_oom_hook": ([c.c_int, _OOM_HOOK, c.c_void_p], c.c_int),
         "cuarena_last_error": ([], c.c_char_p),
         "cuarena_version": ([], c.c_int),
         "cuarena_version_string": ([], c.c_char_p),
@@ -200,6 +210,104 @@ def stats(device=0):
         raise _error(f"statistics of CUDA device {device} unavailable")
     filled = (s.size - 8) // 8  # a library older than this glue fills fewer fields
     return {name: getattr(s, name) for name in _FIELDS[:filled]}
+
+
+# ---- Resets, the size histogram and torch-style memory_stats (issue 11, item 3) ----
+
+
+def reset_peak(device=0):
+    """Restarts `device`'s peaks (peak_live_bytes, peak_live_bytes_upper, peak_reserved_bytes) at
+    their values now, like torch.cuda.reset_peak_memory_stats()."""
+    if load().cuarena_reset_peak(device) != 0:
+        raise _error(f"reset_peak of CUDA device {device} failed")
+
+
+def reset_counters(device=0):
+    """Restarts `device`'s accumulated counters (allocations, frees, fences, driver calls, retries,
+    ooms, the size histogram, ...) at zero, like torch.cuda.reset_accumulated_memory_stats().
+    Gauges (live_bytes, reserved_bytes, ...) are kept."""
+    if load().cuarena_reset_counters(device) != 0:
+        raise _error(f"reset_counters of CUDA device {device} failed")
+
+
+def size_histogram(device=0):
+    """Allocations since the last reset_counters by block size, as a list of (limit, count): each
+    bucket counts blocks of at most `limit` bytes and more than the previous bucket's limit (the
+    last bucket's limit is None: everything larger)."""
+    lib = load()
+    n = lib.cuarena_get_size_histogram(device, None, 0)
+    if n < 0:
+        raise _error(f"size histogram of CUDA device {device} unavailable")
+    buf = (ctypes.c_uint64 * n)()
+    if lib.cuarena_get_size_histogram(device, buf, n) < 0:
+        raise _error(f"size histogram of CUDA device {device} unavailable")
+    return [(256 << k if k + 1 < n else None, buf[k]) for k in range(n)]
+
+
+# memory_stats(): torch.cuda.memory_stats() keys -> cuarena's counterpart. cuarena has one pool
+# per device, so "all" is the only pool kind; "small_pool" is the arenas (requests up to
+# small_max on a stream with an arena) and "large_pool" the global pool, where cuarena counts
+# them per path. A torch key with no counterpart is left out rather than invented.
+_MEMORY_STATS_MAP = {
+    "allocated_bytes.all.current": "live_bytes",
+    "allocated_bytes.all.peak": "peak_live_bytes",
+    "reserved_bytes.all.current": "reserved_bytes",
+    "reserved_bytes.all.peak": "peak_reserved_bytes",
+    "active_bytes.all.current": "live_bytes",
+    "active_bytes.all.peak": "peak_live_bytes",
+    "allocation.all.allocated": "allocations",
+    "allocation.all.freed": "deallocations",
+    "allocation.large_pool.allocated": "pool_allocations",
+    "num_alloc_retries": "alloc_retries",
+    "num_ooms": "ooms",
+    "num_sync_all_streams": "host_syncs",
+}
+
+
+def memory_stats(device=0):
+    """`device`'s statistics under the keys torch.cuda.memory_stats() users know, where cuarena
+    has a counterpart (see _MEMORY_STATS_MAP and python/README.md for the mapping), plus the
+    cuarena-only figures under "cuarena.<field>" (every field of stats()). The "current" values
+    are exact at quiescent points; "allocated_bytes.all.peak" is exact with CUARENA_CONF
+    stats=exact and otherwise a lower bound whose upper bound is "cuarena.peak_live_bytes_upper"."""
+    s = stats(device)
+    out = {}
+    for key, field in _MEMORY_STATS_MAP.items():
+        if field in s:
+            out[key] = s[field]
+    if "arena_allocations" in s:
+        out["allocation.small_pool.allocated"] = s["arena_allocations"]
+    for name, value in s.items():
+        out["cuarena." + name] = value
+    return out
+
+
+# ---- The OOM hook (issue 11, item 4) ----
+
+
+def set_oom_hook(fn, device=0):
+    """Sets `device`'s OOM hook: `fn(requested_bytes, device) -> bool` is called on the allocating
+    thread when an allocation is out of memory after cuarena's own reclaim, with no cuarena lock
+    held. It may free memory (move tensors to the host, drop caches) and return True to have the
+    allocation retried (at most 3 times), or False to let it fail. `None` removes the hook.
+
+    An exception raised by `fn` counts as False (it is printed by ctypes, not raised into the
+    allocation). Every callback ever installed is kept alive by this module (an allocation already
+    in its out-of-memory path may still call one after it is replaced)."""
+    if fn is None:
+        cb = _OOM_HOOK()  # a NULL function pointer
+    else:
+        def call(requested, dev, _user):
+            try:
+                return 1 if fn(requested, dev) else 0
+            except BaseException as e:  # never unwind into the allocator
+                warnings.warn(f"cuarena: the OOM hook raised {e!r}; the allocation fails", RuntimeWarning,
+                              stacklevel=1)
+                return 0
+        cb = _OOM_HOOK(call)
+    if load().cuarena_set_oom_hook(device, cb, None) != 0:
+        raise _error(f"cannot set the OOM hook of CUDA device {device}")
+    _oom_hooks.append(cb)
 
 
 def _fn_addr(name):

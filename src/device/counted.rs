@@ -42,7 +42,18 @@ impl<'a> Counted<'a> {
         self.device.create_event()
     }
 
+    /// Refuses a stream being captured into a graph, where an event recorded or waited on
+    /// would become a graph node instead of a fence (one `cuStreamIsCapturing`; the legacy
+    /// stream cannot be captured, so it is not asked).
+    fn not_capturing(&self, s: Stream) -> Result<()> {
+        if !s.is_legacy() && self.stream_capturing(s)? {
+            return Err(crate::error::Error::StreamCapturing { stream: s.as_raw() });
+        }
+        Ok(())
+    }
+
     pub(crate) fn record_fence(&self, e: Event, s: Stream) -> Result<()> {
+        self.not_capturing(s)?;
         self.call();
         self.counters.bump(&self.counters.fences_recorded, 1);
         self.device.record_event(e, s)
@@ -68,9 +79,21 @@ impl<'a> Counted<'a> {
     }
 
     pub(crate) fn wait_fence(&self, s: Stream, e: Event) -> Result<()> {
+        self.not_capturing(s)?;
         self.call();
         self.counters.bump(&self.counters.fence_waits, 1);
         self.device.stream_wait_event(s, e)
+    }
+
+    /// Refuses `s` if it is being captured into a graph (see [`Counted::record_fence`]).
+    pub(crate) fn refuse_capturing(&self, s: Stream) -> Result<()> {
+        self.not_capturing(s)
+    }
+
+    /// Is `s` being captured into a graph (`cuStreamIsCapturing`)?
+    pub(crate) fn stream_capturing(&self, s: Stream) -> Result<bool> {
+        self.call();
+        self.device.stream_capturing(s)
     }
 
     pub(crate) fn stream_key(&self, s: Stream) -> Result<StreamKey> {

@@ -51,14 +51,21 @@ pub fn device_count() -> Result<i32> {
     Ok(n)
 }
 
-/// Makes a context current for its lifetime and restores the previous one on drop.
+/// Makes a context current for its lifetime and restores the previous one on drop; also puts
+/// the thread in the relaxed stream-capture mode meanwhile (see [`CudaDevice::enter`]).
 #[doc(hidden)]
 pub struct CtxGuard {
     pushed: bool,
+    /// The thread's capture mode before, to put back.
+    mode: Option<sys::CUstreamCaptureMode>,
 }
 
 impl Drop for CtxGuard {
     fn drop(&mut self) {
+        if let Some(mut m) = self.mode {
+            // SAFETY: `m` is a valid in/out pointer; this restores the caller's mode.
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut m) };
+        }
         if self.pushed {
             let mut old = std::ptr::null_mut();
             // SAFETY: we pushed a context in `enter`; popping restores the caller's.
@@ -91,7 +98,13 @@ impl CudaDevice {
         self.ctx as sys::CUcontext
     }
 
-    /// Makes this device's context current until the guard drops.
+    /// Makes this device's context current until the guard drops, with the thread in the
+    /// *relaxed* stream-capture mode meanwhile (`cuThreadExchangeStreamCaptureMode`, what CUDA
+    /// provides for allocators): while some stream is being captured in the global or
+    /// thread-local mode, CUDA forbids "potentially unsafe" calls such as `cuMemAlloc` and
+    /// `cuEventQuery`, and one made anyway invalidates that capture. In the relaxed mode they
+    /// are allowed; cuarena itself never records, waits on or queries an event on a capturing
+    /// stream (see README, "CUDA graphs").
     ///
     /// A thread with no current context gets this device's primary context made current for
     /// good (`cuCtxSetCurrent`, what the runtime API does on a thread's first call), so that
@@ -100,20 +113,35 @@ impl CudaDevice {
     /// another context current gets ours pushed, and its own back when the guard drops.
     #[doc(hidden)]
     pub fn enter(&self) -> Result<CtxGuard> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid in/out pointer; the call only swaps a per-thread setting.
+        let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        let g = CtxGuard { pushed: false, mode: (swapped == sys::CUresult::CUDA_SUCCESS).then_some(mode) };
+        self.enter_context(g)
+    }
+
+    /// [`CudaDevice::enter`] without the capture-mode switch, for calls that CUDA allows during
+    /// any capture (`cuStreamGetId`): the user-stream fast path makes one per operation.
+    fn enter_light(&self) -> Result<CtxGuard> {
+        self.enter_context(CtxGuard { pushed: false, mode: None })
+    }
+
+    fn enter_context(&self, mut g: CtxGuard) -> Result<CtxGuard> {
         let mut cur = std::ptr::null_mut();
         // SAFETY: `cur` is a valid out-pointer.
         check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
         if cur as usize == self.ctx {
-            return Ok(CtxGuard { pushed: false });
+            return Ok(g);
         }
         if cur.is_null() {
             // SAFETY: the primary context is retained for our lifetime.
             check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.context()) })?;
-            return Ok(CtxGuard { pushed: false });
+            return Ok(g);
         }
         // SAFETY: the primary context is retained for our lifetime.
         check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(self.context()) })?;
-        Ok(CtxGuard { pushed: true })
+        g.pushed = true;
+        Ok(g)
     }
 }
 
@@ -237,8 +265,17 @@ impl Device for CudaDevice {
         })
     }
 
-    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
         let _g = self.enter()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `status` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
+        check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(raw_stream(stream), &mut status) })?;
+        // An invalidated capture is still open until cuStreamEndCapture: treated as capturing.
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
+        let _g = self.enter_light()?;
         let mut id = 0;
         // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
         check("cuStreamGetId", unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) })?;

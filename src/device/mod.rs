@@ -89,4 +89,11 @@ pub trait Device: Send + Sync + 'static {
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
     /// The identity of `stream` as seen from the calling thread.
     fn stream_key(&self, stream: Stream) -> Result<StreamKey>;
+    /// True while `stream` is being captured into a CUDA graph (`cuStreamIsCapturing`): an
+    /// event recorded or waited on it would become a graph node instead of a fence. The
+    /// default, for devices without graphs, is `false`.
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
+        let _ = stream;
+        Ok(false)
+    }
 }

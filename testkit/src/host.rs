@@ -147,6 +147,9 @@ struct SimStream {
     rng: u64,
     /// A per-thread default stream (synchronises with the legacy stream).
     per_thread: bool,
+    /// Being captured into a CUDA graph (`begin_capture` .. `end_capture`): an event recorded
+    /// or waited on here would become a graph node, so the race checker reports it.
+    capturing: bool,
 }
 
 /// An event. Each record is a generation; a wait captures one generation and is released only
@@ -312,6 +315,30 @@ impl HostDevice {
         std::mem::take(&mut self.sh().lock().stale_handle_calls)
     }
 
+    /// Starts capturing `stream` into a graph (like `cuStreamBeginCapture`; the legacy stream
+    /// cannot be captured). Until [`Self::end_capture`], [`Device::stream_capturing`] says so,
+    /// and an event recorded or waited on the stream (which would become a graph node instead
+    /// of a fence, and break or corrupt the capture) is a race-checker violation.
+    pub fn begin_capture(&self, stream: Stream) -> Result<()> {
+        let mut st = self.sh().lock();
+        let idx = st.resolve(stream)?;
+        if idx == LEGACY || st.streams[idx].capturing {
+            return Err(Error::Driver { call: "begin_capture", code: 900 });
+        }
+        st.streams[idx].capturing = true;
+        Ok(())
+    }
+
+    /// Ends the capture of `stream` ([`Self::begin_capture`]).
+    pub fn end_capture(&self, stream: Stream) -> Result<()> {
+        let mut st = self.sh().lock();
+        let idx = st.resolve(stream)?;
+        if !std::mem::replace(&mut st.streams[idx].capturing, false) {
+            return Err(Error::Driver { call: "end_capture", code: 901 });
+        }
+        Ok(())
+    }
+
     /// Race-checker findings so far (empty when every access was ordered).
     pub fn violations(&self) -> Vec<String> {
         self.sh().lock().violations.clone()
@@ -399,6 +426,7 @@ impl State {
             worker: false,
             rng: seed | 1,
             per_thread: false,
+            capturing: false,
         });
         idx
     }
@@ -713,6 +741,10 @@ impl Device for HostDevice {
         if e >= st.events.len() {
             return Err(Error::Driver { call: "record_event", code: 400 });
         }
+        if st.streams[idx].capturing {
+            st.violations
+                .push(format!("event {e} recorded on a capturing stream ({stream:?}): a graph node"));
+        }
         st.sync_implicitly(sh, idx);
         let seq = st.streams[idx].bump();
         let clock = st.streams[idx].clock.clone();
@@ -757,6 +789,10 @@ impl Device for HostDevice {
         if e >= st.events.len() {
             return Err(Error::Driver { call: "stream_wait_event", code: 400 });
         }
+        if st.streams[idx].capturing {
+            st.violations
+                .push(format!("a wait on event {e} on a capturing stream ({stream:?}): a graph node"));
+        }
         st.sync_implicitly(sh, idx);
         let ev_clock = st.events[e].clock.clone();
         let generation = st.events[e].recorded;
@@ -773,6 +809,12 @@ impl Device for HostDevice {
         let mut st = self.sh().lock();
         let idx = st.resolve(stream)?;
         Ok(StreamKey((self.sh().id << 32) | st.streams[idx].key))
+    }
+
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
+        let mut st = self.sh().lock();
+        let idx = st.resolve(stream)?;
+        Ok(st.streams[idx].capturing)
     }
 }
 
