@@ -83,6 +83,8 @@ pub(crate) struct Inner {
     arenas: AtomicUsize,
     /// Pass-through mode (passthrough.rs): when set, every request goes straight to it.
     passthrough: Option<crate::passthrough::Passthrough>,
+    /// Allocation traces (trace.rs): off, it costs `allocate` and `deallocate` one `Relaxed` load.
+    trace: Arc<crate::trace::Shared>,
 }
 
 /// Arena shells: every one ever made (kept so `owner` pointers never dangle) and the idle ones.
@@ -486,6 +488,11 @@ impl Drop for Inner {
     /// fence covers: they are given back after a device synchronise before the pool (dropped
     /// after this) releases the chunks, as the pool waits for its own fences.
     fn drop(&mut self) {
+        // A trace still running ends with its allocator (no CUDA call; an error has no one to
+        // go to: the file then ends early, which `trace::read` reports).
+        if self.trace.running() {
+            let _ = self.trace.stop();
+        }
         if crate::shutdown::process_exiting() {
             return; // the driver is going away; the process teardown frees the memory
         }
@@ -1018,7 +1025,8 @@ impl Allocator {
     pub fn new(device: Arc<dyn Device>, config: Config) -> Result<Allocator> {
         crate::sync::prepare_barriers();
         let total = device.total_memory()?;
-        Ok(Allocator {
+        let trace_path = config.trace.clone();
+        let a = Allocator {
             inner: Arc::new(Inner {
                 id: next_id(),
                 pool: GlobalPool::new(Arc::clone(&device), &config, total),
@@ -1031,8 +1039,13 @@ impl Allocator {
                 zombies: Mutex::new(Zombies::default()),
                 deferred: Mutex::new(None),
                 arenas: AtomicUsize::new(0),
+                trace: crate::trace::Shared::new(crate::trace::BUFFER_RECORDS),
             }),
-        })
+        };
+        if let Some(path) = trace_path {
+            a.inner.trace.start_file(&path)?;
+        }
+        Ok(a)
     }
 
     /// An allocator for CUDA device `ordinal`. [`Error::NoDriver`] if there is no driver.
@@ -1046,6 +1059,14 @@ impl Allocator {
     /// Allocates `size` bytes, ready for use on `stream` (256-byte aligned).
     /// `size == 0` gives [`DeviceAddr::NULL`].
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        if self.inner.trace.on() {
+            return self.allocate_traced(size, stream); // a trace records (trace.rs)
+        }
+        self.allocate_untraced(size, stream)
+    }
+
+    #[inline(always)]
+    fn allocate_untraced(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if let Some(p) = &self.inner.passthrough {
             return p.allocate(size, stream, self.inner.pool.limit()); // pass-through mode
         }
@@ -1104,6 +1125,14 @@ impl Allocator {
     /// another thread is checked by that thread later; if found invalid it is counted in
     /// [`Stats::invalid_frees`] and reported by [`Allocator::take_deferred_error`].
     pub fn deallocate(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+        if self.inner.trace.on() {
+            return self.deallocate_traced(ptr, size, stream); // a trace records (trace.rs)
+        }
+        self.deallocate_untraced(ptr, size, stream)
+    }
+
+    #[inline(always)]
+    fn deallocate_untraced(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
         if let Some(p) = &self.inner.passthrough {
             return p.deallocate(ptr, size, stream); // pass-through mode
         }
@@ -1312,5 +1341,75 @@ impl Allocator {
     #[doc(hidden)]
     pub fn contains_reserved(&self, ptr: u64) -> bool {
         self.inner.pool.contains(ptr)
+    }
+}
+
+// --- Allocation traces (issue 11; the recorder is trace.rs) ---
+impl Allocator {
+    /// Starts recording every allocate and free into the file at `path` (created or
+    /// truncated); `trace.rs` documents the format. Refused if a trace runs on this allocator
+    /// already, or if another trace of this process writes `path`.
+    pub fn start_trace(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.inner.trace.start_file(path.as_ref())
+    }
+
+    /// Ends the running trace: every thread's records are written (also those of threads that
+    /// are alive and recording this moment: it waits for their call to end) and the file
+    /// closed. Refused if no trace runs; a write error of the whole trace is returned here.
+    pub fn stop_trace(&self) -> Result<crate::trace::TraceSummary> {
+        self.inner.trace.stop()
+    }
+
+    /// Where the block at `ptr` lives, as the allocator sees it now.
+    fn trace_path(&self, ptr: u64, size: usize) -> crate::trace::TracePath {
+        use crate::trace::TracePath;
+        let inner = &self.inner;
+        if inner.passthrough.is_some() {
+            TracePath::Passthrough
+        } else if inner
+            .pool
+            .registry
+            .lookup(ptr)
+            .is_some_and(|sb| !sb.owner.load(Ordering::Acquire).is_null())
+        {
+            if size > inner.cfg.small_max { TracePath::LargeArena } else { TracePath::Arena }
+        } else {
+            TracePath::Pool
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn allocate_traced(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        use crate::trace::{Action, Event, TracePath};
+        if size == 0 {
+            return self.allocate_untraced(size, stream); // no request: nothing to record
+        }
+        crate::trace::record(&self.inner.trace, &*self.inner.device, stream, false, || {
+            let r = self.allocate_untraced(size, stream);
+            let ev = match &r {
+                Ok(p) => Event { action: Action::Alloc, ptr: p.0, size, path: self.trace_path(p.0, size) },
+                Err(_) => Event { action: Action::FailedAlloc, ptr: 0, size, path: TracePath::None },
+            };
+            (r, ev)
+        })
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn deallocate_traced(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+        use crate::trace::{Action, Event, TracePath};
+        if ptr.is_null() && size == 0 {
+            return Ok(()); // no request: nothing to record
+        }
+        crate::trace::record(&self.inner.trace, &*self.inner.device, stream, true, || {
+            let path = self.trace_path(ptr.0, size); // before the free changes it
+            let r = self.deallocate_untraced(ptr, size, stream);
+            let ev = match &r {
+                Ok(()) => Event { action: Action::Free, ptr: ptr.0, size, path },
+                Err(_) => Event { action: Action::RefusedFree, ptr: ptr.0, size, path: TracePath::None },
+            };
+            (r, ev)
+        })
     }
 }

@@ -41,7 +41,8 @@
 //! Items `key=value` or, as in `PYTORCH_CUDA_ALLOC_CONF`, `key:value`, separated by commas
 //! (`max:80%,small_max:1MiB`); spaces around items, keys and values are ignored and a later
 //! item overrides an earlier one. Keys are exact and lowercase: `small_max`, `large_max`,
-//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`; the builder's
+//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`,
+//! `trace` (a file path, taken as written: it cannot hold `,` `=` `:` or `;`); the builder's
 //! names are aliases with the same meaning: `max_bytes` for `max`, `sparse_fraction` for
 //! `sparse`, `batch_blocks` for `batch`. Every error names `CUARENA_CONF` and lists the keys.
 //!
@@ -75,7 +76,7 @@ pub const MAX_KEEP_EMPTY: usize = 1024;
 pub const MAX_BATCH: usize = 1 << 16;
 
 /// The keys of a `CUARENA_CONF` string, for error messages.
-const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough; \
+const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough, trace; \
                     aliases: max_bytes = max, sparse_fraction = sparse, batch_blocks = batch; \
                     items are key=value or key:value, separated by commas";
 
@@ -107,6 +108,8 @@ pub struct Config {
     pub(crate) batch_bytes: usize,
     pub(crate) skip_fences: bool,
     pub(crate) passthrough: bool,
+    /// Record an allocation trace into this file from the allocator's creation (`trace.rs`).
+    pub(crate) trace: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -123,6 +126,7 @@ impl Default for Config {
             batch_bytes: 4 << 20,
             skip_fences: false,
             passthrough: false,
+            trace: None,
         }
     }
 }
@@ -147,7 +151,8 @@ impl Config {
     /// Items are `key=value` or `key:value`, separated by commas; a later item overrides an
     /// earlier one. Keys (exact, lowercase): `small_max`, `superblock`, `chunk`, `max` (alias
     /// `max_bytes`), `keep_empty`, `sparse` (alias `sparse_fraction`), `batch` (alias
-    /// `batch_blocks`), `batch_bytes`, and `passthrough` (a bare key, or `true|false|1|0`).
+    /// `batch_blocks`), `batch_bytes`, `passthrough` (a bare key, or `true|false|1|0`) and
+    /// `trace` (a path: an allocation trace is recorded there; see `trace.rs`).
     ///
     /// Sizes are a number and a unit in any case: `4096B`, `64 KiB`, `2M`, `1g`, `512mb`,
     /// `1.5GiB` (binary units: `K`/`Ki`/`KiB` … `T`/`Ti`/`TiB`; decimal: `KB` … `TB`). A fraction
@@ -200,6 +205,8 @@ impl Config {
                 "sparse" | "sparse_fraction" => b.sparse_fraction(number(v)?),
                 "batch" | "batch_blocks" => b.batch_blocks(whole(v)?),
                 "batch_bytes" => b.batch_bytes(size(v)?),
+                // The value is taken as it is: a path holding `,` `=` `:` or `;` cannot be given here.
+                "trace" => b.trace(v),
                 "passthrough" => b.passthrough(match v {
                     "true" | "1" => true,
                     "false" | "0" => false,
@@ -235,6 +242,10 @@ impl Config {
     /// True in pass-through mode: every request goes straight to the driver.
     pub fn passthrough(&self) -> bool {
         self.passthrough
+    }
+    /// The file an allocation trace is recorded into from the allocator's creation, if any.
+    pub fn trace(&self) -> Option<&std::path::Path> {
+        self.trace.as_deref()
     }
     /// The cap in bytes for a device of `total` bytes.
     pub fn limit_bytes(&self, total: usize) -> usize {
@@ -445,6 +456,13 @@ impl ConfigBuilder {
     /// checked against the live blocks.
     pub fn passthrough(mut self, on: bool) -> Self {
         self.0.passthrough = on;
+        self
+    }
+    /// Records an allocation trace into the file at `path` (created or truncated) from the
+    /// allocator's creation until [`Allocator::stop_trace`](crate::Allocator::stop_trace), its
+    /// drop or process exit (`trace.rs` documents the format). `CUARENA_CONF`: `trace=PATH`.
+    pub fn trace(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.0.trace = Some(path.into());
         self
     }
     /// **Breaks the allocator on purpose.** Hands freed blocks to other streams with no fence.

@@ -60,6 +60,9 @@ pub enum Error {
     ShutDown,
     /// The device did something cuarena cannot work with (the message says what).
     Unsupported(String),
+    // --- traces (issue 11) ---
+    /// Recording or reading an allocation trace failed (the message says what and where).
+    Trace(String),
 }
 
 impl fmt::Display for Error {
@@ -92,6 +95,7 @@ impl fmt::Display for Error {
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
             Error::ShutDown => write!(f, "the allocator has shut down: process exit has begun"),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
+            Error::Trace(msg) => write!(f, "trace: {msg}"),
         }
     }
 }
