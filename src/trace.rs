@@ -553,8 +553,24 @@ impl Shared {
     }
 
     /// The owner's thread ends: its buffer is written out and the log unregistered.
+    ///
+    /// If `enter` fails, a `stop` may be collecting this very buffer (it took the log in its
+    /// list, which holds it until we unregister): the owner must neither touch the buffer nor
+    /// unregister before that `stop` has ended, or records would be lost. So it waits for
+    /// `control` (held by `stop` throughout), then tries once more: under `control` no `stop`
+    /// runs, and if no trace runs either, the last `stop` collected the buffer.
     pub(crate) fn exit(&self, log: &Arc<ThreadLog>) {
-        if self.enter(log) {
+        let mut entered = self.enter(log);
+        // The mutation `trace_exit_unregisters_early` does not wait (a running `stop` may then
+        // lose the buffer).
+        let _no_stop_running = if entered || cfg!(cuarena_mutant = "trace_exit_unregisters_early") {
+            None
+        } else {
+            let c = lock(&self.control);
+            entered = self.enter(log);
+            Some(c)
+        };
+        if entered {
             self.write_out(log);
             self.leave(log);
         }

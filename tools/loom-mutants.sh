@@ -37,5 +37,9 @@ transit_unmarked         allocator  a_second_free_while_the_first_waits_in_an_ou
 owner_free_unmarked      allocator  a_remote_free_after_the_owners_local_free_is_refused
 zombie_no_sync           user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
 zombie_never_parked      user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
+trace_no_owner_fence     trace      a_stop_racing_an_owner_loses_and_duplicates_no_record
+trace_no_wait            trace      a_stop_racing_an_owner_loses_and_duplicates_no_record
+trace_no_wait            trace      a_stop_racing_an_owners_exit_loses_no_record
+trace_exit_unregisters_early trace  a_stop_racing_an_owners_exit_loses_no_record
 LIST
 exit $missed
