@@ -161,6 +161,14 @@ int cuarena_set_oom_hook(int device, int (*cb)(size_t requested, int device, voi
 int cuarena_version(void);
 /* The loaded library's version as a string, e.g. "0.1.0". Static: never freed. */
 const char *cuarena_version_string(void);
+/* Allocation traces (the format: cuarena's src/trace.rs; `cuarena trace-csv IN OUT` writes CSV).
+ * cuarena_trace_start records every allocation and free of device's allocator into the file at
+ * path (created or truncated); cuarena_trace_stop writes every thread's records and closes it.
+ * CUARENA_CONF=trace=PATH starts one at the allocator's creation; a trace still running at
+ * process exit is ended then. Both return 0 on success, -1 on failure (a trace already running
+ * or none running, a file error; the reason is in cuarena_last_error). */
+int cuarena_trace_start(int device, const char *path);
+int cuarena_trace_stop(int device);
 /* This thread's last error message, or NULL if no call has failed on this thread. Valid until
  * the next failing call on this thread. */
 const char *cuarena_last_error(void);

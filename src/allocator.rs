@@ -88,6 +88,8 @@ pub(crate) struct Inner {
     passthrough: Option<crate::passthrough::Passthrough>,
     /// The OOM hook (see [`Allocator::set_oom_hook`]).
     oom_hook: Mutex<Option<OomHook>>,
+    /// Allocation traces (trace.rs): off, it costs `allocate` and `deallocate` one `Relaxed` load.
+    trace: Arc<crate::trace::Shared>,
 }
 
 /// Arena shells: every one ever made (kept so `owner` pointers never dangle) and the idle ones.
@@ -494,6 +496,11 @@ impl Drop for Inner {
     /// fence covers: they are given back after a device synchronise before the pool (dropped
     /// after this) releases the chunks, as the pool waits for its own fences.
     fn drop(&mut self) {
+        // A trace still running ends with its allocator (no CUDA call; an error has no one to
+        // go to: the file then ends early, which `trace::read` reports).
+        if self.trace.running() {
+            let _ = self.trace.stop();
+        }
         if crate::shutdown::process_exiting() {
             return; // the driver is going away; the process teardown frees the memory
         }
@@ -1034,7 +1041,8 @@ impl Allocator {
     pub fn new(device: Arc<dyn Device>, config: Config) -> Result<Allocator> {
         crate::sync::prepare_barriers();
         let total = device.total_memory()?;
-        Ok(Allocator {
+        let trace_path = config.trace.clone();
+        let a = Allocator {
             inner: Arc::new(Inner {
                 id: next_id(),
                 pool: GlobalPool::new(Arc::clone(&device), &config, total),
@@ -1048,8 +1056,13 @@ impl Allocator {
                 deferred: Mutex::new(None),
                 arenas: AtomicUsize::new(0),
                 oom_hook: Mutex::new(None),
+                trace: crate::trace::Shared::new(crate::trace::BUFFER_RECORDS),
             }),
-        })
+        };
+        if let Some(path) = trace_path {
+            a.inner.trace.start_file(&path)?;
+        }
+        Ok(a)
     }
 
     /// An allocator for CUDA device `ordinal`. [`Error::NoDriver`] if there is no driver.
@@ -1069,13 +1082,22 @@ impl Allocator {
     /// times; then [`Error::OutOfMemory`].
     #[inline]
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        if self.inner.trace.on() {
+            return self.allocate_traced(size, stream); // a trace records (trace.rs)
+        }
+        self.allocate_untraced(size, stream)
+    }
+
+    /// [`Allocator::allocate`] without the trace: with the OOM hook.
+    #[inline(always)]
+    fn allocate_untraced(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         match self.allocate_once(size, stream) {
             Err(e @ Error::OutOfMemory { .. }) => self.after_oom(size, stream, e),
             r => r,
         }
     }
 
-    /// [`Allocator::allocate`] without the OOM hook.
+    /// [`Allocator::allocate`] without the trace and the OOM hook.
     #[inline]
     fn allocate_once(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if let Some(p) = &self.inner.passthrough {
@@ -1135,6 +1157,14 @@ impl Allocator {
     /// another thread is checked by that thread later; if found invalid it is counted in
     /// [`Stats::invalid_frees`] and reported by [`Allocator::take_deferred_error`].
     pub fn deallocate(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+        if self.inner.trace.on() {
+            return self.deallocate_traced(ptr, size, stream); // a trace records (trace.rs)
+        }
+        self.deallocate_untraced(ptr, size, stream)
+    }
+
+    #[inline(always)]
+    fn deallocate_untraced(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
         if let Some(p) = &self.inner.passthrough {
             return p.deallocate(ptr, size, stream); // pass-through mode
         }
@@ -1478,5 +1508,75 @@ impl Allocator {
         }
         self.count(|c| &c.ooms);
         Err(err)
+    }
+}
+
+// --- Allocation traces (issue 11; the recorder is trace.rs) ---
+impl Allocator {
+    /// Starts recording every allocate and free into the file at `path` (created or
+    /// truncated); `trace.rs` documents the format. Refused if a trace runs on this allocator
+    /// already, or if another trace of this process writes `path`.
+    pub fn start_trace(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.inner.trace.start_file(path.as_ref())
+    }
+
+    /// Ends the running trace: every thread's records are written (also those of threads that
+    /// are alive and recording this moment: it waits for their call to end) and the file
+    /// closed. Refused if no trace runs; a write error of the whole trace is returned here.
+    pub fn stop_trace(&self) -> Result<crate::trace::TraceSummary> {
+        self.inner.trace.stop()
+    }
+
+    /// Where the block at `ptr` lives, as the allocator sees it now.
+    fn trace_path(&self, ptr: u64, size: usize) -> crate::trace::TracePath {
+        use crate::trace::TracePath;
+        let inner = &self.inner;
+        if inner.passthrough.is_some() {
+            TracePath::Passthrough
+        } else if inner
+            .pool
+            .registry
+            .lookup(ptr)
+            .is_some_and(|sb| !sb.owner.load(Ordering::Acquire).is_null())
+        {
+            if size > inner.cfg.small_max { TracePath::LargeArena } else { TracePath::Arena }
+        } else {
+            TracePath::Pool
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn allocate_traced(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        use crate::trace::{Action, Event, TracePath};
+        if size == 0 {
+            return self.allocate_untraced(size, stream); // no request: nothing to record
+        }
+        crate::trace::record(&self.inner.trace, &*self.inner.device, stream, false, || {
+            let r = self.allocate_untraced(size, stream);
+            let ev = match &r {
+                Ok(p) => Event { action: Action::Alloc, ptr: p.0, size, path: self.trace_path(p.0, size) },
+                Err(_) => Event { action: Action::FailedAlloc, ptr: 0, size, path: TracePath::None },
+            };
+            (r, ev)
+        })
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn deallocate_traced(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+        use crate::trace::{Action, Event, TracePath};
+        if ptr.is_null() && size == 0 {
+            return Ok(()); // no request: nothing to record
+        }
+        crate::trace::record(&self.inner.trace, &*self.inner.device, stream, true, || {
+            let path = self.trace_path(ptr.0, size); // before the free changes it
+            let r = self.deallocate_untraced(ptr, size, stream);
+            let ev = match &r {
+                Ok(()) => Event { action: Action::Free, ptr: ptr.0, size, path },
+                Err(_) => Event { action: Action::RefusedFree, ptr: ptr.0, size, path: TracePath::None },
+            };
+            (r, ev)
+        })
     }
 }

@@ -45,7 +45,8 @@
 //! Items `key=value` or, as in `PYTORCH_CUDA_ALLOC_CONF`, `key:value`, separated by commas
 //! (`max:80%,small_max:1MiB`); spaces around items, keys and values are ignored and a later
 //! item overrides an earlier one. Keys are exact and lowercase: `small_max`, `large_max`,
-//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`, `stats`; the builder's
+//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`,
+//! `stats`, `trace` (a file path, taken as written: it cannot hold `,` `=` `:` or `;`); the builder's
 //! names are aliases with the same meaning: `max_bytes` for `max`, `sparse_fraction` for
 //! `sparse`, `batch_blocks` for `batch`. Every error names `CUARENA_CONF` and lists the keys.
 //!
@@ -79,7 +80,7 @@ pub const MAX_KEEP_EMPTY: usize = 1024;
 pub const MAX_BATCH: usize = 1 << 16;
 
 /// The keys of a `CUARENA_CONF` string, for error messages.
-const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough, stats; \
+const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough, stats, trace; \
                     aliases: max_bytes = max, sparse_fraction = sparse, batch_blocks = batch; \
                     items are key=value or key:value, separated by commas";
 
@@ -112,6 +113,8 @@ pub struct Config {
     pub(crate) skip_fences: bool,
     pub(crate) passthrough: bool,
     pub(crate) exact_stats: bool,
+    /// Record an allocation trace into this file from the allocator's creation (`trace.rs`).
+    pub(crate) trace: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -129,6 +132,7 @@ impl Default for Config {
             skip_fences: false,
             passthrough: false,
             exact_stats: false,
+            trace: None,
         }
     }
 }
@@ -153,8 +157,9 @@ impl Config {
     /// Items are `key=value` or `key:value`, separated by commas; a later item overrides an
     /// earlier one. Keys (exact, lowercase): `small_max`, `superblock`, `chunk`, `max` (alias
     /// `max_bytes`), `keep_empty`, `sparse` (alias `sparse_fraction`), `batch` (alias
-    /// `batch_blocks`), `batch_bytes`, `stats` (`exact` or `sampled`), and `passthrough` (a bare
-    /// key, or `true|false|1|0`).
+    /// `batch_blocks`), `batch_bytes`, `stats` (`exact` or `sampled`), `passthrough` (a bare
+    /// key, or `true|false|1|0`) and `trace` (a path: an allocation trace is recorded there;
+    /// see `trace.rs`).
     ///
     /// Sizes are a number and a unit in any case: `4096B`, `64 KiB`, `2M`, `1g`, `512mb`,
     /// `1.5GiB` (binary units: `K`/`Ki`/`KiB` … `T`/`Ti`/`TiB`; decimal: `KB` … `TB`). A fraction
@@ -212,6 +217,8 @@ impl Config {
                     "sampled" => false,
                     _ => return Err(config_error(format!("stats=`{v}` is not exact or sampled"))),
                 }),
+                // The value is taken as it is: a path holding `,` `=` `:` or `;` cannot be given here.
+                "trace" => b.trace(v),
                 "passthrough" => b.passthrough(match v {
                     "true" | "1" => true,
                     "false" | "0" => false,
@@ -253,6 +260,12 @@ impl Config {
     pub fn exact_stats(&self) -> bool {
         self.exact_stats
     }
+
+    /// The file an allocation trace is recorded into from the allocator's creation, if any.
+    pub fn trace(&self) -> Option<&std::path::Path> {
+        self.trace.as_deref()
+    }
+
     /// The cap in bytes for a device of `total` bytes.
     pub fn limit_bytes(&self, total: usize) -> usize {
         match self.max {
@@ -474,6 +487,15 @@ impl ConfigBuilder {
         self.0.exact_stats = on;
         self
     }
+
+    /// Records an allocation trace into the file at `path` (created or truncated) from the
+    /// allocator's creation until [`Allocator::stop_trace`](crate::Allocator::stop_trace), its
+    /// drop or process exit (`trace.rs` documents the format). `CUARENA_CONF`: `trace=PATH`.
+    pub fn trace(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.0.trace = Some(path.into());
+        self
+    }
+
     /// **Breaks the allocator on purpose.** Hands freed blocks to other streams with no fence.
     /// It exists only so that tests can show the race checkers catch missing fences.
     #[doc(hidden)]

@@ -64,6 +64,9 @@ pub enum Error {
     /// declared used on one): refused, nothing changed (see README, "CUDA graphs"). `stream`
     /// is the raw handle.
     StreamCapturing { stream: usize },
+    // --- traces (issue 11) ---
+    /// Recording or reading an allocation trace failed (the message says what and where).
+    Trace(String),
 }
 
 impl fmt::Display for Error {
@@ -101,6 +104,7 @@ impl fmt::Display for Error {
                 "stream {stream:#x} is being captured into a CUDA graph: cuarena does not allocate or free on a \
                  capturing stream (allocate before the capture, or on a stream not being captured)"
             ),
+            Error::Trace(msg) => write!(f, "trace: {msg}"),
         }
     }
 }

@@ -34,6 +34,7 @@ pub mod stats;
 pub mod stream;
 mod superblock;
 pub(crate) mod sync;
+pub mod trace;
 
 pub use allocator::{Allocator, MAX_OOM_RETRIES, OomHook};
 pub use buffer::DeviceBuffer;
@@ -47,3 +48,4 @@ pub use global::global;
 pub use ptr::DeviceAddr;
 pub use stats::Stats;
 pub use stream::{Stream, StreamKey};
+pub use trace::TraceSummary;

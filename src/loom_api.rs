@@ -162,3 +162,75 @@ impl StatsThread {
         self.0.count_free(bytes);
     }
 }
+
+// --- Allocation traces (issue 11) ---
+
+/// The trace buffers' hand-off of `trace.rs` (owner appends and writes out vs. `stop`
+/// collecting), over an in-memory file.
+pub struct TraceModel {
+    shared: Arc<crate::trace::Shared>,
+    file: Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+/// One owner thread's buffer in a [`TraceModel`].
+pub struct TraceLog(Arc<crate::trace::ThreadLog>);
+
+/// The in-memory file (a std lock, always taken under the tracer's own loom lock).
+struct MemFile(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for MemFile {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl TraceModel {
+    /// A tracer with buffers of `cap` records, recording.
+    pub fn new(cap: usize) -> Arc<TraceModel> {
+        let shared = crate::trace::Shared::new(cap);
+        let file = Arc::new(std::sync::Mutex::new(Vec::new()));
+        shared.start_writer(Box::new(MemFile(file.clone()))).unwrap();
+        Arc::new(TraceModel { shared, file })
+    }
+
+    /// A thread's buffer, registered (before its first record, as `trace::record` does).
+    pub fn register(&self) -> TraceLog {
+        TraceLog(self.shared.register())
+    }
+
+    /// The owner records a free of address `v`, as `trace::record` does; true if recorded.
+    pub fn record(&self, log: &TraceLog, v: u64) -> bool {
+        if !self.shared.enter(&log.0) {
+            return false;
+        }
+        let r = crate::trace::Record {
+            time_ns: self.shared.time(),
+            ptr: v,
+            size: 256,
+            stream: crate::stream::StreamKey(2),
+            thread: 0,
+            action: crate::trace::Action::Free,
+            path: crate::trace::TracePath::Arena,
+            stream_kind: crate::trace::StreamKind::PerThread,
+        };
+        self.shared.push(&log.0, r);
+        self.shared.leave(&log.0);
+        true
+    }
+
+    /// The owner's thread exits.
+    pub fn exit(&self, log: TraceLog) {
+        self.shared.exit(&log.0);
+    }
+
+    /// Ends the trace; the addresses the file holds, in file order.
+    pub fn stop(&self) -> Vec<u64> {
+        self.shared.stop().unwrap();
+        let bytes = self.file.lock().unwrap().clone();
+        crate::trace::parse(&bytes).unwrap().iter().map(|r| r.ptr).collect()
+    }
+}

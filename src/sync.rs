@@ -14,7 +14,7 @@
 #[cfg(loom)]
 pub(crate) use loom::{
     cell::UnsafeCell,
-    sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering},
+    sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence},
     sync::{Mutex, MutexGuard},
     thread::yield_now,
     thread_local,
@@ -22,7 +22,7 @@ pub(crate) use loom::{
 
 #[cfg(not(loom))]
 pub(crate) use std::{
-    sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering},
+    sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence},
     sync::{Mutex, MutexGuard},
     thread::yield_now,
     thread_local,

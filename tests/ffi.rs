@@ -465,3 +465,36 @@ fn set_oom_hook_without_a_driver_fails_cleanly() {
     assert_eq!(cuarena_set_oom_hook(0, None, std::ptr::null_mut()), -1);
     assert!(err().contains("driver"), "{}", err());
 }
+
+// --- Allocation traces (issue 11) ---
+
+#[test]
+fn trace_calls_refuse_bad_input_and_fail_cleanly_without_a_driver() {
+    let _g = serial();
+    // SAFETY: NULL is allowed and refused.
+    assert_eq!(unsafe { cuarena_trace_start(0, std::ptr::null()) }, -1);
+    assert!(err().contains("path is NULL"), "{}", err());
+    if gpu_present() {
+        let p = std::env::temp_dir().join(format!("cuarena-ffi-trace-{}.bin", std::process::id()));
+        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated string.
+        assert_eq!(unsafe { cuarena_trace_start(0, c.as_ptr()) }, 0, "{}", err());
+        // SAFETY: as above.
+        assert_eq!(unsafe { cuarena_trace_start(0, c.as_ptr()) }, -1);
+        let q = cuarena_malloc(4096, 0, ptr(2));
+        assert!(!q.is_null(), "{}", err());
+        cuarena_free(q, 4096, 0, ptr(2));
+        assert_eq!(cuarena_trace_stop(0), 0, "{}", err());
+        let recs = cuarena::trace::read(&p).unwrap();
+        assert_eq!(recs.len(), 2);
+        assert_eq!(cuarena_trace_stop(0), -1, "nothing runs any more");
+        std::fs::remove_file(&p).unwrap();
+    } else {
+        let c = std::ffi::CString::new("/tmp/never-written.bin").unwrap();
+        // SAFETY: a NUL-terminated string.
+        assert_eq!(unsafe { cuarena_trace_start(0, c.as_ptr()) }, -1);
+        assert!(err().contains("no CUDA driver"), "{}", err());
+        assert_eq!(cuarena_trace_stop(0), -1);
+        assert!(err().contains("no CUDA driver"), "{}", err());
+    }
+}

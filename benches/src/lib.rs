@@ -55,6 +55,8 @@ use cuarena::{Allocator, Config, Device, DeviceAddr, DeviceKind, Error, Event, R
 use cuarena_testkit::cuda_kernels::CudaKernels;
 use cuarena_testkit::{HostConfig, HostDevice};
 
+pub mod replay;
+
 /// Cumulative figures an allocator reports about itself.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Counts {
@@ -102,6 +104,53 @@ impl BenchAlloc for Cuarena {
         let _ = self.0.release_thread();
     }
 }
+
+/// cuarena with a trace recording (`cuarena+trace`): the trace's overhead, measured in the same
+/// run as plain `cuarena`. The trace goes to a file in the temporary folder, removed at drop.
+struct CuarenaTraced {
+    inner: Cuarena,
+    path: std::path::PathBuf,
+}
+
+impl CuarenaTraced {
+    fn new(a: Allocator) -> Result<CuarenaTraced> {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("cuarena-bench-{}-{n}.trace", std::process::id()));
+        a.start_trace(&path)?;
+        Ok(CuarenaTraced { inner: Cuarena(a), path })
+    }
+}
+
+impl Drop for CuarenaTraced {
+    fn drop(&mut self) {
+        let _ = self.inner.0.stop_trace();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl BenchAlloc for CuarenaTraced {
+    fn name(&self) -> &'static str {
+        "cuarena+trace"
+    }
+    #[inline]
+    fn alloc(&self, size: usize, stream: Stream) -> Result<u64> {
+        self.inner.alloc(size, stream)
+    }
+    #[inline]
+    fn free(&self, ptr: u64, size: usize, stream: Stream) -> Result<()> {
+        self.inner.free(ptr, size, stream)
+    }
+    fn counts(&self) -> Counts {
+        self.inner.counts()
+    }
+    fn thread_end(&self) {
+        self.inner.thread_end()
+    }
+}
+
+/// Allocators that run only when asked for by name (`--allocators`), beside the default ones.
+pub const ON_REQUEST: &[&str] = &["cuarena+trace"];
 
 /// Tracks live bytes and their peak for baselines that do not report their own.
 #[derive(Default)]
@@ -604,6 +653,9 @@ impl Bench {
     fn make(&self, name: &str) -> Result<Box<dyn BenchAlloc>> {
         Ok(match name {
             "cuarena" => Box::new(Cuarena(Allocator::new(Arc::clone(&self.device), Config::from_env()?)?)),
+            "cuarena+trace" => {
+                Box::new(CuarenaTraced::new(Allocator::new(Arc::clone(&self.device), Config::from_env()?)?)?)
+            }
             "cuMemAlloc" => Box::new(CuMemAlloc {
                 dev: self.cuda.clone().ok_or(Error::NoDriver)?,
                 tally: Tally::default(),

@@ -7,13 +7,14 @@
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser};
+use clap::{CommandFactory, Parser, Subcommand};
 use cuarena::DeviceKind;
-use cuarena_bench::{Bench, Point, StreamMode, Workload};
+use cuarena_bench::replay::{Format, Plan, ReplayPoint};
+use cuarena_bench::{Bench, ON_REQUEST, Point, StreamMode, Workload};
 
 /// Every allocator the benchmark knows, and where it runs.
-const ALLOCATORS: &str =
-    "cuarena (everywhere), cuMemAllocAsync and cuMemAlloc (GPU), mutex-first-fit (host device)";
+const ALLOCATORS: &str = "cuarena (everywhere), cuMemAllocAsync and cuMemAlloc (GPU), mutex-first-fit (host device); \
+     on request only: cuarena+trace (cuarena recording a trace, for the trace's overhead)";
 
 /// The columns of the table, explained under it.
 const LEGEND: &[(&str, &str)] = &[
@@ -81,6 +82,42 @@ struct Args {
     /// Only the variants with a 4 KiB memset per allocation.
     #[arg(long)]
     touch_only: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Plays a recorded trace against cuarena and the baselines (threads, streams and
+    /// cross-thread frees as recorded; see benches/src/replay.rs).
+    Replay {
+        /// The trace file.
+        file: std::path::PathBuf,
+        /// Its format: cuarena (binary, CUARENA_CONF=trace=PATH), cuarena-csv (`trace-csv`'s
+        /// output), rmm-csv (RMM's logging adaptor; also tools/torch_snapshot_to_csv.py's output).
+        #[arg(long, default_value = "cuarena", value_parser = parse_format)]
+        format: Format,
+        /// Allocators [default: every one this device runs].
+        #[arg(long, value_name = "A,...", value_delimiter = ',')]
+        allocators: Option<Vec<String>>,
+        /// One JSON object per allocator instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Writes a binary cuarena trace as CSV (thread,time_ns,action,ptr,size,stream_kind,stream,path).
+    TraceCsv {
+        /// The binary trace.
+        input: std::path::PathBuf,
+        /// The CSV file to write (`-` for standard output).
+        output: std::path::PathBuf,
+    },
+}
+
+fn parse_format(f: &str) -> Result<Format, String> {
+    Format::parse(f.trim()).ok_or_else(|| {
+        let valid: Vec<&str> = Format::ALL.iter().map(|f| f.name()).collect();
+        format!("unknown trace format `{f}` (valid: {})", valid.join(", "))
+    })
 }
 
 fn parse_stream(m: &str) -> Result<StreamMode, String> {
@@ -148,10 +185,22 @@ fn usage_error(msg: String) -> ExitCode {
 
 fn main() -> ExitCode {
     let args = Args::parse(); // on a bad argument: a message and exit status 2
+    if let Some(Command::TraceCsv { input, output }) = &args.command {
+        return trace_csv(input, output);
+    }
     let bench = Bench::detect();
     eprintln!("cuarena benchmark on {}", bench.description);
+    let known: Vec<&str> = bench.allocator_names().into_iter().chain(ON_REQUEST.iter().copied()).collect();
+    if let Some(Command::Replay { file, format, allocators, json }) = &args.command {
+        if let Some(requested) = allocators
+            && let Err(e) = check_allocators(requested, &known)
+        {
+            return usage_error(e);
+        }
+        return replay(&bench, file, *format, allocators.clone(), *json);
+    }
     if let Some(requested) = &args.allocators
-        && let Err(e) = check_allocators(requested, &bench.allocator_names())
+        && let Err(e) = check_allocators(requested, &known)
     {
         return usage_error(e);
     }
@@ -327,6 +376,123 @@ fn local_share(p: &Point) -> String {
         Some(0) => "0".into(),
         Some(l) => format!("{:.1}%", 100.0 * l as f64 / p.pairs.max(1) as f64),
     }
+}
+
+/// `cuarena trace-csv IN OUT`.
+fn trace_csv(input: &std::path::Path, output: &std::path::Path) -> ExitCode {
+    let recs = match cuarena::trace::read(input) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let r = if output.as_os_str() == "-" {
+        cuarena::trace::write_csv(&recs, std::io::BufWriter::new(std::io::stdout().lock()))
+    } else {
+        std::fs::File::create(output)
+            .and_then(|f| cuarena::trace::write_csv(&recs, std::io::BufWriter::new(f)))
+    };
+    match r {
+        Ok(()) => {
+            eprintln!("{} records written", recs.len());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: writing {}: {e}", output.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `cuarena replay FILE`.
+fn replay(
+    bench: &Bench,
+    file: &std::path::Path,
+    format: Format,
+    allocators: Option<Vec<String>>,
+    json: bool,
+) -> ExitCode {
+    let trace = match cuarena_bench::replay::load(file, format) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let plan = Plan::new(&trace);
+    eprintln!(
+        "{}: {} threads, {} allocations, {} pairs ({} freed by another thread), {} user streams; \
+         not played: {} unmatched frees, {} failed or refused in the trace; {} never freed (freed after the play)",
+        file.display(),
+        plan.threads(),
+        plan.allocations,
+        plan.pairs,
+        plan.cross_thread_frees,
+        plan.user_streams.len(),
+        plan.unmatched_frees,
+        plan.not_played,
+        plan.never_freed
+    );
+    if plan.allocations == 0 {
+        eprintln!("error: nothing to replay: the trace has no allocation");
+        return ExitCode::FAILURE;
+    }
+    let names = allocators.unwrap_or_else(|| bench.allocator_names().iter().map(|s| s.to_string()).collect());
+    let mut points: Vec<ReplayPoint> = Vec::new();
+    let mut failed = false;
+    for a in &names {
+        match bench.replay(a, &plan) {
+            Ok(p) => {
+                if json {
+                    println!("{}", p.json());
+                }
+                failed |= p.failed_allocs + p.failed_frees > 0;
+                points.push(p);
+            }
+            Err(e) => {
+                eprintln!("{a} failed: {e}");
+                failed = true;
+            }
+        }
+    }
+    if !json {
+        println!("device: {}", bench.description);
+        println!(
+            "{:<16} {:>4} {:>10} {:>10} {:>8} {:>8} {:>10} {:>7} {:>8} {:>8}",
+            "allocator",
+            "thr",
+            "pairs",
+            "pairs/s",
+            "p50 ns",
+            "p99 ns",
+            "peak live",
+            "res/pk",
+            "drv calls",
+            "failures"
+        );
+        for p in &points {
+            println!(
+                "{:<16} {:>4} {:>10} {:>10} {:>8} {:>8} {:>10} {:>7.2} {:>8} {:>8}",
+                p.allocator,
+                p.threads,
+                p.pairs,
+                human(p.pairs_per_sec),
+                p.p50_ns,
+                p.p99_ns,
+                human(p.peak_live_bytes as f64) + "B",
+                p.memory_ratio(),
+                p.driver_calls,
+                p.failed_allocs + p.failed_frees
+            );
+        }
+        println!(
+            "\ncolumns: pairs/s: matched alloc+free pairs over the play's wall time; p50/p99: one call \
+             (alloc or free); peak live: the trace's own peak; res/pk: peak reserved over it; failures: \
+             allocations or frees the allocator refused"
+        );
+    }
+    if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS }
 }
 
 #[cfg(test)]

@@ -469,6 +469,38 @@ pub extern "C" fn cuarena_last_error() -> *const c_char {
         .unwrap_or(std::ptr::null())
 }
 
+// --- Allocation traces (issue 11; `cuarena::trace` documents the format) ---
+
+/// Starts recording every allocation and free of `device`'s allocator into the file at `path`
+/// (created or truncated). 0 on success; -1 if `path` is NULL or not UTF-8, the file cannot be
+/// created, or a trace runs already (the reason is in [`cuarena_last_error`]).
+///
+/// # Safety
+/// `path` must be NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuarena_trace_start(device: c_int, path: *const c_char) -> c_int {
+    guard(-1, || {
+        if path.is_null() {
+            return Err("cuarena_trace_start: path is NULL".into());
+        }
+        // SAFETY: the caller guarantees a NUL-terminated string.
+        let p = unsafe { std::ffi::CStr::from_ptr(path) };
+        let p = p.to_str().map_err(|_| "cuarena_trace_start: path is not UTF-8".to_string())?;
+        let a = global(device).map_err(|e| e.to_string())?;
+        a.start_trace(p).map(|()| 0).map_err(|e| e.to_string())
+    })
+}
+
+/// Ends `device`'s trace: every thread's records are written and the file closed. 0 on
+/// success; -1 if no trace runs or writing failed (the reason is in [`cuarena_last_error`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_trace_stop(device: c_int) -> c_int {
+    guard(-1, || {
+        let a = global(device).map_err(|e| e.to_string())?;
+        a.stop_trace().map(|_| 0).map_err(|e| e.to_string())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
