@@ -41,43 +41,15 @@ fn gpu_stress_keeps_tags_and_layout() {
     let s = a.stats();
     eprintln!("gpu stress: {r:?}\n{s:?}");
     assert!(s.cross_thread_frees > 1000 && s.cross_stream_frees > 100, "{s:?}");
-    assert_eq!(s.host_syncs, 0);
+    // Only where parked user-stream arenas (two per thread, given up at its exit) pass 64 MiB.
+    assert!(s.host_syncs <= 2 * p.threads as u64, "{s:?}");
     assert_all_returned(&a, None, 0);
 }
 
-/// The test of the test on the GPU: with fencing off, reuse before the fence must show up as
-/// overwritten tags.
-#[test]
-#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
-fn gpu_unfenced_reuse_is_caught() {
-    let Some(dev) = gpu() else { return };
-    let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
-    // Superblocks of 64 KiB: owners run out often and take remotely freed blocks back at once.
-    // Whether a reuse meets running work is timing: up to three runs must catch one.
-    let mut found = Vec::new();
-    for seed in 1..=3 {
-        let cfg = Config::builder().superblock(64 << 10).small_max(32 << 10).skip_fences_for_testing();
-        let a = Allocator::new(dev.clone(), cfg.build().unwrap()).unwrap();
-        let p = StressParams {
-            threads: 8,
-            steps: 2000,
-            slots: 8,
-            max_size: 32 << 10,
-            handoff_pct: 90,
-            cross_stream_pct: 60,
-            hold: Duration::from_micros(300),
-            seed,
-            ..Default::default()
-        };
-        let r = stress(ops.clone(), &a, &p).unwrap();
-        eprintln!("unfenced, run {seed}: {} overwritten words", r.tag_errors);
-        found.push(r.tag_errors);
-        if r.tag_errors > 0 {
-            return;
-        }
-    }
-    panic!("unfenced reuse went unnoticed on the GPU in three runs: {found:?}");
-}
+// The test of the test on the GPU (fencing off must be caught) is the fence torture's:
+// `gpu_torture_{ptds,legacy,own_streams}_unfenced_is_caught` below, in every stream mode. (A
+// stress-based one here relied on user-stream blocks going to the pool, where fencing off
+// reuses them at once; user streams have arenas now, and it caught nothing on the H200.)
 
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]

@@ -120,8 +120,9 @@ impl CudaDevice {
         self.enter_context(g)
     }
 
-    /// [`CudaDevice::enter`] without the capture-mode switch, for calls that CUDA allows during
-    /// any capture (`cuStreamGetId`): the user-stream fast path makes one per operation.
+    /// [`CudaDevice::enter`] without the capture-mode switch: for `cuStreamGetId`, which the
+    /// user-stream fast path makes on every operation; CUDA refuses it only while a capture in
+    /// the global or thread-local mode runs, and then it is asked again after `enter`.
     fn enter_light(&self) -> Result<CtxGuard> {
         self.enter_context(CtxGuard { pushed: false, mode: None })
     }
@@ -275,10 +276,21 @@ impl Device for CudaDevice {
     }
 
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
-        let _g = self.enter_light()?;
         let mut id = 0;
-        // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
-        check("cuStreamGetId", unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) })?;
+        let r = {
+            let _g = self.enter_light()?;
+            // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
+            unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) }
+        };
+        if r == sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED {
+            // Some stream of this thread or process is being captured in the global or
+            // thread-local mode, which forbids this call: asked again in the relaxed mode.
+            let _g = self.enter()?;
+            // SAFETY: as above.
+            check("cuStreamGetId", unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) })?;
+            return Ok(StreamKey(id));
+        }
+        check("cuStreamGetId", r)?;
         Ok(StreamKey(id))
     }
 }
