@@ -65,7 +65,7 @@ fn capture(mode: sys::CUstreamCaptureMode) {
     let target = a.allocate(1 << 20, s).unwrap();
     let warm = a.allocate(4096, s).unwrap();
     a.deallocate(warm, 4096, s).unwrap();
-    let pool_block = a.allocate(8 << 20, s).unwrap(); // large on a user stream: a pool block
+    let pool_block = a.allocate(8 << 20, s).unwrap(); // a large block of `s`'s arena
 
     // SAFETY: `s` is a live stream of the current context.
     check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(raw(s), mode) }).unwrap();
@@ -89,10 +89,10 @@ fn capture(mode: sys::CUstreamCaptureMode) {
         Err(Error::StreamCapturing { .. }) => {}
         r => panic!("a pool allocation on the capturing stream: {r:?}"),
     }
-    // A pool free on the capturing stream would record an event there: refused, nothing changed.
+    // A free on the capturing stream: refused (its identity cannot be asked), nothing changed.
     match a.deallocate(pool_block, 8 << 20, s) {
         Err(Error::StreamCapturing { .. }) => {}
-        r => panic!("a pool free on the capturing stream: {r:?}"),
+        r => panic!("a free on the capturing stream: {r:?}"),
     }
     // This thread on the legacy stream, growing the pool with cuMemAlloc (forbidden on a
     // thread-local- or global-mode capturing thread unless relaxed): works, breaks nothing.

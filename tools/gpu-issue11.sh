@@ -29,3 +29,5 @@ for i in 1 2; do
   done
 done
 echo "stats exact: $(wc -l < "$out/stats-exact.jsonl") rows"
+# One archive of the small results (the device tool returns few files).
+tar czf "$out.tgz" -C "$out" --exclude='*.pickle' --exclude='*.csv' --exclude='*.bin' . && rm -rf "$out"

@@ -287,7 +287,14 @@ impl Device for CudaDevice {
             // thread-local mode, which forbids this call: asked again in the relaxed mode.
             let _g = self.enter()?;
             // SAFETY: as above.
-            check("cuStreamGetId", unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) })?;
+            let r = unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) };
+            if r == sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED {
+                // Still refused: `stream` itself is being captured (measured on the H200 in
+                // both modes). A user stream's every call asks its identity, so every
+                // allocation and free on a capturing user stream is refused here, clearly.
+                return Err(Error::StreamCapturing { stream: stream.as_raw() });
+            }
+            check("cuStreamGetId", r)?;
             return Ok(StreamKey(id));
         }
         check("cuStreamGetId", r)?;
