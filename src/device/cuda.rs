@@ -120,9 +120,9 @@ impl CudaDevice {
         self.enter_context(g)
     }
 
-    /// [`CudaDevice::enter`] without the capture-mode switch: for `cuStreamGetId`, which the
-    /// user-stream fast path makes on every operation; CUDA refuses it only while a capture in
-    /// the global or thread-local mode runs, and then it is asked again after `enter`.
+    /// [`CudaDevice::enter`] without the capture-mode switch: for the identity of a stream
+    /// (`cuStreamIsCapturing`, then `cuStreamGetId` if it is not being captured), which the
+    /// user-stream fast path asks on every operation.
     fn enter_light(&self) -> Result<CtxGuard> {
         self.enter_context(CtxGuard { pushed: false, mode: None })
     }
@@ -276,28 +276,24 @@ impl Device for CudaDevice {
     }
 
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
-        let mut id = 0;
-        let r = {
-            let _g = self.enter_light()?;
-            // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
-            unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) }
-        };
-        if r == sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED {
-            // Some stream of this thread or process is being captured in the global or
-            // thread-local mode, which forbids this call: asked again in the relaxed mode.
-            let _g = self.enter()?;
-            // SAFETY: as above.
-            let r = unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) };
-            if r == sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED {
-                // Still refused: `stream` itself is being captured (measured on the H200 in
-                // both modes). A user stream's every call asks its identity, so every
-                // allocation and free on a capturing user stream is refused here, clearly.
+        let _g = self.enter_light()?;
+        if !stream.is_legacy() {
+            // `cuStreamGetId` on a stream being captured fails and invalidates the capture
+            // (measured on the H200, global and thread-local modes): ask first, with the one
+            // query CUDA allows during any capture.
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: `status` is a valid out-pointer; the stream is the caller's (0x2 or a
+            // user stream passed in this call).
+            check("cuStreamIsCapturing", unsafe {
+                sys::cuStreamIsCapturing(raw_stream(stream), &mut status)
+            })?;
+            if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
                 return Err(Error::StreamCapturing { stream: stream.as_raw() });
             }
-            check("cuStreamGetId", r)?;
-            return Ok(StreamKey(id));
         }
-        check("cuStreamGetId", r)?;
+        let mut id = 0;
+        // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
+        check("cuStreamGetId", unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) })?;
         Ok(StreamKey(id))
     }
 }
