@@ -68,6 +68,10 @@
 //! outbox, one fence per batch). Host memory: a large superblock's tags (4 bytes per granule,
 //! 2 MiB for 128 MiB) are made at each lending and dropped when it goes back; its freed flags are
 //! the registry's, per address (`registry.rs`).
+//! **Under a tight cap** a large request needs its whole size in one piece of the pool. While
+//! other threads' superblocks are still on their way back (behind fences the reclaim itself
+//! has just recorded), the out-of-memory path, which never blocks the host, may find none and
+//! return out-of-memory where `trim(true)` and a retry would succeed.
 
 //! ## Superblock return rule (Hoard's emptiness rule)
 //! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
