@@ -1333,8 +1333,9 @@ impl Allocator {
         self.inner.counters.fill(&mut s);
         self.inner.pool.fill_stats(&mut s);
         s.arenas = self.inner.arenas.load(Ordering::Relaxed) as u64;
-        // Counted on the pool's paths only, so the arena's fast path counts nothing extra.
-        s.arena_allocations = s.allocations.wrapping_sub(s.pool_allocations);
+        // Counted on the pool's paths only, so the arena's fast path counts nothing extra. A
+        // read racing an allocation may see its pool count before its total: never below 0.
+        s.arena_allocations = s.allocations.saturating_sub(s.pool_allocations);
         s
     }
 

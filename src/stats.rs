@@ -496,9 +496,11 @@ impl CounterRegistry {
                 upper = upper.wrapping_add(e.c.window_max(e.peak_base, epoch));
             }
             t.write_to(s);
+            // Sampled under the list lock: a `reset_peak` (which stores the peak under it)
+            // is not undone by a sum read before it.
+            s.peak_live_bytes = self.sample_peak(s.live_bytes);
             if l.upper_known { upper.max(0) as u64 } else { u64::MAX }
         };
-        s.peak_live_bytes = self.sample_peak(s.live_bytes);
         s.peak_live_bytes_upper = upper;
         if self.reg.exact {
             let live = self.reg.exact_live.load(Ordering::SeqCst) as i64;
