@@ -465,11 +465,7 @@ impl Inner {
             let (home, key) = (arena.home, arena.key);
             bytes += arena.reclaim(env, dissolve, || {
                 if home.is_user() {
-                    return if may_block {
-                        env.home_fence_or_sync(home, key, false).map(HomeFence::Fence)
-                    } else {
-                        env.home_fence(home, key, false)
-                    };
+                    return env.reclaim_fence(home, key, may_block);
                 }
                 let k = env.dev.stream_key(Stream::LEGACY)?;
                 env.fence(Stream::LEGACY, k).map(HomeFence::Fence)
@@ -766,13 +762,7 @@ impl Slot {
             bytes += owned
                 .with(|a| {
                     let (home, key) = (a.home, a.key);
-                    a.reclaim(env, dissolve, || {
-                        if may_block {
-                            env.home_fence_or_sync(home, key, false).map(HomeFence::Fence)
-                        } else {
-                            env.home_fence(home, key, false)
-                        }
-                    })
+                    a.reclaim(env, dissolve, || env.reclaim_fence(home, key, may_block))
                 })
                 .unwrap_or(0);
         }

@@ -59,6 +59,18 @@ impl Env<'_> {
         self.fence(home, key).map(HomeFence::Fence)
     }
 
+    /// The fence for memory a reclaim takes from an arena outside any call on its home stream:
+    /// [`Env::home_fence`], or, where the caller may block (`may_block`: out-of-memory,
+    /// `trim(true)`), [`Env::home_fence_or_sync`], so that a user stream's arena can give
+    /// memory back after a device synchronise instead of keeping it.
+    pub(crate) fn reclaim_fence(&self, home: Stream, key: StreamKey, may_block: bool) -> Result<HomeFence> {
+        if may_block {
+            self.home_fence_or_sync(home, key, false).map(HomeFence::Fence)
+        } else {
+            self.home_fence(home, key, false)
+        }
+    }
+
     /// [`Env::home_fence`], synchronising the device where the stream may be gone (a host
     /// block: out-of-memory, blocking trim and exit paths only). Never [`HomeFence::Gone`].
     pub(crate) fn home_fence_or_sync(
