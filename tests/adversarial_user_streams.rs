@@ -85,14 +85,10 @@ fn small_request_out_of_memory_buries_parked_arenas() {
     assert_all_returned(&a, Some(&sim), 0);
 }
 
-/// `trim(true)` on a thread whose user arena's stream was destroyed (the thread lives on and
-/// keeps the arena): trim's contract is that every superblock holding no used block goes back
-/// from this thread's arenas and idle threads' ones; blocking, it may synchronise.
-#[test]
-fn blocking_trim_takes_back_own_arena_of_destroyed_stream() {
-    let sim = host(20);
-    let a = alloc_on(&sim);
-    let w = Worker::new(&a);
+/// A worker thread that used a user stream (blocks freed there under running work) whose
+/// stream is then destroyed: its arena holds that memory, the worker lives on, idle.
+fn worker_with_arena_of_a_destroyed_stream(a: &Allocator, sim: &HostDevice) -> Worker {
+    let w = Worker::new(a);
     let s = sim.create_stream();
     w.run({
         let sim = sim.clone();
@@ -107,6 +103,17 @@ fn blocking_trim_takes_back_own_arena_of_destroyed_stream() {
         }
     });
     sim.destroy_stream(s).unwrap();
+    w
+}
+
+/// `trim(true)` on a thread whose user arena's stream was destroyed (the thread lives on and
+/// keeps the arena): trim's contract is that every superblock holding no used block goes back
+/// from this thread's arenas and idle threads' ones; blocking, it may synchronise.
+#[test]
+fn blocking_trim_takes_back_own_arena_of_destroyed_stream() {
+    let sim = host(20);
+    let a = alloc_on(&sim);
+    let w = worker_with_arena_of_a_destroyed_stream(&a, &sim);
     // From the owner itself.
     let held = w.run(|a| {
         a.trim(true).unwrap();
@@ -122,21 +129,7 @@ fn blocking_trim_takes_back_own_arena_of_destroyed_stream() {
 fn blocking_trim_takes_back_idle_threads_arena_of_destroyed_stream() {
     let sim = host(20);
     let a = alloc_on(&sim);
-    let w = Worker::new(&a);
-    let s = sim.create_stream();
-    w.run({
-        let sim = sim.clone();
-        move |a| {
-            let ps: Vec<DeviceAddr> = (0..4).map(|_| a.allocate(32 << 10, s).unwrap()).collect();
-            for p in &ps {
-                sim.hold_and_check(p.0, 32 << 10, 5, Duration::from_micros(300), s).unwrap();
-            }
-            for p in ps {
-                a.deallocate(p, 32 << 10, s).unwrap();
-            }
-        }
-    });
-    sim.destroy_stream(s).unwrap();
+    let w = worker_with_arena_of_a_destroyed_stream(&a, &sim);
     a.trim(true).unwrap();
     let st = a.stats();
     assert_eq!(st.arena_held_bytes, 0, "an idle thread's dead-stream arena kept memory: {st:?}");
