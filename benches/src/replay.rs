@@ -134,6 +134,30 @@ pub fn from_records(recs: &[trace::Record]) -> Trace {
     t
 }
 
+/// Calls `row(fields, bad)` for every non-blank line of `lines` (the header already taken),
+/// with its comma-separated fields trimmed, once they are at least `fields` (exactly, with
+/// `exact`); `bad(what)` makes the error that names the line.
+fn for_each_row(
+    lines: impl Iterator<Item = (usize, std::io::Result<String>)>,
+    fields: usize,
+    exact: bool,
+    mut row: impl FnMut(&[&str], &dyn Fn(&str) -> Error) -> Result<()>,
+) -> Result<()> {
+    for (i, line) in lines {
+        let line = line.map_err(err)?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |what: &str| err(format!("line {}: {what}: `{line}`", i + 1));
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        if f.len() < fields || (exact && f.len() != fields) {
+            return Err(bad(&format!("expected {fields} fields")));
+        }
+        row(&f, &bad)?;
+    }
+    Ok(())
+}
+
 /// Reads `cuarena trace-csv` output back into records.
 pub fn read_cuarena_csv(input: impl BufRead) -> Result<Vec<trace::Record>> {
     let mut lines = input.lines().enumerate();
@@ -146,16 +170,7 @@ pub fn read_cuarena_csv(input: impl BufRead) -> Result<Vec<trace::Record>> {
         None => return Err(err("empty file: no header")),
     }
     let mut out = Vec::new();
-    for (i, line) in lines {
-        let line = line.map_err(err)?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |what: &str| err(format!("line {}: {what}: `{line}`", i + 1));
-        let f: Vec<&str> = line.split(',').map(str::trim).collect();
-        if f.len() != 8 {
-            return Err(bad("expected 8 fields"));
-        }
+    for_each_row(lines, 8, true, |f, bad| {
         out.push(trace::Record {
             thread: f[0].parse().map_err(|_| bad("bad thread"))?,
             time_ns: f[1].parse().map_err(|_| bad("bad time"))?,
@@ -166,7 +181,8 @@ pub fn read_cuarena_csv(input: impl BufRead) -> Result<Vec<trace::Record>> {
             stream: cuarena::StreamKey(f[6].parse().map_err(|_| bad("bad stream"))?),
             path: trace::TracePath::parse(f[7]).ok_or_else(|| bad("unknown path"))?,
         });
-    }
+        Ok(())
+    })?;
     Ok(out)
 }
 
@@ -221,22 +237,13 @@ pub fn read_rmm_csv(input: impl BufRead) -> Result<Trace> {
     let cstream = cols.iter().position(|c| c == "stream");
     let mut t = Trace::default();
     let mut threads: HashMap<String, u64> = HashMap::new();
-    for (i, line) in lines {
-        let line = line.map_err(err)?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |what: &str| err(format!("line {}: {what}: `{line}`", i + 1));
-        let f: Vec<&str> = line.split(',').map(str::trim).collect();
-        if f.len() < cols.len() {
-            return Err(bad(&format!("expected {} fields", cols.len())));
-        }
+    for_each_row(lines, cols.len(), false, |f, bad| {
         let alloc = match f[ca].to_ascii_lowercase().as_str() {
             "allocate" | "alloc" => true,
             "free" | "deallocate" => false,
             a if a.contains("failure") || a.contains("fail") => {
                 t.not_played += 1;
-                continue;
+                return Ok(());
             }
             _ => return Err(bad("unknown action (allocate, free, deallocate or allocate failure)")),
         };
@@ -257,7 +264,8 @@ pub fn read_rmm_csv(input: impl BufRead) -> Result<Trace> {
             size: f[cs].parse().map_err(|_| bad("bad size"))?,
             stream,
         });
-    }
+        Ok(())
+    })?;
     Ok(t)
 }
 
