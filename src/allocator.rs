@@ -1072,10 +1072,12 @@ impl Allocator {
     /// times; then [`Error::OutOfMemory`].
     #[inline]
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
-        if self.inner.trace.on() {
-            return self.allocate_traced(size, stream); // a trace records (trace.rs)
-        }
-        self.allocate_untraced(size, stream)
+        // Whether a trace runs is asked after the allocation (trace.rs).
+        crate::trace::allocation(
+            &self.inner.trace,
+            || self.allocate_untraced(size, stream),
+            |r| self.trace_allocation(size, stream, r),
+        )
     }
 
     /// [`Allocator::allocate`] without the trace: with the OOM hook.
@@ -1347,8 +1349,9 @@ impl Allocator {
     /// (`torch.cuda.reset_accumulated_memory_stats`). Gauges (`live_bytes`, `reserved_bytes`,
     /// `arena_held_bytes`, ...) and peaks are kept. Safe while other threads allocate: each
     /// thread's counters are only read, into a baseline that later reads subtract (see
-    /// `stats.rs`), so no bump racing the reset is lost or torn; an operation racing it is
-    /// counted before or after it, whole.
+    /// `stats.rs`), so no bump racing the reset is lost or torn; each counter of an operation
+    /// racing it is counted before or after it (two counters of one operation may fall on
+    /// either side; `allocations` and the size histogram are the same counters, never apart).
     pub fn reset_counters(&self) {
         if let Some(p) = &self.inner.passthrough {
             p.reset_counters(); // pass-through mode
@@ -1536,15 +1539,15 @@ impl Allocator {
         }
     }
 
+    /// Records the allocation that returned `r` (a trace records).
     #[cold]
     #[inline(never)]
-    fn allocate_traced(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
+    fn trace_allocation(&self, size: usize, stream: Stream, r: Result<DeviceAddr>) -> Result<DeviceAddr> {
         use crate::trace::{Action, Event, TracePath};
         if size == 0 {
-            return self.allocate_untraced(size, stream); // no request: nothing to record
+            return r; // no request: nothing to record
         }
         crate::trace::record(&self.inner.trace, &*self.inner.device, stream, false, || {
-            let r = self.allocate_untraced(size, stream);
             let ev = match &r {
                 Ok(p) => Event { action: Action::Alloc, ptr: p.0, size, path: self.trace_path(p.0, size) },
                 Err(_) => Event { action: Action::FailedAlloc, ptr: 0, size, path: TracePath::None },

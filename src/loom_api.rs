@@ -191,10 +191,34 @@ impl std::io::Write for MemFile {
 impl TraceModel {
     /// A tracer with buffers of `cap` records, recording.
     pub fn new(cap: usize) -> Arc<TraceModel> {
+        let m = TraceModel::stopped(cap);
+        m.start();
+        m
+    }
+
+    /// A tracer with buffers of `cap` records, not recording yet.
+    pub fn stopped(cap: usize) -> Arc<TraceModel> {
         let shared = crate::trace::Shared::new(cap);
-        let file = Arc::new(std::sync::Mutex::new(Vec::new()));
-        shared.start_writer(Box::new(MemFile(file.clone()))).unwrap();
-        Arc::new(TraceModel { shared, file })
+        Arc::new(TraceModel { shared, file: Arc::new(std::sync::Mutex::new(Vec::new())) })
+    }
+
+    /// Starts recording (into the in-memory file).
+    pub fn start(&self) {
+        self.shared.start_writer(Box::new(MemFile(self.file.clone()))).unwrap();
+    }
+
+    /// An allocation as `Allocator::allocate` makes it: `take` finds a block (`None`: none),
+    /// then it is recorded if a trace runs (`trace::allocation`). Returns the block and whether
+    /// it was recorded.
+    pub fn allocate(&self, log: &TraceLog, take: impl FnOnce() -> Option<u64>) -> (Option<u64>, bool) {
+        let mut recorded = false;
+        let got = crate::trace::allocation(&self.shared, take, |got| {
+            if let Some(v) = got {
+                recorded = self.push(log, v, crate::trace::Action::Alloc);
+            }
+            got
+        });
+        (got, recorded)
     }
 
     /// A thread's buffer, registered (before its first record, as `trace::record` does).
@@ -204,6 +228,11 @@ impl TraceModel {
 
     /// The owner records a free of address `v`, as `trace::record` does; true if recorded.
     pub fn record(&self, log: &TraceLog, v: u64) -> bool {
+        self.push(log, v, crate::trace::Action::Free)
+    }
+
+    /// One record made as `trace::record` makes it; true if recorded.
+    fn push(&self, log: &TraceLog, v: u64, action: crate::trace::Action) -> bool {
         if !self.shared.enter(&log.0) {
             return false;
         }
@@ -213,7 +242,7 @@ impl TraceModel {
             size: 256,
             stream: crate::stream::StreamKey(2),
             thread: 0,
-            action: crate::trace::Action::Free,
+            action,
             path: crate::trace::TracePath::Arena,
             stream_kind: crate::trace::StreamKind::PerThread,
         };
@@ -229,8 +258,14 @@ impl TraceModel {
 
     /// Ends the trace; the addresses the file holds, in file order.
     pub fn stop(&self) -> Vec<u64> {
+        self.stop_records().into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// Ends the trace; the file's records as (is an allocation, address), in file order.
+    pub fn stop_records(&self) -> Vec<(bool, u64)> {
         self.shared.stop().unwrap();
         let bytes = self.file.lock().unwrap().clone();
-        crate::trace::parse(&bytes).unwrap().iter().map(|r| r.ptr).collect()
+        let recs = crate::trace::parse(&bytes).unwrap();
+        recs.iter().map(|r| (r.action == crate::trace::Action::Alloc, r.ptr)).collect()
     }
 }

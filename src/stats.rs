@@ -15,6 +15,13 @@
 //! really had, and a later read (ordered after the reset by the lock) never sees less. Gauges
 //! (`live_bytes`, `arena_held_bytes`) are never reset.
 //!
+//! A block's counters are read one word at a time, not as one snapshot: an operation racing a
+//! read or a reset may have one of its counters counted before it and another after it. So
+//! `allocations` is not a counter of its own but the sum of the size histogram: the two can
+//! never disagree (with a counter of its own, a reset racing an allocation took the two
+//! baselines on either side of it, and the histogram stayed below the total until the next
+//! reset).
+//!
 //! ## The peak of live bytes, from both sides
 //! - **Lower bound** (`peak_live_bytes`): the largest sum of the per-thread live counters
 //!   sampled (on one slow path in 64 per thread, in every `stats()` call and at every reset).
@@ -175,10 +182,12 @@ macro_rules! counters {
                 }
             }
 
-            /// Into the [`Stats`] fields of the same names.
+            /// Into the [`Stats`] fields of the same names, and `allocations`, the sum of
+            /// the size histogram.
             fn write_to(&self, s: &mut Stats) {
                 $(s.$g = self.$g;)*
                 $(s.$name = self.$name;)*
+                s.allocations = self.size_hist.iter().fold(0u64, |a, &b| a.wrapping_add(b));
             }
         }
     };
@@ -187,7 +196,6 @@ macro_rules! counters {
 counters!(
     gauges: live_bytes, arena_held_bytes;
     accumulated:
-    allocations,
     deallocations,
     cross_thread_frees,
     cross_stream_frees,
@@ -221,7 +229,6 @@ impl Counters {
             reg,
             live_bytes: z(),
             arena_held_bytes: z(),
-            allocations: z(),
             deallocations: z(),
             cross_thread_frees: z(),
             cross_stream_frees: z(),
@@ -258,7 +265,7 @@ impl Counters {
     /// Counts an allocation of a block of `bytes` bytes.
     #[inline]
     pub(crate) fn count_alloc(&self, bytes: usize) {
-        self.bump(&self.allocations, 1);
+        // The histogram is the count: `allocations` is its sum (see `Totals::write_to`).
         self.bump(&self.size_hist[size_bucket(bytes)], 1);
         self.add_live(bytes as u64);
     }

@@ -25,7 +25,12 @@
 //! Records are written in blocks, one thread's at a time, so the file is in time order within
 //! each thread only; sort by time for a global order. An allocation is stamped when it has
 //! returned and a free when it is called, so the records of one address alternate alloc, free
-//! in time order across all threads. `cuarena trace-csv IN OUT` writes a trace as CSV.
+//! in time order across all threads. For that the allocator asks whether a trace runs *after*
+//! an allocation (and before a free): an allocation that began before the start can return a
+//! block whose free the trace recorded (before this rule, such an allocation went unrecorded
+//! and the trace held two frees in a row). Whatever made that block reach the allocating thread
+//! orders the free's load of `on` before the allocation's, so the allocation sees this trace's
+//! `on` or a later store. `cuarena trace-csv IN OUT` writes a trace as CSV.
 //!
 //! ## Recording without serialising the threads
 //! Each thread appends to its own buffer ([`ThreadLog`]) with no lock; a full buffer
@@ -656,6 +661,21 @@ thread_local! {
     // Not `const { .. }`: loom's `thread_local!` has no such form.
     #[allow(clippy::missing_const_for_thread_local)]
     static LOGS: RefCell<Vec<Local>> = RefCell::new(Vec::new());
+}
+
+/// An allocation with the trace's rule for it: `alloc` runs, *then* the flag is read, and
+/// `record` runs on its result if a trace runs (module comment: an allocation that began before
+/// a start may return a block whose free the trace recorded). The mutation
+/// `trace_alloc_flag_first` reads the flag first, as before, and must fail
+/// `loom-tests/tests/trace.rs`.
+#[inline(always)]
+pub(crate) fn allocation<R>(shared: &Shared, alloc: impl FnOnce() -> R, record: impl FnOnce(R) -> R) -> R {
+    #[cfg(cuarena_mutant = "trace_alloc_flag_first")]
+    let on = shared.on();
+    let r = alloc();
+    #[cfg(not(cuarena_mutant = "trace_alloc_flag_first"))]
+    let on = shared.on();
+    if on { record(r) } else { r }
 }
 
 /// What the allocator tells the tracer about one call, beside the stream.

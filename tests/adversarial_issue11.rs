@@ -338,9 +338,10 @@ fn stop_without_start_and_two_starts_at_once_are_refused_cleanly() {
     assert_all_returned(&a, Some(&sim), 0);
 }
 
+/// Found open in session 3: an allocation that began before a start (the flag was read at
+/// entry) returned a block whose free the trace recorded, unrecorded itself; the block's next
+/// free then followed a free. The flag is now read after an allocation.
 #[test]
-#[ignore = "open (RELIABILITY.md): a free recorded with no record of its allocation when starts and \
-            stops race short-lived threads; likely an allocation that began before the start"]
 fn start_and_stop_racing_threads_that_allocate_exit_and_release() {
     let sim = host(1);
     let a = host_allocator(sim.clone(), small().large_max(128 << 10).build().unwrap()).unwrap();
@@ -509,9 +510,10 @@ fn one_path_for_two_allocators_is_refused() {
 
 // ---- Statistics resets ----
 
+/// Found open in session 3: a reset read a block's `allocations` and its histogram one word at
+/// a time, so allocations racing it fell between the two baselines and the histogram summed
+/// below `allocations` until the next reset. `allocations` is now the histogram's sum.
 #[test]
-#[ignore = "open (RELIABILITY.md): soon after reset_counters, with threads retiring meanwhile, \
-            size_histogram() summed below allocations; cause not found"]
 fn resets_racing_allocations_keep_the_stats_within_their_bounds() {
     let sim = host(0);
     let a = host_allocator(sim.clone(), small().large_max(128 << 10).build().unwrap()).unwrap();
@@ -573,10 +575,8 @@ fn resets_racing_allocations_keep_the_stats_within_their_bounds() {
             assert!(s2.deallocations >= s1.deallocations, "{s1:?} then {s2:?}");
             assert!(s2.pool_allocations >= s1.pool_allocations, "{s1:?} then {s2:?}");
             let hsum: u64 = h1.iter().sum();
-            // Each thread has at most one allocation in flight, counted in one sum and not yet
-            // in the other.
-            let slack = THREADS as u64;
-            assert!(s1.allocations <= hsum + slack && hsum <= s2.allocations + slack, "{s1:?} {h1:?} {s2:?}");
+            // The same monotone counters read three times in order: exact, no slack.
+            assert!(s1.allocations <= hsum && hsum <= s2.allocations, "{s1:?} {h1:?} {s2:?}");
         }
         stop.store(true, Ordering::Relaxed);
         let total: u64 = hs.into_iter().map(|h| h.join().unwrap()).sum();

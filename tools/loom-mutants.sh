@@ -45,5 +45,6 @@ trace_no_owner_fence     trace      a_stop_racing_an_owner_loses_and_duplicates_
 trace_no_wait            trace      a_stop_racing_an_owner_loses_and_duplicates_no_record
 trace_no_wait            trace      a_stop_racing_an_owners_exit_loses_no_record
 trace_exit_unregisters_early trace  a_stop_racing_an_owners_exit_loses_no_record
+trace_alloc_flag_first   trace      an_allocation_that_takes_a_recorded_free_is_recorded
 LIST
 exit $missed

@@ -49,3 +49,42 @@ fn a_stop_racing_an_owners_exit_loses_no_record() {
         check(&recorded, &file);
     });
 }
+
+/// An allocation racing the start: thread X frees block 7 (recorded if the trace runs by then)
+/// and hands it over; thread Y's allocation may take it. If the trace holds X's free and Y got
+/// the block, it must hold Y's allocation too, or the trace shows two frees in a row (found
+/// by an adversarial pass in session 3). The mutation `trace_alloc_flag_first` (the flag read
+/// before the allocation, as then) must fail it.
+#[test]
+fn an_allocation_that_takes_a_recorded_free_is_recorded() {
+    use loom::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    model(|| {
+        let m = TraceModel::stopped(4);
+        let handed = Arc::new(AtomicU64::new(0));
+        let (m2, h2) = (m.clone(), handed.clone());
+        let x = thread::spawn(move || {
+            let log = m2.register();
+            let recorded = m2.record(&log, 7);
+            h2.store(7, Ordering::Release); // the block reaches other threads after its free
+            (recorded, log)
+        });
+        let (m3, h3) = (m.clone(), handed.clone());
+        let y = thread::spawn(move || {
+            let log = m3.register();
+            let (got, recorded) = m3.allocate(&log, || Some(h3.load(Ordering::Acquire)).filter(|&v| v != 0));
+            (got, recorded, log)
+        });
+        m.start();
+        let (freed, xlog) = x.join().unwrap();
+        let (got, allocated, ylog) = y.join().unwrap();
+        let file = m.stop_records();
+        if freed && got == Some(7) {
+            assert!(allocated, "the block's free is recorded and its reuse is not: {file:?}");
+        }
+        let expect = usize::from(freed) + usize::from(allocated);
+        assert_eq!(file.len(), expect, "{file:?}");
+        m.exit(xlog);
+        m.exit(ylog);
+    });
+}
