@@ -464,27 +464,31 @@ impl Arena {
                 let mut g = 0;
                 while g < granules {
                     let addr = sb.base + ((g as u64) << GRANULE_SHIFT);
-                    match l.head(g) {
+                    // Each block's tags are cleared as it is passed, so the superblock leaves
+                    // with zeroed tags (`SbLocal`'s invariant).
+                    let len = match l.head(g) {
                         Some((FREE, id)) => {
                             let b = lists.remove(id);
                             free.push((addr, b.len << GRANULE_SHIFT));
-                            g += b.len;
+                            b.len
                         }
                         Some((PENDING, len)) => {
                             debug_assert!(
                                 fenced.iter().any(|f| f.0 == addr),
                                 "a pending block without its batch"
                             );
-                            g += len;
+                            len
                         }
                         Some((_, len)) => {
                             used.push((addr, len << GRANULE_SHIFT));
-                            g += len;
+                            len
                         }
                         None => {
                             unreachable!("boundary tags broken at granule {g} of {:#x}", sb.base)
                         }
-                    }
+                    };
+                    l.clear(g, len);
+                    g += len;
                 }
                 l.live
             })
@@ -496,10 +500,11 @@ impl Arena {
             if self.large_held == 0 {
                 self.large_keep = 0;
             }
-            // A large superblock's tags go with it (made afresh at its next lending), so the
-            // host memory they take is bounded by what arenas hold now.
+            // A large superblock's tags do not stay with it: they go to the pool's bounded
+            // stash of zeroed buffers (or are dropped), so the host memory they take is bounded
+            // by what arenas hold now, plus the stash.
             // SAFETY: we still own `sb` (until `take_back`).
-            unsafe { sb.with_local(|l| l.tags = Vec::new()) };
+            env.pool.tag_stash.put(unsafe { sb.with_local(SbLocal::take_tags) });
         }
         let c = env.dev.counters;
         c.bump(if used.is_empty() { &c.superblocks_returned } else { &c.superblocks_dissolved }, 1);
@@ -541,7 +546,7 @@ impl Arena {
         // SAFETY: the pool just made us the owner.
         let id = unsafe {
             sb.with_local(|l| {
-                l.init(granules);
+                l.init(granules, &env.pool.tag_stash);
                 let id = lists.insert(FreeBlock { sb: sbp, first: 0, len: granules });
                 l.mark(0, granules, FREE, id);
                 id

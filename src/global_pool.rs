@@ -35,7 +35,7 @@ use crate::shell::ArenaShell;
 use crate::size_class::{GRANULE, block_bytes};
 use crate::stats::{Counters, Stats};
 use crate::stream::{Stream, StreamKey};
-use crate::superblock::Superblock;
+use crate::superblock::{Superblock, TagStash};
 use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
 use std::sync::Arc;
 
@@ -92,6 +92,8 @@ pub(crate) struct GlobalPool {
     total: usize,
     pub(crate) registry: Registry,
     pub(crate) events: Arc<EventPool>,
+    /// Zeroed tag buffers of large superblocks between lendings (`superblock.rs`).
+    pub(crate) tag_stash: TagStash,
     /// The legacy stream's identity, asked once (0 until then), for lazy legacy fences.
     legacy_key: AtomicU64,
     state: Mutex<PoolState>,
@@ -107,6 +109,7 @@ impl GlobalPool {
             small_max: cfg.small_max,
             registry: Registry::new(cfg.superblock),
             events: Arc::new(EventPool::new(Arc::clone(&device))),
+            tag_stash: TagStash::default(),
             legacy_key: AtomicU64::new(0),
             device,
             state: Mutex::new(PoolState {
@@ -411,7 +414,6 @@ impl GlobalPool {
             // The range was free: no live block lies in it, so its slots may be re-entered.
             let sb = self.registry.get_or_insert(base, len / GRANULE);
             debug_assert!(sb.owner.load(Ordering::Relaxed).is_null());
-            sb.clear_all_freed();
             sb.owner.store(shell, Ordering::Release);
             (sb, fences)
         };

@@ -36,8 +36,11 @@
 //! Invariant: for a block handed out by the owner, the flag is set exactly while an accepted
 //! free of it exists and the block has not been handed out again. In a dissolved superblock, a
 //! flag at the head of a used pool block that came from the arena is set exactly while its arena
-//! free is on its way; other flags there are stale and never read. `lend` clears every flag. Two frees of one block that
-//! race each other (neither ordered before the other) may both be accepted, as with any
+//! free is on its way; other flags there are stale and never read. Stale flags stay when a
+//! superblock changes hands (clearing them all at each lending cost a store per granule): the
+//! owner clears the flag of every block it hands out, so a stale flag is only ever read for a
+//! pointer that is not a live block, whose free is refused either way. Two frees of one block
+//! that race each other (neither ordered before the other) may both be accepted, as with any
 //! allocator; ordered double frees are refused at once. A wrong-size or interior free by
 //! another thread is accepted until the owner checks it; while it is on its way, it holds the
 //! flag, and a correct free of the same block is refused as a double free (the README states
@@ -46,7 +49,7 @@
 //! refused as a double free rather than as an unknown pointer; it is refused either way.
 
 use crate::shell::ArenaShell;
-use crate::sync::{AtomicPtr, AtomicU8, Ordering, UnsafeCell};
+use crate::sync::{AtomicPtr, AtomicU8, Mutex, Ordering, UnsafeCell, lock};
 use std::sync::Arc;
 
 /// Tag state: a live block; payload is its length in granules.
@@ -61,6 +64,10 @@ const STATE: u32 = 3 << 30;
 const PAYLOAD: u32 = HEAD - 1;
 
 /// Owner-only state of a superblock.
+///
+/// Invariant: while no arena owns the superblock, `tags` is empty or all zeros, `granules`
+/// long: the arena giving it back clears the two tags of every block as it walks them
+/// (`Arena::give_back`), so a lending never zeroes a whole tag array again.
 pub(crate) struct SbLocal {
     pub(crate) tags: Vec<u32>,
     /// Granules in used or pending blocks.
@@ -68,17 +75,27 @@ pub(crate) struct SbLocal {
 }
 
 impl SbLocal {
-    /// Resets to `granules` of untagged space (the caller then marks one free block).
-    pub(crate) fn init(&mut self, granules: usize) {
-        if self.tags.capacity() < granules {
-            // A large superblock's tags: zeroed memory from the allocator (for a large span,
-            // fresh pages that are zero until touched; only block ends are ever written).
-            self.tags = vec![0; granules];
-        } else {
-            self.tags.clear();
-            self.tags.resize(granules, 0);
+    /// Readies `granules` of untagged space for a new owner (the caller then marks one free
+    /// block): the tags left zeroed by the last owner, a zeroed buffer from `stash`, or a fresh
+    /// one.
+    pub(crate) fn init(&mut self, granules: usize, stash: &TagStash) {
+        if self.tags.len() != granules {
+            debug_assert!(self.tags.is_empty(), "tags of another size");
+            self.tags = match stash.take(granules) {
+                Some(t) => t,
+                // Zeroed memory from the allocator (for a large span, fresh pages that are zero
+                // until touched; only block ends are ever written).
+                None => vec![0; granules],
+            };
         }
+        debug_assert!(self.tags.iter().all(|&t| t == 0), "a superblock lent with stale tags");
         self.live = 0;
+    }
+
+    /// The tags, all zero (see the invariant), taken out (a large superblock leaving its arena).
+    pub(crate) fn take_tags(&mut self) -> Vec<u32> {
+        debug_assert!(self.tags.iter().all(|&t| t == 0), "tags taken before they were cleared");
+        std::mem::take(&mut self.tags)
     }
 
     /// Tags `[first, first+len)` as one block in `state` with `payload`.
@@ -125,6 +142,38 @@ impl SbLocal {
         match self.head(first) {
             Some((FREE, node)) => Some(node),
             _ => None,
+        }
+    }
+}
+
+/// Zeroed tag buffers of large superblocks that went back to the pool, kept for their next
+/// lending: zeroing 4 bytes per granule (2 MiB for 128 MiB) at every lending cost more than
+/// the rest of a large block's path. Holds at most [`TAG_STASH_GRANULES`] granules of tags
+/// (8 MiB of host memory); a buffer that does not fit is dropped. Invariant: every buffer in it
+/// is all zeros. Its lock is a leaf: nothing else is locked while it is held.
+#[derive(Default)]
+pub(crate) struct TagStash(Mutex<Vec<Vec<u32>>>);
+
+/// The most granules of tags a [`TagStash`] keeps.
+pub(crate) const TAG_STASH_GRANULES: usize = 2 << 20;
+
+impl TagStash {
+    /// A zeroed buffer of exactly `granules` tags, if one is kept.
+    pub(crate) fn take(&self, granules: usize) -> Option<Vec<u32>> {
+        let mut v = lock(&self.0);
+        let i = v.iter().position(|t| t.len() == granules)?;
+        Some(v.swap_remove(i))
+    }
+
+    /// Keeps `tags` (all zeros) if there is room.
+    pub(crate) fn put(&self, tags: Vec<u32>) {
+        if tags.is_empty() {
+            return;
+        }
+        let mut v = lock(&self.0);
+        let kept: usize = v.iter().map(Vec::len).sum();
+        if kept + tags.len() <= TAG_STASH_GRANULES {
+            v.push(tags);
         }
     }
 }
@@ -226,17 +275,6 @@ impl Superblock {
     #[inline]
     pub(crate) fn unfree(&self, g: usize) {
         self.flag(g).store(0, Ordering::Release);
-    }
-
-    /// Clears every flag: called by the pool, under its lock, when it lends the superblock
-    /// (only stale flags of refused frees can be set then; see the module comment).
-    pub(crate) fn clear_all_freed(&self) {
-        let per_page = 1 << self.page_shift;
-        for (i, page) in self.pages.iter().enumerate() {
-            for f in &page[..per_page.min(self.granules - i * per_page)] {
-                f.store(0, Ordering::Relaxed);
-            }
-        }
     }
 
     /// Runs `f` on the owner-only state.
