@@ -154,7 +154,7 @@ impl StatsModel {
 impl StatsThread {
     /// Counts an allocation of `bytes`, as the allocator's paths do.
     pub fn alloc(&self, bytes: usize) {
-        self.0.count_alloc(bytes);
+        self.0.count_alloc(bytes, crate::stats::AllocPath::Arena);
     }
 
     /// Counts a free of `bytes`.
