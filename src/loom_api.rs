@@ -133,6 +133,11 @@ impl StatsModel {
         StatsThread(self.registry.register())
     }
 
+    /// A registry with `stats=exact` (one shared live counter and its maximum).
+    pub fn exact() -> Arc<StatsModel> {
+        Arc::new(StatsModel { registry: crate::stats::CounterRegistry::new(true) })
+    }
+
     /// `reset_peak`.
     pub fn reset_peak(&self) {
         self.registry.reset_peak();
