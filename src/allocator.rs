@@ -46,7 +46,7 @@ use crate::global_pool::{GlobalPool, Origin};
 use crate::outbox::Outbox;
 use crate::shell::{ArenaShell, Freed};
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
-use crate::stats::{CounterRegistry, Counters, Stats};
+use crate::stats::{AllocPath, CounterRegistry, Counters, Stats};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::Superblock;
 use std::sync::{Arc, Weak};
@@ -555,9 +555,10 @@ impl Slot {
         }
     }
 
+    /// Counts an allocation of `bytes` served by `path` (one counter: see `stats.rs`).
     #[inline]
-    fn counted_alloc(&self, bytes: usize) {
-        self.counters.count_alloc(bytes);
+    fn counted_alloc(&self, bytes: usize, path: AllocPath) {
+        self.counters.count_alloc(bytes, path);
     }
 
     #[inline]
@@ -603,9 +604,7 @@ impl Slot {
             let u = &mut self.arenas.users[j];
             u.last_use = self.arenas.tick;
             if let Some(Some(p)) = u.arena.with(|a| a.alloc(class, g)) {
-                if large {
-                    self.counters.bump(&self.counters.large_allocations, 1);
-                }
+                self.counted_alloc(g * GRANULE, arena_path(large));
                 return Ok(p);
             }
             return self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, large);
@@ -680,18 +679,15 @@ impl Slot {
             }
             r => r,
         };
-        let c = &*self.counters;
         let p = match r {
             Some(r) => {
                 let p = r?;
-                if large {
-                    c.bump(&c.large_allocations, 1);
-                }
+                self.counted_alloc(g * GRANULE, arena_path(large));
                 p
             }
             None => {
                 let p = inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences)?;
-                c.bump(&c.pool_allocations, 1);
+                self.counted_alloc(g * GRANULE, AllocPath::Pool);
                 p
             }
         };
@@ -724,9 +720,7 @@ impl Slot {
             }
             r => r?,
         };
-        let c = &*self.counters;
-        c.bump(&c.pool_allocations, 1);
-        self.counted_alloc(bytes);
+        self.counted_alloc(bytes, AllocPath::Pool);
         self.sample_peak(inner);
         Ok(p)
     }
@@ -940,6 +934,12 @@ impl Drop for Slot {
     }
 }
 
+/// The path of an allocation an arena served.
+#[inline(always)]
+fn arena_path(large: bool) -> AllocPath {
+    if large { AllocPath::Large } else { AllocPath::Arena }
+}
+
 /// The fast path of a small allocation on the per-thread or the legacy stream (arena `i`):
 /// the calling thread's arena serves it from its block cache or free lists, with no CUDA call,
 /// no lock and no atomic read-modify-write. `None` sends the request to the slow path
@@ -951,10 +951,7 @@ fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize, large: bool)
             let mut slots = cell.try_borrow_mut().ok()?;
             let slot = slots.iter_mut().find(|s| s.id == inner.id)?;
             let p = slot.arenas.fixed[i].as_mut()?.with(|a| a.alloc(class, g))??;
-            if large {
-                slot.counters.bump(&slot.counters.large_allocations, 1);
-            }
-            slot.counted_alloc(g * GRANULE);
+            slot.counted_alloc(g * GRANULE, arena_path(large));
             Some(p)
         })
         .ok()
@@ -1116,8 +1113,8 @@ impl Allocator {
                 None => {
                     return with_slot(inner, |slot, inner| {
                         let key = inner.env(&slot.counters).dev.stream_key(stream)?;
+                        // Counted where it is served (`alloc_user`), with its path.
                         let p = slot.alloc_user(inner, stream, key, class, gc, large)?;
-                        slot.counted_alloc(gc * GRANULE);
                         Ok(DeviceAddr(p))
                     });
                 }
@@ -1135,8 +1132,8 @@ impl Allocator {
     #[inline(never)]
     fn alloc_small_cold(&self, i: usize, class: usize, g: usize, large: bool) -> Result<DeviceAddr> {
         with_slot(&self.inner, |slot, inner| {
+            // Counted where it is served (`alloc_slow_in`), with its path.
             let p = slot.alloc_small_slow(inner, i, class, g, large)?;
-            slot.counted_alloc(g * GRANULE);
             Ok(DeviceAddr(p))
         })
     }
@@ -1325,8 +1322,8 @@ impl Allocator {
         self.inner.counters.fill(&mut s);
         self.inner.pool.fill_stats(&mut s);
         s.arenas = self.inner.arenas.load(Ordering::Relaxed) as u64;
-        // Counted on the pool's paths only, so the arena's fast path counts nothing extra. A
-        // read racing an allocation may see its pool count before its total: never below 0.
+        // `pool_allocations` is part of `allocations` (one counter per allocation, see
+        // `stats.rs`), so this is never below 0, even read racing allocations or a reset.
         s.arena_allocations = s.allocations.saturating_sub(s.pool_allocations);
         s
     }

@@ -133,6 +133,11 @@ impl StatsModel {
         StatsThread(self.registry.register())
     }
 
+    /// A registry with `stats=exact` (one shared live counter and its maximum).
+    pub fn exact() -> Arc<StatsModel> {
+        Arc::new(StatsModel { registry: crate::stats::CounterRegistry::new(true) })
+    }
+
     /// `reset_peak`.
     pub fn reset_peak(&self) {
         self.registry.reset_peak();
@@ -154,7 +159,7 @@ impl StatsModel {
 impl StatsThread {
     /// Counts an allocation of `bytes`, as the allocator's paths do.
     pub fn alloc(&self, bytes: usize) {
-        self.0.count_alloc(bytes);
+        self.0.count_alloc(bytes, crate::stats::AllocPath::Arena);
     }
 
     /// Counts a free of `bytes`.

@@ -16,11 +16,13 @@
 //! (`live_bytes`, `arena_held_bytes`) are never reset.
 //!
 //! A block's counters are read one word at a time, not as one snapshot: an operation racing a
-//! read or a reset may have one of its counters counted before it and another after it. So
-//! `allocations` is not a counter of its own but the sum of the size histogram: the two can
-//! never disagree (with a counter of its own, a reset racing an allocation took the two
-//! baselines on either side of it, and the histogram stayed below the total until the next
-//! reset).
+//! read or a reset may have one of its counters counted before it and another after it. So an
+//! allocation bumps one counter only: its size bucket in the histogram of the path that served
+//! it (arena, arena large block, pool). `allocations`, `pool_allocations`, `large_allocations`
+//! and the size histogram are sums of these, and can never disagree (with counters of their
+//! own, a reset racing an allocation took their baselines on either side of it, and the
+//! figures stayed apart until the next reset: `arena_allocations`, `allocations −
+//! pool_allocations`, counted a pool allocation, or missed one).
 //!
 //! ## The peak of live bytes, from both sides
 //! - **Lower bound** (`peak_live_bytes`): the largest sum of the per-thread live counters
@@ -95,6 +97,20 @@ pub fn size_bucket_limit(k: usize) -> u64 {
     if k + 1 >= SIZE_HISTOGRAM_BUCKETS { u64::MAX } else { 1u64 << (8 + k) }
 }
 
+/// The path that served an allocation: each has its own size histogram (module comment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AllocPath {
+    /// A small block of an arena.
+    Arena = 0,
+    /// A large block (over `small_max`) of an arena.
+    Large = 1,
+    /// A block of the global pool.
+    Pool = 2,
+}
+
+/// Histograms kept per block, one per [`AllocPath`].
+const PATHS: usize = 3;
+
 /// What every thread's block of one registry shares: the reset epoch and, with `stats=exact`,
 /// the shared live counter and its maximum.
 #[derive(Default, Debug)]
@@ -119,8 +135,9 @@ macro_rules! counters {
             reg: Arc<Shared>,
             $(pub(crate) $g: Counter,)*
             $(pub(crate) $name: Counter,)*
-            /// Allocations by block size (see [`SIZE_HISTOGRAM_BUCKETS`]).
-            size_hist: [Counter; SIZE_HISTOGRAM_BUCKETS],
+            /// Allocations by path ([`AllocPath`]) and block size (see
+            /// [`SIZE_HISTOGRAM_BUCKETS`]).
+            size_hist: [[Counter; SIZE_HISTOGRAM_BUCKETS]; PATHS],
             /// The largest `live_bytes` (signed) of this thread's current peak window.
             peak: Counter,
             /// The reset epoch the current peak window started in.
@@ -132,7 +149,7 @@ macro_rules! counters {
         pub(crate) struct Totals {
             $($g: u64,)*
             $($name: u64,)*
-            size_hist: [u64; SIZE_HISTOGRAM_BUCKETS],
+            size_hist: [[u64; SIZE_HISTOGRAM_BUCKETS]; PATHS],
         }
 
         impl Counters {
@@ -140,7 +157,7 @@ macro_rules! counters {
                 let mut t = Totals::default();
                 $(t.$g = self.$g.get();)*
                 $(t.$name = self.$name.get();)*
-                for (d, c) in t.size_hist.iter_mut().zip(&self.size_hist) {
+                for (d, c) in t.size_hist.iter_mut().flatten().zip(self.size_hist.iter().flatten()) {
                     *d = c.get();
                 }
                 t
@@ -151,13 +168,13 @@ macro_rules! counters {
             #[cfg(cuarena_mutant = "stats_reset_stores_counters")]
             fn zero_accumulated(&self) {
                 $(self.$name.set(0);)*
-                self.size_hist.iter().for_each(|c| c.set(0));
+                self.size_hist.iter().flatten().for_each(|c| c.set(0));
             }
 
             fn fold_into(&self, to: &Counters) {
                 $(to.$g.add(self.$g.get(), true);)*
                 $(to.$name.add(self.$name.get(), true);)*
-                for (d, c) in to.size_hist.iter().zip(&self.size_hist) {
+                for (d, c) in to.size_hist.iter().flatten().zip(self.size_hist.iter().flatten()) {
                     d.add(c.get(), true);
                 }
             }
@@ -168,26 +185,41 @@ macro_rules! counters {
             fn add_since(&mut self, other: &Totals, base: &Totals) {
                 $(self.$g = self.$g.wrapping_add(other.$g);)*
                 $(self.$name = self.$name.wrapping_add(other.$name.wrapping_sub(base.$name));)*
-                for k in 0..SIZE_HISTOGRAM_BUCKETS {
-                    self.size_hist[k] =
-                        self.size_hist[k].wrapping_add(other.size_hist[k].wrapping_sub(base.size_hist[k]));
+                for ((d, o), b) in self
+                    .size_hist
+                    .iter_mut()
+                    .flatten()
+                    .zip(other.size_hist.iter().flatten())
+                    .zip(base.size_hist.iter().flatten())
+                {
+                    *d = d.wrapping_add(o.wrapping_sub(*b));
                 }
             }
 
             /// Adds the accumulated counters of `other` (a baseline), gauges untouched.
             fn add_base(&mut self, other: &Totals) {
                 $(self.$name = self.$name.wrapping_add(other.$name);)*
-                for k in 0..SIZE_HISTOGRAM_BUCKETS {
-                    self.size_hist[k] = self.size_hist[k].wrapping_add(other.size_hist[k]);
+                for (d, o) in self.size_hist.iter_mut().flatten().zip(other.size_hist.iter().flatten()) {
+                    *d = d.wrapping_add(*o);
                 }
             }
 
-            /// Into the [`Stats`] fields of the same names, and `allocations`, the sum of
-            /// the size histogram.
+            /// Into the [`Stats`] fields of the same names, and `allocations`,
+            /// `large_allocations` and `pool_allocations`, sums of the histograms.
             fn write_to(&self, s: &mut Stats) {
                 $(s.$g = self.$g;)*
                 $(s.$name = self.$name;)*
-                s.allocations = self.size_hist.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+                let sum = |h: &[u64]| h.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+                s.allocations = sum(self.size_hist.as_flattened());
+                s.large_allocations = sum(&self.size_hist[AllocPath::Large as usize]);
+                s.pool_allocations = sum(&self.size_hist[AllocPath::Pool as usize]);
+            }
+
+            /// The size histogram over all paths.
+            fn histogram(&self) -> [u64; SIZE_HISTOGRAM_BUCKETS] {
+                std::array::from_fn(|k| {
+                    self.size_hist.iter().fold(0u64, |a, h| a.wrapping_add(h[k]))
+                })
             }
         }
     };
@@ -208,8 +240,6 @@ counters!(
     superblocks_taken,
     superblocks_returned,
     superblocks_dissolved,
-    pool_allocations,
-    large_allocations,
     alloc_retries,
     ooms,
     oom_hook_calls,
@@ -241,12 +271,10 @@ impl Counters {
             superblocks_taken: z(),
             superblocks_returned: z(),
             superblocks_dissolved: z(),
-            pool_allocations: z(),
-            large_allocations: z(),
             alloc_retries: z(),
             ooms: z(),
             oom_hook_calls: z(),
-            size_hist: std::array::from_fn(|_| z()),
+            size_hist: std::array::from_fn(|_| std::array::from_fn(|_| z())),
             peak: z(),
             peak_epoch: z(),
         }
@@ -262,11 +290,12 @@ impl Counters {
         c.add(n, self.shared);
     }
 
-    /// Counts an allocation of a block of `bytes` bytes.
+    /// Counts an allocation of a block of `bytes` bytes served by `path`.
     #[inline]
-    pub(crate) fn count_alloc(&self, bytes: usize) {
-        // The histogram is the count: `allocations` is its sum (see `Totals::write_to`).
-        self.bump(&self.size_hist[size_bucket(bytes)], 1);
+    pub(crate) fn count_alloc(&self, bytes: usize, path: AllocPath) {
+        // One counter is the count: `allocations` and the per-path counts are sums of the
+        // histograms (see `Totals::write_to`).
+        self.bump(&self.size_hist[path as usize][size_bucket(bytes)], 1);
         self.add_live(bytes as u64);
     }
 
@@ -503,6 +532,13 @@ impl CounterRegistry {
                 upper = upper.wrapping_add(e.c.window_max(e.peak_base, epoch));
             }
             t.write_to(s);
+            // A remote free is counted by its sender and, if its owner refuses it, taken back by
+            // the owner (`Env::refuse_remote`): a reset between the two leaves the count since
+            // the reset below zero. Then 0 is reported, never a wrapped value (the count stays
+            // low by the remote frees counted before the reset and refused after it).
+            if (s.deallocations as i64) < 0 {
+                s.deallocations = 0;
+            }
             // Sampled under the list lock: a `reset_peak` (which stores the peak under it)
             // is not undone by a sum read before it.
             s.peak_live_bytes = self.sample_peak(s.live_bytes);
@@ -525,7 +561,7 @@ impl CounterRegistry {
         for e in &l.live {
             t.add_since(&e.c.totals(), &e.base);
         }
-        t.size_hist
+        t.histogram()
     }
 
     /// Raises the peak to `live` if higher and returns the peak.

@@ -582,12 +582,13 @@ impl Shared {
         lock(&self.logs).retain(|l| !Arc::ptr_eq(l, log));
     }
 
-    /// Writes one record straight to the file (a thread whose buffer is gone).
+    /// Writes one record straight to the file (a thread whose buffer is gone), stamped at `at`
+    /// (a `now_ns()` taken before a free ran), or now.
     #[cold]
-    pub(crate) fn record_late(&self, mut r: Record) {
+    pub(crate) fn record_late(&self, at: Option<u64>, mut r: Record) {
         let mut s = lock(&self.session);
         if let Some(s) = s.as_mut() {
-            r.time_ns = now_ns().saturating_sub(self.start_ns.load(Ordering::Relaxed));
+            r.time_ns = at.unwrap_or_else(now_ns).saturating_sub(self.start_ns.load(Ordering::Relaxed));
             r.thread = LATE_THREAD;
             s.write(&[r]);
         }
@@ -691,7 +692,7 @@ pub(crate) struct Event {
 /// runs first (it may take long, or call back into user code) and is stamped after it. So the
 /// records of one address alternate alloc, free in time order. With no trace running `f` runs
 /// all the same; with this thread's buffer busy (a nested call) or gone (late destructors), the
-/// record goes straight to the file.
+/// record goes straight to the file, a free's still stamped before it ran.
 pub(crate) fn record<R>(
     shared: &Arc<Shared>,
     dev: &dyn Device,
@@ -756,7 +757,11 @@ pub(crate) fn record<R>(
         true
     });
     let late = !matches!(done, Ok(true));
+    // A free made here is stamped before it runs, as in the buffer (an allocation, already
+    // run, is stamped when written): another thread may take the block as soon as it is freed.
+    let mut at = None;
     if let Some(f) = f.take() {
+        at = Some(now_ns());
         let (r, ev) = f();
         result = Some(r);
         if late {
@@ -764,16 +769,19 @@ pub(crate) fn record<R>(
         }
     }
     if late && let Some(ev) = event {
-        shared.record_late(Record {
-            time_ns: 0,
-            ptr: ev.ptr,
-            size: ev.size as u64,
-            stream: StreamKey(key_of(dev, stream)),
-            thread: LATE_THREAD,
-            action: ev.action,
-            path: ev.path,
-            stream_kind: kind,
-        });
+        shared.record_late(
+            at,
+            Record {
+                time_ns: 0,
+                ptr: ev.ptr,
+                size: ev.size as u64,
+                stream: StreamKey(key_of(dev, stream)),
+                thread: LATE_THREAD,
+                action: ev.action,
+                path: ev.path,
+                stream_kind: kind,
+            },
+        );
     }
     result.expect("`f` ran")
 }
