@@ -34,7 +34,10 @@
 //!   put back) updates its peak.
 //! - **Exact** (`stats=exact`): one shared counter updated with `fetch_add` on every allocation
 //!   and free, and its maximum; `peak_live_bytes` is then that maximum. This breaks the
-//!   fast path's no-read-modify-write rule, by the user's choice.
+//!   fast path's no-read-modify-write rule, by the user's choice. An allocation raises the
+//!   thread's counter before the shared one, a free lowers the shared one first (with the
+//!   ordering `count_free` explains), so the shared count never exceeds the sum of the thread
+//!   counters and the exact peak stays within the upper bound, across resets too.
 //!
 //! `reset_peak` restarts all three. A thread's peak is a *window* tagged with the reset epoch
 //! it started in, which only the thread itself restarts: after its live counter rises, it loads
@@ -68,9 +71,25 @@ impl Counter {
         }
     }
 
+    /// `add` with a `Release` store (or read-modify-write): see `Counters::count_free`.
+    #[inline]
+    fn add_release(&self, n: u64, shared: bool) {
+        if shared {
+            self.0.fetch_add(n, Ordering::Release);
+        } else {
+            self.0.store(self.0.load(Ordering::Relaxed).wrapping_add(n), Ordering::Release);
+        }
+    }
+
     #[inline]
     fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
+    }
+
+    /// `get` with `Acquire`: see `Counters::count_free`.
+    #[inline]
+    fn get_acquire(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
     }
 
     #[inline]
@@ -303,10 +322,21 @@ impl Counters {
     #[inline]
     pub(crate) fn count_free(&self, bytes: usize) {
         self.bump(&self.deallocations, 1);
-        self.bump(&self.live_bytes, (bytes as u64).wrapping_neg());
-        if self.reg.exact {
-            self.reg.exact_live.fetch_sub(bytes as u64, Ordering::SeqCst);
+        let neg = (bytes as u64).wrapping_neg();
+        if !self.reg.exact {
+            return self.bump(&self.live_bytes, neg);
         }
+        // `stats=exact`: the shared counter first, then this thread's with `Release`, which
+        // `reset_peak` reads with `Acquire`. A reset that sees the free in the thread's counter
+        // (its window's base) then sees it in the shared one (the exact peak it restarts from),
+        // so the exact peak never ends above the upper bound. The other order, or relaxed
+        // accesses, let a reset take the thread's low value and the shared high one (found by
+        // an adversarial pass; `loom-tests/tests/stats.rs`, mutation `stats_exact_free_local_first`).
+        #[cfg(not(cuarena_mutant = "stats_exact_free_local_first"))]
+        self.reg.exact_live.fetch_sub(bytes as u64, Ordering::SeqCst);
+        self.live_bytes.add_release(neg, self.shared);
+        #[cfg(cuarena_mutant = "stats_exact_free_local_first")]
+        self.reg.exact_live.fetch_sub(bytes as u64, Ordering::SeqCst);
     }
 
     /// Raises `live_bytes` by `n`, and this thread's peak with it (see the module comment).
@@ -605,7 +635,8 @@ impl CounterRegistry {
         let mut sum: i64 = self.retired.live_bytes.get() as i64;
         l.retired_peak = sum;
         for e in &mut l.live {
-            e.peak_base = e.c.live_bytes.get() as i64;
+            // `Acquire`: pairs with the `Release` of a free in `stats=exact` (`count_free`).
+            e.peak_base = e.c.live_bytes.get_acquire() as i64;
             sum = sum.wrapping_add(e.peak_base);
         }
         l.upper_known = ordered;

@@ -41,6 +41,7 @@ zombie_no_sync           user_streams a_destroyed_streams_arena_is_reused_only_a
 zombie_never_parked      user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
 stats_peak_no_barrier    stats      a_peak_reset_racing_a_threads_allocations_keeps_the_upper_bound
 stats_reset_stores_counters stats   a_counter_reset_racing_a_threads_bumps_is_not_lost
+stats_exact_free_local_first stats an_exact_peak_reset_racing_a_free_stays_within_the_upper_bound
 trace_no_owner_fence     trace      a_stop_racing_an_owner_loses_and_duplicates_no_record
 trace_no_wait            trace      a_stop_racing_an_owner_loses_and_duplicates_no_record
 trace_no_wait            trace      a_stop_racing_an_owners_exit_loses_no_record

@@ -71,13 +71,13 @@ fn a_counter_reset_racing_a_threads_bumps_is_not_lost() {
 }
 
 /// `stats=exact`: a thread allocates 100 B and frees them while another resets the peak. At the
-/// quiescent end the exact peak is at most the upper bound. A free lowers the thread's live
-/// counter, then the shared one: a reset between the two takes the thread's low value
-/// as its window's base and the shared counter's high one as the exact peak: 100 over 0.
-/// Lowering the shared counter first is not enough: the reset's relaxed read of the thread's
-/// counter does not order its later load of the shared one after the free's `fetch_sub`.
+/// quiescent end the exact peak is at most the upper bound. A free that lowered the thread's
+/// live counter before the shared one let a reset between the two take the thread's low value
+/// as its window's base and the shared counter's high one as the exact peak: 100 over 0 (found
+/// by an adversarial pass). Now the shared counter goes first and the thread's store is
+/// `Release`, read with `Acquire` by the reset; the mutation `stats_exact_free_local_first`
+/// (the old order) must fail this.
 #[test]
-#[ignore = "open (adversarial session 4): with stats=exact, reset_peak reads the threads' live counters and the shared one apart; a free between them leaves the exact peak above peak_live_bytes_upper"]
 fn an_exact_peak_reset_racing_a_free_stays_within_the_upper_bound() {
     model(|| {
         let m = StatsModel::exact();
