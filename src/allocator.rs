@@ -154,13 +154,13 @@ const HOMES: [Stream; 2] = [Stream::PER_THREAD, Stream::LEGACY];
 /// is fixed). `None` for a user stream: its arena is found by the stream's identity (see
 /// [`Arenas`]).
 ///
-/// Only the per-thread arena frees on its fast path. A free on the legacy stream, even of the
-/// thread's own legacy-arena block, goes the batched way with one event per batch: that event
-/// is a legacy-stream operation, and without one, a block freed on the legacy stream after use
-/// on one per-thread stream and handed out again could be used on another per-thread stream
-/// with nothing ordering the two (per-thread streams wait for earlier legacy *operations*).
-/// The legacy arena's own stream needs no wait on that event: its pending batch is reusable at
-/// once (`Arena::complete_ready`).
+/// Only the per-thread arena frees on its fast path. The thread's free of its own legacy-arena
+/// block on the legacy stream is kept back in that arena until one *legacy action* per batch
+/// (`Arena::free_legacy`): without one, a block freed on the legacy stream after use on one
+/// per-thread stream and handed out again could be used on another per-thread stream with
+/// nothing ordering the two (per-thread streams wait for earlier legacy *actions*). Another
+/// thread's free on the legacy stream goes the batched way with one event per batch, which is
+/// such an action; the legacy arena needs no wait on it (`Arena::complete_ready`).
 #[inline]
 fn arena_index(stream: Stream) -> Option<usize> {
     if stream.is_per_thread() {
@@ -349,6 +349,8 @@ impl Inner {
             small_max: self.cfg.small_max,
             large_max: self.cfg.large_max,
             deferred: &self.deferred,
+            batch_blocks: self.cfg.batch_blocks,
+            batch_bytes: self.cfg.batch_bytes,
         }
     }
 
@@ -669,9 +671,9 @@ impl Slot {
         let owned = self.arenas.get_mut(w).expect("the arena exists");
         let r = match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
             Some(Err(Error::OutOfMemory { .. })) => {
-                // Memory may be idle elsewhere: in this thread's outbox (its own frees on the
-                // legacy stream wait there), its other arenas, other threads' arenas, and
-                // parked arenas of destroyed streams. Take it back, and try once more.
+                // Memory may be idle elsewhere: in this thread's outbox, its other arenas,
+                // other threads' arenas, and parked arenas of destroyed streams. Take it back,
+                // and try once more.
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 self.counters.bump(&self.counters.alloc_retries, 1);
                 let owned = self.arenas.get_mut(w).expect("reclaim keeps the arenas");
@@ -831,6 +833,9 @@ impl Slot {
                         && inner.env(&self.counters).dev.stream_key(stream)? == self.arenas.users[j].key
                 }
             };
+            // The legacy arena's own free on the legacy stream: kept back in the arena until
+            // one legacy action per batch (`Arena::free_legacy`).
+            let legacy = w == Which::Fixed(1) && stream.is_legacy();
             // Inside our claim the superblock stays ours (only a reclaimer holding the claim
             // could give it back), so ownership read before it is checked again in it.
             let local = {
@@ -841,6 +846,8 @@ impl Slot {
                             Local::NotOurs
                         } else if home {
                             Local::Freed(a.free_local(&env, sb, ptr, size, bytes))
+                        } else if legacy {
+                            Local::Freed(a.free_legacy(&env, sb, ptr, size, bytes))
                         } else {
                             Local::Checked(Arena::check_live(sb, ptr, size, bytes))
                         }

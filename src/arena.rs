@@ -38,6 +38,20 @@
 //! pending blocks go with it as free ranges guarded by their own fences, and leave the pending
 //! list.
 //!
+//! ## Frees on the legacy stream
+//! The owner's free of its own block on the legacy stream (the legacy stream's arena only) is
+//! not reusable at once, although reuse is on the same stream: the block may next be used on a
+//! per-thread stream, and a per-thread stream orders its work only after earlier legacy-stream
+//! *actions*, of which the free is none; its earlier uses may have been on another thread's
+//! per-thread stream (which the free's contract orders before later legacy work only). So
+//! `free_legacy` checks the block, marks it `PENDING` and keeps it back; once `batch_blocks`
+//! blocks or `batch_bytes` bytes are kept back, or when the slow path finds no other fit, or at
+//! a flush, one *legacy action* (`fence.rs`: a `cuStreamWaitEvent` on the legacy stream, which
+//! CUDA orders after all earlier per-thread-stream work and before all later) is queued, and
+//! the kept-back blocks merge into the free lists. No event, no outbox, no lock. A superblock
+//! that leaves the arena takes its kept-back blocks to the pool as free ranges with a lazy
+//! legacy fence. Memory kept back this way is at most one batch per thread.
+//!
 //! ## Reclaim without the owner ([`Arena::reclaim`])
 //! An owner that is idle (blocked elsewhere, parked in a thread pool) never drains its inbox,
 //! so memory freed into it by others would stay stranded. On out-of-memory, and in `trim`,
@@ -109,7 +123,7 @@ use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{Fence, FenceSet};
 use crate::free_lists::{FreeBlock, FreeLists};
-use crate::shell::{ArenaShell, Batch};
+use crate::shell::{ArenaShell, Batch, Freed};
 use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{FREE, PENDING, SbLocal, Superblock, USED};
@@ -147,6 +161,12 @@ pub(crate) struct Arena {
     pending: VecDeque<Batch>,
     /// Per-class LIFO of freed blocks not yet merged: `(superblock, first granule)`.
     cache: [Vec<(*const Superblock, u32)>; CACHED_CLASSES],
+    /// The owner's own frees on the legacy stream, in the legacy stream's arena: marked
+    /// `PENDING` (counted in `live`) until one legacy action lets them be reused (see
+    /// "Frees on the legacy stream" above). At most `batch_blocks` blocks or `batch_bytes`
+    /// bytes (`legacy_freed_bytes`).
+    legacy_freed: Vec<Freed>,
+    legacy_freed_bytes: usize,
 }
 
 /// The smallest large superblock: 8 MiB.
@@ -202,6 +222,8 @@ impl Arena {
             live: 0,
             pending: VecDeque::new(),
             cache: std::array::from_fn(|_| Vec::with_capacity(CACHE_DEPTH)),
+            legacy_freed: Vec::new(),
+            legacy_freed_bytes: 0,
         }
     }
 
@@ -363,6 +385,63 @@ impl Arena {
         Ok(())
     }
 
+    /// The owner's free, on the legacy stream, of a block of this arena (the legacy stream's):
+    /// checked and kept back, not yet reusable; the batch's legacy action is queued once
+    /// `batch_blocks` blocks or `batch_bytes` bytes are kept back (see "Frees on the legacy
+    /// stream" above). An invalid free changes nothing.
+    pub(crate) fn free_legacy(
+        &mut self,
+        env: &Env<'_>,
+        sb: &Superblock,
+        ptr: u64,
+        size: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        debug_assert!(self.home.is_legacy(), "only the legacy stream's arena keeps frees back");
+        let g = bytes >> GRANULE_SHIFT;
+        // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
+        let r = unsafe {
+            sb.with_local(|l| {
+                let first = Self::validate(l, sb, ptr, size, g)?;
+                if sb.is_freed(first) {
+                    return Err(InvalidFree::DoubleFree);
+                }
+                sb.set_freed(first);
+                l.mark(first, g, PENDING, g);
+                Ok(())
+            })
+        };
+        r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
+        self.legacy_freed.push(Freed { ptr, size });
+        self.legacy_freed_bytes += bytes;
+        if self.legacy_freed.len() >= env.batch_blocks || self.legacy_freed_bytes >= env.batch_bytes {
+            self.release_legacy(env);
+        }
+        Ok(())
+    }
+
+    /// Queues one legacy action, then merges the frees kept back before it into the free
+    /// lists; true if any were. If the action cannot be queued they stay kept back (never
+    /// reused unordered) and the error is kept for the caller of `take_deferred_error`.
+    #[cold]
+    #[inline(never)]
+    fn release_legacy(&mut self, env: &Env<'_>) -> bool {
+        if self.legacy_freed.is_empty() {
+            return false;
+        }
+        if let Err(e) = env.legacy_action() {
+            env.defer(e);
+            return false;
+        }
+        let blocks = std::mem::take(&mut self.legacy_freed);
+        self.legacy_freed_bytes = 0;
+        self.complete(env, Batch { fence: None, blocks });
+        if self.over_held() {
+            self.shrink(env, true); // inside a call on the legacy stream, the home stream
+        }
+        true
+    }
+
     /// True if the return rule asks for a superblock back.
     #[inline]
     fn over_held(&mut self) -> bool {
@@ -450,12 +529,29 @@ impl Arena {
                 if inside {
                     let bytes = block_bytes(fr.size, env.small_max).unwrap_or(0);
                     fenced.push((fr.ptr, bytes, FenceSet::one(batch.fence.clone())));
-                    // Its freed flag is cleared below with the rest: the pool holds it as free.
+                    // Its freed flag stays set: the pool holds the block as free, and whoever
+                    // hands that address out again clears it (`superblock.rs`).
                 }
                 !inside
             });
         }
         self.pending.retain(|b| !b.blocks.is_empty());
+        // The owner's frees on the legacy stream kept back here go as free ranges with a lazy
+        // legacy fence: no legacy action has followed them yet, and the pool records one before
+        // any reuse (`FenceSet::lazy_legacy`). `fences` would not do: it may be an event on the
+        // owner's per-thread stream (thread exit), which orders nothing another thread's
+        // per-thread stream did before the free.
+        let mut kept = 0;
+        self.legacy_freed.retain(|fr| {
+            let inside = (sb.base..end).contains(&fr.ptr);
+            if inside {
+                let bytes = block_bytes(fr.size, env.small_max).unwrap_or(0);
+                kept += bytes;
+                fenced.push((fr.ptr, bytes, FenceSet::lazy_legacy()));
+            }
+            !inside
+        });
+        self.legacy_freed_bytes -= kept;
         let (mut used, mut free) = (Vec::new(), Vec::new());
         let lists = &mut self.lists;
         // SAFETY: as above.
@@ -674,6 +770,12 @@ impl Arena {
         if let Some(p) = self.alloc(class, g) {
             return Ok(p);
         }
+        // Then the owner's frees on the legacy stream, behind one legacy action.
+        if self.release_legacy(env)
+            && let Some(p) = self.alloc(class, g)
+        {
+            return Ok(p);
+        }
         while let Some(b) = self.pending.pop_front() {
             if let Some(f) = &b.fence
                 && let Err(w) = f.wait_for(&env.dev, self.home, self.key)
@@ -738,7 +840,7 @@ impl Arena {
         self.drain(env);
         // Granules of pending blocks per superblock: the rest of `live` is used.
         let mut pending: Vec<(*const Superblock, usize)> = Vec::new();
-        for fr in self.pending.iter().flat_map(|b| b.blocks.iter()) {
+        for fr in self.pending.iter().flat_map(|b| b.blocks.iter()).chain(&self.legacy_freed) {
             if let Some(sb) = env.pool.registry.lookup(fr.ptr) {
                 let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
                 match pending.iter_mut().find(|(p, _)| std::ptr::eq(*p, sb)) {
@@ -787,6 +889,7 @@ impl Arena {
     pub(crate) fn tidy(&mut self, env: &Env<'_>) {
         self.drain(env);
         self.poll(env);
+        self.release_legacy(env);
         if self.over_held() {
             self.shrink(env, false); // on no particular stream: a user home is not touched
         }
@@ -833,6 +936,7 @@ impl Arena {
         #[cfg(not(cuarena_mutant = "exit_close_first"))]
         let late = self.shell.inbox.close();
         debug_assert!(self.pending.is_empty(), "give_back took every pending block");
+        debug_assert!(self.legacy_freed.is_empty(), "give_back took every kept-back legacy free");
         for batch in late {
             for fr in batch.blocks {
                 env.pool_free_remote(fr.ptr, fr.size, batch.fence.clone());

@@ -26,6 +26,10 @@ pub(crate) struct Env<'a> {
     pub(crate) large_max: usize,
     /// Where errors found after the call that caused them (invalid remote frees) are kept.
     pub(crate) deferred: &'a Mutex<Option<Error>>,
+    /// Frees a thread keeps back before one fence, or one legacy action, lets them be reused:
+    /// `batch_blocks` blocks or `batch_bytes` bytes (`config.rs`).
+    pub(crate) batch_blocks: usize,
+    pub(crate) batch_bytes: usize,
 }
 
 impl Env<'_> {
@@ -35,6 +39,14 @@ impl Env<'_> {
             return Ok(None);
         }
         Fence::record(&self.pool.events, &self.dev, stream, key).map(Some)
+    }
+
+    /// Queues a legacy action (`fence.rs`), or nothing when fencing is switched off for a test.
+    pub(crate) fn legacy_action(&self) -> Result<()> {
+        if self.skip_fences || cfg!(cuarena_mutant = "legacy_no_action") {
+            return Ok(());
+        }
+        self.pool.legacy_action.issue(&self.dev)
     }
 
     /// A fence after all earlier work on an arena's home stream `home` (identity `key`), for

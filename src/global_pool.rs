@@ -29,7 +29,7 @@ use crate::config::Config;
 use crate::device::Device;
 use crate::device::counted::Counted;
 use crate::error::{Error, InvalidFree, Result};
-use crate::fence::{EventPool, Fence, FenceSet, Legacy};
+use crate::fence::{EventPool, Fence, FenceSet, Legacy, LegacyAction};
 use crate::registry::Registry;
 use crate::shell::ArenaShell;
 use crate::size_class::{GRANULE, block_bytes};
@@ -94,6 +94,8 @@ pub(crate) struct GlobalPool {
     pub(crate) events: Arc<EventPool>,
     /// Zeroed tag buffers of large superblocks between lendings (`superblock.rs`).
     pub(crate) tag_stash: TagStash,
+    /// What a legacy arena issues before it reuses its own frees on the legacy stream.
+    pub(crate) legacy_action: LegacyAction,
     /// The legacy stream's identity, asked once (0 until then), for lazy legacy fences.
     legacy_key: AtomicU64,
     state: Mutex<PoolState>,
@@ -101,6 +103,7 @@ pub(crate) struct GlobalPool {
 
 impl GlobalPool {
     pub(crate) fn new(device: Arc<dyn Device>, cfg: &Config, total: usize) -> GlobalPool {
+        let events = Arc::new(EventPool::new(Arc::clone(&device)));
         GlobalPool {
             superblock: cfg.superblock,
             chunk: cfg.chunk,
@@ -108,7 +111,8 @@ impl GlobalPool {
             total,
             small_max: cfg.small_max,
             registry: Registry::new(cfg.superblock),
-            events: Arc::new(EventPool::new(Arc::clone(&device))),
+            legacy_action: LegacyAction::new(Arc::clone(&events)),
+            events,
             tag_stash: TagStash::default(),
             legacy_key: AtomicU64::new(0),
             device,

@@ -148,19 +148,24 @@ macro_rules! counters {
     (gauges: $($g:ident),* ; accumulated: $($name:ident),* $(,)?) => {
         /// Per-thread event counts. `live_bytes` is a wrapping signed delta: a thread that frees
         /// blocks allocated elsewhere goes negative, and the sum over threads is exact.
+        ///
+        /// `repr(C, align(64))`, in this order: what every allocation and free touches
+        /// (`live_bytes`, the peak window, `deallocations`) shares the first cache line, which
+        /// no other thread's block shares; the histograms follow the rest.
         #[derive(Debug)]
+        #[repr(C, align(64))]
         pub(crate) struct Counters {
             shared: bool,
             reg: Arc<Shared>,
             $(pub(crate) $g: Counter,)*
-            $(pub(crate) $name: Counter,)*
-            /// Allocations by path ([`AllocPath`]) and block size (see
-            /// [`SIZE_HISTOGRAM_BUCKETS`]).
-            size_hist: [[Counter; SIZE_HISTOGRAM_BUCKETS]; PATHS],
             /// The largest `live_bytes` (signed) of this thread's current peak window.
             peak: Counter,
             /// The reset epoch the current peak window started in.
             peak_epoch: Counter,
+            $(pub(crate) $name: Counter,)*
+            /// Allocations by path ([`AllocPath`]) and block size (see
+            /// [`SIZE_HISTOGRAM_BUCKETS`]).
+            size_hist: [[Counter; SIZE_HISTOGRAM_BUCKETS]; PATHS],
         }
 
         /// A plain copy of a block's counters (summed, or kept as a baseline).

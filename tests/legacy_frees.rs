@@ -1,0 +1,194 @@
+//! A thread's frees of its own blocks on the legacy stream: kept back in its legacy arena until
+//! one legacy action per batch (`Arena::free_legacy`, `fence.rs`'s `LegacyAction`), instead of
+//! an event per batch through the outbox. These tests check what the action is for (a block
+//! reused after a legacy free is ordered after its earlier use on another thread's per-thread
+//! stream), that kept-back frees are bounded, refused twice, and returned at exit and by
+//! reclaim, and that the action, not an event, is what the batch costs.
+
+use std::time::Duration;
+
+use cuarena::{Allocator, Config, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostConfig, HostDevice, assert_all_returned, host_allocator};
+
+fn host(max_delay_us: u64) -> HostDevice {
+    HostDevice::new(HostConfig {
+        capacity: 1 << 30,
+        min_delay: Duration::ZERO,
+        max_delay: Duration::from_micros(max_delay_us),
+        ..HostConfig::default()
+    })
+}
+
+fn allocator(sim: &HostDevice, batch: usize) -> Allocator {
+    host_allocator(sim.clone(), Config::builder().batch_blocks(batch).build().unwrap()).unwrap()
+}
+
+/// The block is used on thread B's per-thread stream (a long write), freed by its owner A on
+/// the legacy stream (the free's contract covers B's use: legacy work waits for it), reused by
+/// A on the legacy stream and written on A's per-thread stream. That write must be ordered
+/// after B's: only a legacy-stream action between the free and the reuse does it (A's
+/// per-thread stream waits for earlier legacy actions, which wait for B's per-thread stream).
+/// The mutation `legacy_no_action` (the action skipped) must fail this.
+#[test]
+fn a_legacy_free_reused_on_a_per_thread_stream_follows_its_use_on_another() {
+    for batch in [1, 3] {
+        let sim = host(0);
+        let a = allocator(&sim, batch);
+        let p = a.allocate(64 << 10, Stream::LEGACY).unwrap();
+        // Blocks to fill the batch with (freed on the legacy stream after `p`).
+        let fill: Vec<_> = (1..batch).map(|_| a.allocate(64 << 10, Stream::LEGACY).unwrap()).collect();
+        let (a2, sim2) = (a.clone(), sim.clone());
+        std::thread::spawn(move || {
+            sim2.hold_and_check(p.0, 64 << 10, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
+            a2.release_thread().unwrap();
+        })
+        .join()
+        .unwrap();
+        a.deallocate(p, 64 << 10, Stream::LEGACY).unwrap();
+        for q in &fill {
+            a.deallocate(*q, 64 << 10, Stream::LEGACY).unwrap();
+        }
+        // The batch is full: its action is queued and the blocks are reusable, newest first.
+        let mut again = Vec::new();
+        for _ in 0..batch {
+            again.push(a.allocate(64 << 10, Stream::LEGACY).unwrap());
+        }
+        assert!(again.contains(&p), "the kept-back block is reused after its batch: {again:?} {p:?}");
+        sim.fill(p.0, 64 << 10, 1, Stream::PER_THREAD).unwrap();
+        sim.synchronize();
+        let v = sim.violations();
+        assert!(v.is_empty(), "batch {batch}: reused without ordering: {v:?}");
+        assert_eq!(sim.tag_errors(), 0, "batch {batch}: B's block was overwritten while in use");
+        for q in again {
+            a.deallocate(q, 64 << 10, Stream::LEGACY).unwrap();
+        }
+        assert_all_returned(&a, Some(&sim), 0);
+    }
+}
+
+/// Kept-back frees are not reusable before their batch's action: with a batch of 64, frees
+/// then allocations of the same size get other memory until the slow path releases the batch
+/// (one action), and the whole run costs one wait per batch and no event.
+#[test]
+fn kept_back_frees_cost_one_wait_per_batch_and_no_event() {
+    let sim = host(0);
+    let a = allocator(&sim, 64);
+    let ps: Vec<_> = (0..64 * 8).map(|_| a.allocate(4096, Stream::LEGACY).unwrap()).collect();
+    let s0 = a.stats();
+    for p in &ps {
+        a.deallocate(*p, 4096, Stream::LEGACY).unwrap();
+    }
+    let s1 = a.stats();
+    // The action's own event is recorded once per allocator, at its first action.
+    assert!(s1.fences_recorded - s0.fences_recorded <= 1, "no event per batch: {s1:?}");
+    assert_eq!(s1.fence_waits - s0.fence_waits, 8, "one wait per batch of 64: {s1:?}");
+    assert_eq!(s1.fence_polls, s0.fence_polls, "no polls: {s1:?}");
+    // A partial batch: kept back until the slow path needs it (or a flush).
+    let q: Vec<_> = (0..10).map(|_| a.allocate(4096, Stream::LEGACY).unwrap()).collect();
+    for p in &q {
+        a.deallocate(*p, 4096, Stream::LEGACY).unwrap();
+    }
+    let s2 = a.stats();
+    assert_eq!(s2.fence_waits, s1.fence_waits, "10 frees are under a batch");
+    a.flush().unwrap();
+    assert_eq!(a.stats().fence_waits, s2.fence_waits + 1, "a flush releases them with one action");
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// A kept-back block is freed: a second free of it, by its owner on any stream or by another
+/// thread, is refused and changes nothing.
+#[test]
+fn a_kept_back_block_freed_again_is_refused() {
+    let sim = host(0);
+    let a = allocator(&sim, 64);
+    let p = a.allocate(1000, Stream::LEGACY).unwrap();
+    a.deallocate(p, 1000, Stream::LEGACY).unwrap();
+    for s in [Stream::LEGACY, Stream::PER_THREAD] {
+        let e = a.deallocate(p, 1000, s).unwrap_err();
+        assert!(matches!(e, Error::InvalidFree { reason: InvalidFree::DoubleFree, .. }), "{s:?}: {e:?}");
+    }
+    let a2 = a.clone();
+    let e = std::thread::spawn(move || {
+        let r = a2.deallocate(p, 1000, Stream::LEGACY);
+        a2.release_thread().unwrap();
+        r
+    })
+    .join()
+    .unwrap()
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidFree { reason: InvalidFree::DoubleFree, .. }), "{e:?}");
+    // A wrong size or an interior pointer of a live legacy block is refused and keeps nothing.
+    let q = a.allocate(1000, Stream::LEGACY).unwrap();
+    assert!(a.deallocate(q, 2000, Stream::LEGACY).is_err());
+    assert!(a.deallocate(cuarena::DeviceAddr(q.0 + 256), 744, Stream::LEGACY).is_err());
+    a.deallocate(q, 1000, Stream::LEGACY).unwrap();
+    assert!(a.take_deferred_error().is_none());
+    assert_all_returned(&a, Some(&sim), 5);
+}
+
+/// A thread that exits, or releases its arena, with frees kept back gives them back with the
+/// rest (to the pool, behind a lazy legacy fence); another thread that takes that memory on its
+/// per-thread stream is ordered after the block's last use.
+#[test]
+fn kept_back_frees_go_back_at_thread_exit_and_are_fenced_for_the_next_user() {
+    for release in [true, false] {
+        let sim = host(50);
+        let a = allocator(&sim, 64);
+        let (a2, sim2) = (a.clone(), sim.clone());
+        std::thread::spawn(move || {
+            let ps: Vec<_> = (0..20).map(|_| a2.allocate(256 << 10, Stream::LEGACY).unwrap()).collect();
+            for (i, p) in ps.iter().enumerate() {
+                sim2.hold_and_check(p.0, 256 << 10, i as u32, Duration::from_millis(2), Stream::LEGACY)
+                    .unwrap();
+                a2.deallocate(*p, 256 << 10, Stream::LEGACY).unwrap();
+            }
+            if release {
+                a2.release_thread().unwrap();
+            } // else thread exit gives them back
+        })
+        .join()
+        .unwrap();
+        // Another thread's memory, on its per-thread stream, overwritten at once.
+        let qs: Vec<_> = (0..20).map(|_| a.allocate_per_thread(256 << 10).unwrap()).collect();
+        for q in &qs {
+            sim.fill(q.0, 256 << 10, 9, Stream::PER_THREAD).unwrap();
+        }
+        sim.synchronize();
+        assert!(sim.violations().is_empty(), "release {release}: {:?}", sim.violations());
+        assert_eq!(sim.tag_errors(), 0, "release {release}");
+        for q in qs {
+            a.deallocate_per_thread(q, 256 << 10).unwrap();
+        }
+        assert_all_returned(&a, Some(&sim), 0);
+    }
+}
+
+/// Out of memory takes kept-back frees of an idle thread back (its superblocks have no used
+/// block), without that thread's help.
+#[test]
+fn out_of_memory_takes_an_idle_threads_kept_back_frees() {
+    let sim = host(0);
+    let cfg = Config::builder().max_bytes(8 << 20).batch_blocks(64).build().unwrap();
+    let a = host_allocator(sim.clone(), cfg).unwrap();
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let (done, freed) = std::sync::mpsc::channel::<()>();
+    let a2 = a.clone();
+    let idle = std::thread::spawn(move || {
+        let ps: Vec<_> = (0..12).map(|_| a2.allocate(512 << 10, Stream::LEGACY).unwrap()).collect();
+        for p in ps {
+            a2.deallocate(p, 512 << 10, Stream::LEGACY).unwrap(); // 12 < 64: all kept back
+        }
+        done.send(()).unwrap();
+        wait.recv().unwrap(); // idle, alive, holding them
+        a2.release_thread().unwrap();
+    });
+    freed.recv().unwrap();
+    let ps: Vec<_> = (0..12).map(|_| a.allocate_per_thread(512 << 10).unwrap()).collect();
+    go.send(()).unwrap();
+    idle.join().unwrap();
+    for p in ps {
+        a.deallocate_per_thread(p, 512 << 10).unwrap();
+    }
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_all_returned(&a, Some(&sim), 0);
+}
