@@ -289,6 +289,26 @@ impl Arena {
         sb.base + ((b.first as u64) << GRANULE_SHIFT)
     }
 
+    /// The owner's own free of the block at `ptr` (`g` granules) in `sb`: checked against the
+    /// tags and the freed flag (set by a free already on its way, on another stream or by
+    /// another thread: a double free), then the flag set, with a plain store. Returns the
+    /// block's first granule; a refused free changes nothing.
+    #[inline(always)]
+    fn accept_own_free(
+        l: &SbLocal,
+        sb: &Superblock,
+        ptr: u64,
+        size: usize,
+        g: usize,
+    ) -> Result<usize, InvalidFree> {
+        let first = Self::validate(l, sb, ptr, size, g)?;
+        if sb.is_freed(first) {
+            return Err(InvalidFree::DoubleFree);
+        }
+        sb.set_freed(first);
+        Ok(first)
+    }
+
     /// Checks that a block of `g` granules starts at `ptr` in `l` and is live.
     fn validate(l: &SbLocal, sb: &Superblock, ptr: u64, size: usize, g: usize) -> Result<usize, InvalidFree> {
         let off = ptr - sb.base;
@@ -343,8 +363,8 @@ impl Arena {
     }
 
     /// Fast path: frees a block of this arena on the owner's per-thread stream.
-    #[inline]
     /// `bytes` is `block_bytes(size)`, which the caller has computed already.
+    #[inline]
     pub(crate) fn free_local(
         &mut self,
         env: &Env<'_>,
@@ -360,12 +380,7 @@ impl Arena {
         // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
         let r = unsafe {
             sb.with_local(|l| {
-                let first = Self::validate(l, sb, ptr, size, g)?;
-                if sb.is_freed(first) {
-                    // Freed already, on another stream or by another thread.
-                    return Err(InvalidFree::DoubleFree);
-                }
-                sb.set_freed(first);
+                let first = Self::accept_own_free(l, sb, ptr, size, g)?;
                 match cache {
                     Some(c) => {
                         l.restate(first, PENDING);
@@ -402,11 +417,7 @@ impl Arena {
         // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
         let r = unsafe {
             sb.with_local(|l| {
-                let first = Self::validate(l, sb, ptr, size, g)?;
-                if sb.is_freed(first) {
-                    return Err(InvalidFree::DoubleFree);
-                }
-                sb.set_freed(first);
+                let first = Self::accept_own_free(l, sb, ptr, size, g)?;
                 l.mark(first, g, PENDING, g);
                 Ok(())
             })

@@ -8,7 +8,7 @@
 //! ordinals and short buffers. Every allocator test ends with `assert_all_returned`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex, mpsc};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use cuarena::{Allocator, DeviceAddr, Error, OomHook, Stream};
@@ -23,22 +23,6 @@ use common::*;
 mod cuarena_c;
 
 const MIB: usize = 1 << 20;
-
-/// Runs `f` on another thread; fails if it does not end within `secs` (a deadlock).
-fn within<R: Send + 'static>(secs: u64, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(r) => r,
-        Err(mpsc::RecvTimeoutError::Disconnected) => match h.join() {
-            Err(p) => std::panic::resume_unwind(p),
-            Ok(()) => unreachable!("sent nothing and did not panic"),
-        },
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("deadlock: not done in {secs} s"),
-    }
-}
 
 /// 1 MiB blocks come from the global pool; the cap is 16 MiB.
 fn capped(sim: &HostDevice) -> Allocator {

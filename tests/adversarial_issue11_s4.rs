@@ -24,22 +24,6 @@ use common::*;
 
 const MIB: usize = 1 << 20;
 
-/// Runs `f` on another thread; fails if it does not end within `secs` (a deadlock).
-fn within<R: Send + 'static>(secs: u64, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(r) => r,
-        Err(mpsc::RecvTimeoutError::Disconnected) => match h.join() {
-            Err(p) => std::panic::resume_unwind(p),
-            Ok(()) => unreachable!("sent nothing and did not panic"),
-        },
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("deadlock: not done in {secs} s"),
-    }
-}
-
 fn trace_path(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("cuarena-adv11s4-{}-{name}.bin", std::process::id()))
 }

@@ -8,16 +8,10 @@
 use std::time::Duration;
 
 use cuarena::{Allocator, Config, Error, InvalidFree, Stream};
-use cuarena_testkit::{HostConfig, HostDevice, assert_all_returned, host_allocator};
+use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
-fn host(max_delay_us: u64) -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity: 1 << 30,
-        min_delay: Duration::ZERO,
-        max_delay: Duration::from_micros(max_delay_us),
-        ..HostConfig::default()
-    })
-}
+mod common;
+use common::host;
 
 fn allocator(sim: &HostDevice, batch: usize) -> Allocator {
     host_allocator(sim.clone(), Config::builder().batch_blocks(batch).build().unwrap()).unwrap()

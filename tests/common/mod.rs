@@ -115,3 +115,20 @@ impl Drop for Worker {
         }
     }
 }
+
+/// Runs `f` on another thread; fails if it does not end within `secs` (a deadlock), and passes
+/// on its panic if it panics.
+pub fn within<R: Send + 'static>(secs: u64, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(r) => r,
+        Err(mpsc::RecvTimeoutError::Disconnected) => match h.join() {
+            Err(p) => std::panic::resume_unwind(p),
+            Ok(()) => unreachable!("sent nothing and did not panic"),
+        },
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("deadlock: not done in {secs} s"),
+    }
+}
