@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use cuarena::trace::{Action, LATE_THREAD, Record};
-use cuarena::{Allocator, Device, DeviceAddr, DeviceKind, Error, Event, Stream, StreamKey};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena::{Allocator, Device, DeviceAddr, Error, Stream};
+use cuarena_testkit::{HookedDevice, Hooks, HostDevice, assert_all_returned, host_allocator};
 
 mod common;
 use common::*;
@@ -76,48 +76,9 @@ thread_local! {
 
 /// A simulated device whose `stream_key` pauses on an armed thread until the test answers:
 /// the test acts while the thread stands between two steps of a call.
-struct PausingDevice(HostDevice);
-
-impl Device for PausingDevice {
-    fn kind(&self) -> DeviceKind {
-        self.0.kind()
-    }
-    fn ordinal(&self) -> i32 {
-        self.0.ordinal()
-    }
-    fn total_memory(&self) -> cuarena::Result<usize> {
-        self.0.total_memory()
-    }
-    fn reserve(&self, bytes: usize) -> cuarena::Result<Option<u64>> {
-        self.0.reserve(bytes)
-    }
-    unsafe fn release(&self, ptr: u64, bytes: usize) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller, who gives the same guarantees.
-        unsafe { self.0.release(ptr, bytes) }
-    }
-    fn create_event(&self) -> cuarena::Result<Event> {
-        self.0.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.0.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> cuarena::Result<()> {
-        self.0.record_event(event, stream)
-    }
-    fn query_event(&self, event: Event) -> cuarena::Result<bool> {
-        self.0.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> cuarena::Result<()> {
-        self.0.sync_event(event)
-    }
-    fn synchronize(&self) -> cuarena::Result<()> {
-        Device::synchronize(&self.0)
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> cuarena::Result<()> {
-        self.0.stream_wait_event(stream, event)
-    }
-    fn stream_key(&self, stream: Stream) -> cuarena::Result<StreamKey> {
-        let r = self.0.stream_key(stream);
+fn pausing_device(sim: &HostDevice) -> Arc<HookedDevice> {
+    let key: cuarena_testkit::hooked::KeyHook = Box::new(|sim, stream| {
+        let r = sim.stream_key(stream);
         if PAUSE_KEYS.with(|p| p.get()) {
             let tx = PAUSES.lock().unwrap().clone();
             if let Some(tx) = tx {
@@ -128,14 +89,8 @@ impl Device for PausingDevice {
             }
         }
         r
-    }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> cuarena::Result<Option<u64>> {
-        self.0.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller, who gives the same guarantees.
-        unsafe { self.0.free_async(ptr, bytes, stream) }
-    }
+    });
+    HookedDevice::new(sim.clone(), Hooks { stream_key: Some(key), ..Hooks::default() })
 }
 
 /// A block a thread frees in its thread-local destructor.
@@ -164,11 +119,11 @@ thread_local! {
 #[test]
 fn a_free_in_late_destructors_is_stamped_before_it_runs() {
     let sim = host(0);
-    let dev = PausingDevice(sim.clone());
+    let dev = pausing_device(&sim);
     // Blocks of 1 MiB come from the global pool (over large_max); the cap keeps the pool small,
     // so that filling it finds the freed block.
     let cfg = small().large_max(64 << 10).max_bytes(8 * MIB).build().unwrap();
-    let a = Allocator::new(Arc::new(dev), cfg).unwrap();
+    let a = Allocator::new(dev, cfg).unwrap();
     let a2 = a.clone();
     let sim2 = sim.clone();
     let path = trace_path("late-free");

@@ -7,10 +7,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cuarena::{
-    Allocator, Config, Device, DeviceAddr, DeviceKind, Error, Event, InvalidFree, Stream, StreamKey,
-};
-use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
+use cuarena::{Allocator, Config, Device, DeviceAddr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HookedDevice, Hooks, HostConfig, HostDevice, host_allocator};
 
 fn host(max_delay_us: u64) -> HostDevice {
     HostDevice::new(HostConfig {
@@ -28,60 +26,15 @@ thread_local! {
 
 /// A simulated device whose `record_event` can stall after queueing the record, as a thread
 /// preempted between the record and whatever the allocator does next.
-struct StallingDevice(HostDevice);
-
-impl Device for StallingDevice {
-    fn kind(&self) -> DeviceKind {
-        self.0.kind()
-    }
-    fn ordinal(&self) -> i32 {
-        self.0.ordinal()
-    }
-    fn total_memory(&self) -> cuarena::Result<usize> {
-        self.0.total_memory()
-    }
-    fn reserve(&self, bytes: usize) -> cuarena::Result<Option<u64>> {
-        self.0.reserve(bytes)
-    }
-    unsafe fn release(&self, ptr: u64, bytes: usize) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.0.release(ptr, bytes) }
-    }
-    fn create_event(&self) -> cuarena::Result<Event> {
-        self.0.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.0.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> cuarena::Result<()> {
-        let r = self.0.record_event(event, stream);
+fn stalling_device(sim: &HostDevice) -> Arc<HookedDevice> {
+    let record: cuarena_testkit::hooked::EventHook = Box::new(|sim, event, stream| {
+        let r = sim.record_event(event, stream);
         if let Some(d) = STALL_RECORD.with(|s| s.take()) {
             std::thread::sleep(d);
         }
         r
-    }
-    fn query_event(&self, event: Event) -> cuarena::Result<bool> {
-        self.0.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> cuarena::Result<()> {
-        self.0.sync_event(event)
-    }
-    fn synchronize(&self) -> cuarena::Result<()> {
-        Device::synchronize(&self.0)
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> cuarena::Result<()> {
-        self.0.stream_wait_event(stream, event)
-    }
-    fn stream_key(&self, stream: Stream) -> cuarena::Result<StreamKey> {
-        self.0.stream_key(stream)
-    }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> cuarena::Result<Option<u64>> {
-        self.0.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.0.free_async(ptr, bytes, stream) }
-    }
+    });
+    HookedDevice::new(sim.clone(), Hooks { record_event: Some(record), ..Hooks::default() })
 }
 
 /// Bug A: two threads free neighbouring pool blocks on the shared legacy stream. X's record is
@@ -91,7 +44,7 @@ impl Device for StallingDevice {
 #[test]
 fn a_later_fence_on_a_shared_stream_is_not_dropped() {
     let sim = host(0);
-    let dev = Arc::new(StallingDevice(sim.clone()));
+    let dev = stalling_device(&sim);
     // Pool blocks: large superblocks off (`large_max = small_max`).
     let cfg = Config::builder()
         .small_max(64 << 10)

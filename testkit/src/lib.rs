@@ -8,11 +8,14 @@
 //!   PTX (no CUDA toolkit needed).
 //! - The stress workload, the fence torture, [`LightDevice`], the GPU test gates and
 //!   [`assert_all_returned`] (the module `harness`, re-exported here).
+//! - [`HookedDevice`] ([`hooked`]): a simulated device with hooks around some calls, for tests
+//!   that stall, pause or fail the device at one step of the allocator.
 //!
 //! Not part of cuarena's API: a separate crate so that the allocator crate ships none of it.
 
 pub mod cuda_kernels;
 mod harness;
+pub mod hooked;
 pub mod host;
 
 use std::sync::Arc;
@@ -20,6 +23,7 @@ use std::sync::Arc;
 use cuarena::{Allocator, Config, Result};
 
 pub use harness::*;
+pub use hooked::{HookedDevice, Hooks};
 pub use host::{HostConfig, HostDevice};
 
 /// An allocator over a simulated device (a clone of `device` shares its state, so keep one to

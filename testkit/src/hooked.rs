@@ -1,0 +1,100 @@
+//! A simulated device a test can step into: [`HookedDevice`] forwards every call to a
+//! [`HostDevice`], except that a hook, where one is set, runs *around* the call. A hook gets the
+//! simulated device and the call's arguments, makes the call itself (or not) and returns what
+//! the allocator sees, so one wrapper serves a stall after a record, a pause inside an identity
+//! lookup, or a driver error injected into a stream wait.
+
+use std::sync::Arc;
+
+use cuarena::{Device, DeviceKind, Event, Result, Stream, StreamKey};
+
+use crate::HostDevice;
+
+/// A hook around `record_event` or `stream_wait_event`.
+pub type EventHook = Box<dyn Fn(&HostDevice, Event, Stream) -> Result<()> + Send + Sync>;
+/// A hook around `stream_key`.
+pub type KeyHook = Box<dyn Fn(&HostDevice, Stream) -> Result<StreamKey> + Send + Sync>;
+
+/// Which calls of a [`HookedDevice`] have hooks (`None`: forwarded as they are).
+#[derive(Default)]
+pub struct Hooks {
+    pub record_event: Option<EventHook>,
+    pub stream_wait_event: Option<EventHook>,
+    pub stream_key: Option<KeyHook>,
+}
+
+/// A [`HostDevice`] with [`Hooks`]. Clones of `sim` share its state: keep one to ask the race
+/// checker.
+pub struct HookedDevice {
+    pub sim: HostDevice,
+    pub hooks: Hooks,
+}
+
+impl HookedDevice {
+    /// `sim` with `hooks`, ready for `Allocator::new`.
+    pub fn new(sim: HostDevice, hooks: Hooks) -> Arc<HookedDevice> {
+        Arc::new(HookedDevice { sim, hooks })
+    }
+}
+
+impl Device for HookedDevice {
+    fn kind(&self) -> DeviceKind {
+        self.sim.kind()
+    }
+    fn ordinal(&self) -> i32 {
+        self.sim.ordinal()
+    }
+    fn total_memory(&self) -> Result<usize> {
+        self.sim.total_memory()
+    }
+    fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
+        self.sim.reserve(bytes)
+    }
+    unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()> {
+        // SAFETY: forwarded from the caller, who gives the same guarantees.
+        unsafe { self.sim.release(ptr, bytes) }
+    }
+    fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<Option<u64>> {
+        self.sim.alloc_async(bytes, stream)
+    }
+    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> Result<()> {
+        // SAFETY: forwarded from the caller, who gives the same guarantees.
+        unsafe { self.sim.free_async(ptr, bytes, stream) }
+    }
+    fn create_event(&self) -> Result<Event> {
+        self.sim.create_event()
+    }
+    fn destroy_event(&self, event: Event) {
+        self.sim.destroy_event(event)
+    }
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
+        match &self.hooks.record_event {
+            Some(h) => h(&self.sim, event, stream),
+            None => self.sim.record_event(event, stream),
+        }
+    }
+    fn query_event(&self, event: Event) -> Result<bool> {
+        self.sim.query_event(event)
+    }
+    fn sync_event(&self, event: Event) -> Result<()> {
+        self.sim.sync_event(event)
+    }
+    fn synchronize(&self) -> Result<()> {
+        Device::synchronize(&self.sim)
+    }
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        match &self.hooks.stream_wait_event {
+            Some(h) => h(&self.sim, event, stream),
+            None => self.sim.stream_wait_event(stream, event),
+        }
+    }
+    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
+        match &self.hooks.stream_key {
+            Some(h) => h(&self.sim, stream),
+            None => self.sim.stream_key(stream),
+        }
+    }
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
+        self.sim.stream_capturing(stream)
+    }
+}
