@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
-use cuarena::{Allocator, Device, DeviceAddr, Error, InvalidFree, Stream};
+use cuarena::{Allocator, Device, DeviceAddr, Error, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 mod common;
@@ -26,29 +26,6 @@ const L: usize = 128 * MIB;
 
 fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
     host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
-}
-
-fn is_double(r: &cuarena::Result<()>) -> bool {
-    matches!(r, Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. }))
-}
-
-fn is_invalid(r: &cuarena::Result<()>) -> bool {
-    matches!(r, Err(Error::InvalidFree { .. }))
-}
-
-/// A tag at the head and at the tail of a block (the tail catches an overlap from above).
-fn tag(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
-    sim.write_tag(p.0, 256, t, s).unwrap();
-    if size > 512 {
-        sim.write_tag(p.0 + (size as u64 & !255) - 256, 256, t ^ 0x5555, s).unwrap();
-    }
-}
-
-fn check(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
-    sim.check_tag(p.0, 256, t, s).unwrap();
-    if size > 512 {
-        sim.check_tag(p.0 + (size as u64 & !255) - 256, 256, t ^ 0x5555, s).unwrap();
-    }
 }
 
 /// Superblocks the pool has lent now, as `(base, bytes)`.

@@ -13,33 +13,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
-use cuarena::{Allocator, Config, Device, DeviceAddr, DeviceKind, Error, Event, Stream, StreamKey};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Stream};
+use cuarena_testkit::hooked::EventHook;
+use cuarena_testkit::{HookedDevice, Hooks, HostDevice, assert_all_returned, host_allocator};
 
 mod common;
 use common::*;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-
-fn is_invalid(r: &cuarena::Result<()>) -> bool {
-    matches!(r, Err(Error::InvalidFree { .. }))
-}
-
-/// A tag at the head and at the tail of a block.
-fn tag(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
-    sim.write_tag(p.0, 256, t, s).unwrap();
-    if size > 512 {
-        sim.write_tag(p.0 + (size as u64 & !255) - 256, 256, t ^ 0x5555, s).unwrap();
-    }
-}
-
-fn check(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
-    sim.check_tag(p.0, 256, t, s).unwrap();
-    if size > 512 {
-        sim.check_tag(p.0 + (size as u64 & !255) - 256, 256, t ^ 0x5555, s).unwrap();
-    }
-}
 
 /// The default layout (2 MiB superblocks, `small_max` 1 MiB, `large_max` 64 MiB).
 fn default_cfg() -> cuarena::ConfigBuilder {
@@ -84,16 +66,7 @@ fn churn_on(cap: usize, threads: usize, ops: usize, seed: u64, batch: usize, fai
     let a = if fail_ppm == 0 {
         host_allocator(sim.clone(), cfg).unwrap()
     } else {
-        Allocator::new(
-            Arc::new(Flaky {
-                sim: sim.clone(),
-                ppm: fail_ppm,
-                x: AtomicU64::new(seed | 1),
-                failures: AtomicU64::new(0),
-            }),
-            cfg,
-        )
-        .unwrap()
+        Allocator::new(flaky_device(&sim, fail_ppm, seed), cfg).unwrap()
     };
     let flaky = fail_ppm > 0;
     let ok = move |r: cuarena::Result<()>| {
@@ -248,83 +221,34 @@ fn churn_on_a_device_that_fails_waits_and_records() {
     }
 }
 
-/// A simulated device that fails a share of its `stream_wait_event` and `record_event` calls
-/// (before doing anything).
-struct Flaky {
-    sim: HostDevice,
-    ppm: u64,
-    x: AtomicU64,
-    failures: AtomicU64,
-}
-
-impl Flaky {
-    fn fail(&self) -> bool {
-        let mut v = self.x.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+/// A simulated device that fails a share (`ppm` per million) of its `stream_wait_event` and
+/// `record_event` calls, before doing anything.
+fn flaky_device(sim: &HostDevice, ppm: u64, seed: u64) -> Arc<HookedDevice> {
+    let x = Arc::new(AtomicU64::new(seed | 1));
+    let fail = move || {
+        let mut v = x.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
         v ^= v >> 31;
         v = v.wrapping_mul(0xbf58_476d_1ce4_e5b9);
         v ^= v >> 29;
-        let f = v % 1_000_000 < self.ppm;
-        if f {
-            self.failures.fetch_add(1, Ordering::Relaxed);
-        }
-        f
-    }
-}
-
-impl Device for Flaky {
-    fn kind(&self) -> DeviceKind {
-        self.sim.kind()
-    }
-    fn ordinal(&self) -> i32 {
-        self.sim.ordinal()
-    }
-    fn total_memory(&self) -> cuarena::Result<usize> {
-        self.sim.total_memory()
-    }
-    fn reserve(&self, bytes: usize) -> cuarena::Result<Option<u64>> {
-        self.sim.reserve(bytes)
-    }
-    unsafe fn release(&self, ptr: u64, bytes: usize) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.sim.release(ptr, bytes) }
-    }
-    fn create_event(&self) -> cuarena::Result<Event> {
-        self.sim.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.sim.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> cuarena::Result<()> {
-        if self.fail() {
+        v % 1_000_000 < ppm
+    };
+    let fail2 = fail.clone();
+    let record: EventHook = Box::new(move |sim, event, stream| {
+        if fail() {
             return Err(Error::Driver { call: "record_event (injected)", code: 999 });
         }
-        self.sim.record_event(event, stream)
-    }
-    fn query_event(&self, event: Event) -> cuarena::Result<bool> {
-        self.sim.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> cuarena::Result<()> {
-        self.sim.sync_event(event)
-    }
-    fn synchronize(&self) -> cuarena::Result<()> {
-        Device::synchronize(&self.sim)
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> cuarena::Result<()> {
-        if self.fail() {
+        sim.record_event(event, stream)
+    });
+    let wait: EventHook = Box::new(move |sim, event, stream| {
+        if fail2() {
             return Err(Error::Driver { call: "stream_wait_event (injected)", code: 999 });
         }
-        self.sim.stream_wait_event(stream, event)
-    }
-    fn stream_key(&self, stream: Stream) -> cuarena::Result<StreamKey> {
-        self.sim.stream_key(stream)
-    }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> cuarena::Result<Option<u64>> {
-        self.sim.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.sim.free_async(ptr, bytes, stream) }
-    }
+        sim.stream_wait_event(stream, event)
+    });
+    HookedDevice::new(
+        sim.clone(),
+        Hooks { record_event: Some(record), stream_wait_event: Some(wait), ..Hooks::default() },
+    )
 }
 
 /// A block kept back in an idle thread's legacy arena; another thread's `trim` gives its

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, mpsc};
 use std::time::Duration;
 
-use cuarena::{Allocator, Config, DeviceAddr};
+use cuarena::{Allocator, Config, DeviceAddr, Error, InvalidFree, Stream};
 use cuarena_testkit::{HostConfig, HostDevice};
 
 pub fn host(max_delay_us: u64) -> HostDevice {
@@ -130,5 +130,32 @@ pub fn within<R: Send + 'static>(secs: u64, f: impl FnOnce() -> R + Send + 'stat
             Ok(()) => unreachable!("sent nothing and did not panic"),
         },
         Err(mpsc::RecvTimeoutError::Timeout) => panic!("deadlock: not done in {secs} s"),
+    }
+}
+
+/// True if the free was refused as invalid (any reason).
+pub fn is_invalid(r: &cuarena::Result<()>) -> bool {
+    matches!(r, Err(Error::InvalidFree { .. }))
+}
+
+/// True if the free was refused as a double free.
+pub fn is_double(r: &cuarena::Result<()>) -> bool {
+    matches!(r, Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. }))
+}
+
+/// A tag at the head and at the tail of a block (the tail catches an overlap from above),
+/// written on `s`.
+pub fn tag(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
+    sim.write_tag(p.0, 256, t, s).unwrap();
+    if size > 512 {
+        sim.write_tag(p.0 + (size as u64 & !255) - 256, 256, t ^ 0x5555, s).unwrap();
+    }
+}
+
+/// Checks on `s` the tags [`tag`] wrote (mismatches count in the device's `tag_errors`).
+pub fn check(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
+    sim.check_tag(p.0, 256, t, s).unwrap();
+    if size > 512 {
+        sim.check_tag(p.0 + (size as u64 & !255) - 256, 256, t ^ 0x5555, s).unwrap();
     }
 }
