@@ -167,6 +167,11 @@ pub(crate) struct Arena {
     /// bytes (`legacy_freed_bytes`).
     legacy_freed: Vec<Freed>,
     legacy_freed_bytes: usize,
+    /// Free ranges kept out of the lists because a bad free of the address they start at is
+    /// on its way (an `IN_TRANSIT` flag; see `superblock.rs`): tagged `PENDING`, not in `live`,
+    /// merged back once that free has arrived and been refused. Empty unless a program frees
+    /// pointers it does not own.
+    quarantined: Vec<FreeBlock>,
 }
 
 /// The smallest large superblock: 8 MiB.
@@ -224,6 +229,7 @@ impl Arena {
             cache: std::array::from_fn(|_| Vec::with_capacity(CACHE_DEPTH)),
             legacy_freed: Vec::new(),
             legacy_freed_bytes: 0,
+            quarantined: Vec::new(),
         }
     }
 
@@ -258,15 +264,83 @@ impl Arena {
             self.live += g;
             return Some(sb.base + ((first as u64) << GRANULE_SHIFT));
         }
-        let b = self.lists.take_fit(class)?;
-        Some(self.carve(b, g))
+        loop {
+            let b = self.lists.take_fit(class)?;
+            if let Some(p) = self.carve(b, g) {
+                return Some(p);
+            }
+        }
     }
 
     /// Hands out the first `g` granules of the free block `b` (taken out of the lists), putting
-    /// the rest back.
+    /// the rest back; if a bad free of `b`'s first granule is on its way, the last `g` instead,
+    /// or, if that cannot be, none: `b` is quarantined and `None` returned (see `superblock.rs`).
     #[inline(always)]
-    fn carve(&mut self, b: FreeBlock, g: usize) -> u64 {
+    fn carve(&mut self, b: FreeBlock, g: usize) -> Option<u64> {
         debug_assert!(b.len >= g);
+        // SAFETY: every block in our free lists lies in a superblock we own.
+        let sb = unsafe { &*b.sb };
+        // The mutation `carve_ignores_transit` hands such a block out as any other; the test
+        // `a_bad_free_on_its_way_is_not_taken_...` in `tests/adversarial_s4_large_legacy.rs`
+        // must then fail.
+        if !cfg!(cuarena_mutant = "carve_ignores_transit") && sb.in_transit(b.first) {
+            return self.carve_around_transit(b, g);
+        }
+        Some(self.carve_at(b, g))
+    }
+
+    /// [`Arena::carve`] of a block whose first granule a bad free on its way holds.
+    #[cold]
+    #[inline(never)]
+    fn carve_around_transit(&mut self, b: FreeBlock, g: usize) -> Option<u64> {
+        // SAFETY: as in `carve`.
+        let sb = unsafe { &*b.sb };
+        let tail = b.first + b.len - g;
+        if b.len > g && !sb.in_transit(tail) {
+            let front = FreeBlock { sb: b.sb, first: b.first, len: b.len - g };
+            let lists = &mut self.lists;
+            // SAFETY: we own `sb` and no other `with_local` on it is active.
+            unsafe {
+                sb.with_local(|l| {
+                    let id = lists.insert(front);
+                    l.mark(front.first, front.len, FREE, id);
+                })
+            };
+            return Some(self.carve_at(FreeBlock { sb: b.sb, first: tail, len: g }, g));
+        }
+        // SAFETY: as above.
+        unsafe { sb.with_local(|l| l.mark(b.first, b.len, PENDING, b.len)) };
+        self.quarantined.push(b);
+        None
+    }
+
+    /// Merges back every quarantined range whose bad free has arrived (flag no longer
+    /// `IN_TRANSIT`).
+    fn release_quarantine(&mut self) {
+        if self.quarantined.is_empty() {
+            return;
+        }
+        let lists = &mut self.lists;
+        self.quarantined.retain(|b| {
+            // SAFETY: quarantined ranges lie in superblocks we own (`give_back` takes them out).
+            let sb = unsafe { &*b.sb };
+            if sb.in_transit(b.first) {
+                return true;
+            }
+            // SAFETY: as above.
+            unsafe {
+                sb.with_local(|l| {
+                    l.live += b.len; // `merge_free` counts it out again
+                    Self::merge_free(lists, l, b.sb, b.first, b.len);
+                })
+            };
+            false
+        });
+    }
+
+    /// Hands out the first `g` granules of the free block `b`, putting the rest back.
+    #[inline(always)]
+    fn carve_at(&mut self, b: FreeBlock, g: usize) -> u64 {
         // SAFETY: every block in our free lists lies in a superblock we own.
         let sb = unsafe { &*b.sb };
         let lists = &mut self.lists;
@@ -563,6 +637,16 @@ impl Arena {
             !inside
         });
         self.legacy_freed_bytes -= kept;
+        // Quarantined ranges are free memory (their fences were satisfied before they merged);
+        // the bad free on its way reaches the pool, which refuses it.
+        self.quarantined.retain(|b| {
+            let inside = std::ptr::eq(b.sb, sbp);
+            if inside {
+                let addr = sb.base + ((b.first as u64) << GRANULE_SHIFT);
+                fenced.push((addr, b.len << GRANULE_SHIFT, FenceSet::default()));
+            }
+            !inside
+        });
         let (mut used, mut free) = (Vec::new(), Vec::new());
         let lists = &mut self.lists;
         // SAFETY: as above.
@@ -687,6 +771,7 @@ impl Arena {
                             sb.with_local(|l| {
                                 let first = Self::validate(l, sb, fr.ptr, fr.size, g)?;
                                 l.mark(first, g, PENDING, g);
+                                sb.mark_arrived(first);
                                 Ok(())
                             })
                         };
@@ -768,6 +853,7 @@ impl Arena {
     /// only then a new superblock.
     pub(crate) fn alloc_slow(&mut self, env: &Env<'_>, class: usize, g: usize) -> Result<u64> {
         self.drain(env);
+        self.release_quarantine();
         if self.complete_ready(env) {
             if self.over_held() {
                 self.shrink(env, true); // inside an allocation on the home stream
@@ -804,9 +890,16 @@ impl Arena {
         // by fit: under a cap it may be only the request rounded up to whole superblocks, which
         // can be less than the request's size class (4 MiB + 1 byte is class 4.5 MiB, in 4.25
         // MiB of 256 KiB superblocks), so a fit by class would miss it.
-        let id = self.grow(env, g)?;
-        let b = self.lists.remove(id);
-        Ok(self.carve(b, g))
+        // (A fresh superblock whose first granule a bad free on its way holds is carved from
+        // its end; only one of exactly the request's size is quarantined, and then another is
+        // taken.)
+        loop {
+            let id = self.grow(env, g)?;
+            let b = self.lists.remove(id);
+            if let Some(p) = self.carve(b, g) {
+                return Ok(p);
+            }
+        }
     }
 
     /// Completes the pending batches that need no wait: fencing off, freed on this arena's
@@ -899,6 +992,7 @@ impl Arena {
     /// Drains, polls and returns what the return rule allows (an explicit flush).
     pub(crate) fn tidy(&mut self, env: &Env<'_>) {
         self.drain(env);
+        self.release_quarantine();
         self.poll(env);
         self.release_legacy(env);
         if self.over_held() {
@@ -948,6 +1042,7 @@ impl Arena {
         let late = self.shell.inbox.close();
         debug_assert!(self.pending.is_empty(), "give_back took every pending block");
         debug_assert!(self.legacy_freed.is_empty(), "give_back took every kept-back legacy free");
+        debug_assert!(self.quarantined.is_empty(), "give_back took every quarantined range");
         for batch in late {
             for fr in batch.blocks {
                 env.pool_free_remote(fr.ptr, fr.size, batch.fence.clone());

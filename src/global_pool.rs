@@ -328,6 +328,12 @@ impl GlobalPool {
                 }));
             }
         };
+        // A free that came the arena way (`Origin::Transit`) is valid only for a block an arena
+        // handed out: any other pool block at that address came later than the free was made
+        // (a bad free on its way meanwhile; see `superblock.rs`).
+        if origin == Origin::Transit && !u.from_arena {
+            return Err(invalid(InvalidFree::UnknownPointer));
+        }
         // A block left by a dissolved superblock whose first free is still on its way (see
         // `superblock.rs`): a second free.
         if origin == Origin::Caller

@@ -15,42 +15,58 @@
 //!
 //! ## Freed flags (shared)
 //! One byte per granule, read and written by every thread: at the first granule of a block
-//! handed out by the owner, it says whether a free of that block has been **accepted** since
-//! (`1`) or not (`0`). The tags, being owner-only, cannot tell another thread so; the flag can:
+//! handed out by the owner, it says whether a free of that block has been **accepted** since,
+//! and where that free is: `0` none, [`IN_TRANSIT`] (on its way to the owner or the pool), or
+//! [`ARRIVED`] (taken in by the owner). The tags, being owner-only, cannot tell another thread
+//! so; the flag can:
 //! - a free away from the owner's fast path (by another thread, or on another stream) takes
-//!   the flag with one `swap`: if it was set, the block was freed already (the first free may
-//!   still be in an outbox, an inbox, waiting for its fence, or done) and this free is refused
-//!   at once;
-//! - the owner's local free reads it (refusing a set one) and sets it with a plain store;
-//! - the owner clears it, with a plain store, when it hands the block out again; the owner's
-//!   fast path thus does no read-modify-write;
-//! - a refused free clears what it set (the owner's drain, or the pool);
+//!   the flag with one `compare_exchange(0, IN_TRANSIT)`: if it was set, the block was freed
+//!   already (the first free may still be in an outbox, an inbox, waiting for its fence, or
+//!   done) and this free is refused at once;
+//! - the owner's local free reads it (refusing a set one) and stores `ARRIVED`, a plain store;
+//! - the owner's drain, taking in a free on its way, stores `ARRIVED`; refusing it, `0`; the
+//!   pool, receiving one (a dissolved superblock's block), stores `0`;
+//! - the owner clears an `ARRIVED` flag, with a plain store, when it hands the block out again;
+//!   the owner's fast path thus does no read-modify-write. It never hands out a block that
+//!   would start at an `IN_TRANSIT` flag: that free is a bad one (a wrong size or an interior
+//!   pointer when it was made, or a pointer no block started at), and the block would take it
+//!   when it arrives. It hands out the end of that free range instead, or keeps the range aside
+//!   until the bad free arrives and is refused (`Arena::carve`, "quarantine");
 //! - when a superblock leaves its arena, the flags stay: the pool reads one only at the head of
 //!   a used block the arena had handed out (`from_arena` in `global_pool.rs`), where it says
 //!   that the block's arena free is on its way, and refuses a free of it from anyone else
-//!   meanwhile; the pool clears it when that free arrives (under its lock).
+//!   meanwhile; the pool clears it when that free arrives (under its lock), and refuses a free
+//!   on its way for any block an arena did not hand out.
 //!
 //! The flags belong to addresses, not to superblock objects: a large superblock and the normal
 //! ones lent earlier or later over the same range share them (`registry.rs`).
 //!
 //! Invariant: for a block handed out by the owner, the flag is set exactly while an accepted
-//! free of it exists and the block has not been handed out again. In a dissolved superblock, a
-//! flag at the head of a used pool block that came from the arena is set exactly while its arena
-//! free is on its way; other flags there are stale and never read. Stale flags stay when a
-//! superblock changes hands (clearing them all at each lending cost a store per granule): the
-//! owner clears the flag of every block it hands out, so a stale flag is only ever read for a
-//! pointer that is not a live block, whose free is refused either way. Two frees of one block
-//! that race each other (neither ordered before the other) may both be accepted, as with any
-//! allocator; ordered double frees are refused at once. A wrong-size or interior free by
-//! another thread is accepted until the owner checks it; while it is on its way, it holds the
-//! flag, and a correct free of the same block is refused as a double free (the README states
-//! this limit). Flags at granules that are not a block's head may be stale (a block that began
-//! there was freed and merged): an aligned interior pointer freed by another thread may thus be
-//! refused as a double free rather than as an unknown pointer; it is refused either way.
+//! free of it exists and the block has not been handed out again. `IN_TRANSIT` is never stale:
+//! it lasts until its free arrives. `ARRIVED` may be stale (a block freed and merged away, then
+//! the range kept, given back or lent again: clearing them all at each lending cost a store per
+//! granule): the owner clears it whenever it hands out a block starting there, so a stale one is
+//! only ever read for a pointer that is not a live block, whose free is refused either way. Two
+//! frees of one block that race each other (neither ordered before the other) may both be
+//! accepted, as with any allocator; ordered double frees are refused at once. A wrong-size or
+//! interior free by another thread is accepted until the owner checks it; while it is on its
+//! way, it holds the flag, and a correct free of the same block is refused as a double free
+//! (the README states this limit). An aligned interior pointer freed by another thread at a
+//! stale flag is refused as a double free rather than as an unknown pointer; it is refused
+//! either way.
 
 use crate::shell::ArenaShell;
 use crate::sync::{AtomicPtr, AtomicU8, Mutex, Ordering, UnsafeCell, lock};
 use std::sync::Arc;
+
+/// Freed flag: a free of the block that starts here was accepted by its owner (its local free,
+/// or a remote free its drain took in), or the flag is stale (the block was merged away since).
+pub(crate) const ARRIVED: u8 = 1;
+/// Freed flag: a free away from the owner's fast path took the flag and is on its way to the
+/// owner (an outbox, an inbox) or to the pool. Never stale: it is cleared (refused) or becomes
+/// [`ARRIVED`] when the free arrives, so the owner never hands out a block starting here
+/// meanwhile (`Arena::carve`): a bad free on its way would otherwise be taken as a free of it.
+pub(crate) const IN_TRANSIT: u8 = 2;
 
 /// Tag state: a live block; payload is its length in granules.
 pub(crate) const USED: u32 = 1 << 30;
@@ -239,22 +255,38 @@ impl Superblock {
         (off.is_multiple_of(crate::size_class::GRANULE as u64) && g < self.granules).then_some(g)
     }
 
-    /// A free away from the owner's fast path takes the flag of the block at granule `g`.
-    /// False if it was set: the block was freed already (the free is a double free). `AcqRel`:
-    /// of two ordered frees, the later sees the earlier.
+    /// A free away from the owner's fast path takes the flag of the block at granule `g`,
+    /// marking it [`IN_TRANSIT`]. False if it was set (either value): the block was freed
+    /// already (the free is a double free), and nothing is written. `AcqRel`: of two ordered
+    /// frees, the later sees the earlier.
     pub(crate) fn claim_free(&self, g: usize) -> bool {
         // Mutation for the loom model of the freed flags: a free that marks nothing.
         if cfg!(cuarena_mutant = "transit_unmarked") {
             return true;
         }
-        self.flag(g).swap(1, Ordering::AcqRel) == 0
+        self.flag(g).compare_exchange(0, IN_TRANSIT, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
     /// True if a free of the block at granule `g` has been accepted and the block not handed
-    /// out again.
+    /// out again (or, at a granule that starts no block, the flag is stale or a bad free of it
+    /// is on its way).
     #[inline]
     pub(crate) fn is_freed(&self, g: usize) -> bool {
         self.flag(g).load(Ordering::Acquire) != 0
+    }
+
+    /// True if a free away from the owner's fast path took the flag at granule `g` and has not
+    /// reached the owner (or the pool) yet.
+    #[inline]
+    pub(crate) fn in_transit(&self, g: usize) -> bool {
+        self.flag(g).load(Ordering::Acquire) == IN_TRANSIT
+    }
+
+    /// The owner accepted a free that took the flag at `g` on its way (its drain): the flag
+    /// says [`ARRIVED`] from now on. A plain store, as the owner's.
+    #[inline]
+    pub(crate) fn mark_arrived(&self, g: usize) {
+        self.flag(g).store(ARRIVED, Ordering::Release);
     }
 
     /// The owner's local free of the block at granule `g` (after `is_freed` was false). A
@@ -265,7 +297,7 @@ impl Superblock {
         if cfg!(cuarena_mutant = "owner_free_unmarked") {
             return;
         }
-        self.flag(g).store(1, Ordering::Release);
+        self.flag(g).store(ARRIVED, Ordering::Release);
     }
 
     /// The block at granule `g` is handed out again (by its owner), or a free that set the

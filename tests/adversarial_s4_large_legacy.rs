@@ -450,3 +450,40 @@ fn kept_back_large_blocks_taken_by_out_of_memory_are_ordered_for_the_next_user()
         assert_all_returned(&a, Some(&sim), 0);
     }
 }
+
+/// Another thread frees an interior pointer `Q` of the owner's live block (a bad free: it takes
+/// the freed flag at `Q`, which was clear, and waits in that thread's outbox). The owner then
+/// frees the block and hands out a new block starting exactly at `Q`, of the bad free's size.
+/// When the bad free arrives it must be refused, not taken as a free of the new block: before
+/// the fix, the owner cleared the flag as it handed the block out, the drain found a live block
+/// of that size at `Q`, and the next allocation handed it out a second time.
+#[test]
+fn a_bad_free_on_its_way_is_not_taken_as_a_free_of_a_block_handed_out_there_later() {
+    let sim = host(0);
+    let a = host_allocator(sim.clone(), default_cfg().batch_blocks(64).build().unwrap()).unwrap();
+    let x = a.allocate_per_thread(64 * KIB).unwrap();
+    let q = DeviceAddr(x.0 + 4 * KIB as u64);
+    let w = Worker::new(&a);
+    // The bad free: accepted for now (the owner checks it), parked in the worker's outbox.
+    w.run(move |a| a.deallocate(q, 4 * KIB, Stream::PER_THREAD).unwrap());
+    a.deallocate_per_thread(x, 64 * KIB).unwrap();
+    let first = a.allocate_per_thread(4 * KIB).unwrap();
+    let second = a.allocate_per_thread(4 * KIB).unwrap();
+    tag(&sim, second, 4 * KIB, 0xabcd, Stream::PER_THREAD);
+    // The bad free arrives; the owner drains it.
+    w.run(|a| a.flush().unwrap());
+    a.flush().unwrap();
+    let e = a.take_deferred_error();
+    assert!(matches!(e, Some(Error::InvalidFree { .. })), "the bad free is reported: {e:?}");
+    // Nothing live is handed out again.
+    let more: Vec<_> = (0..64).map(|_| a.allocate_per_thread(4 * KIB).unwrap()).collect();
+    assert!(!more.contains(&second) && !more.contains(&first), "a live block handed out twice");
+    check(&sim, second, 4 * KIB, 0xabcd, Stream::PER_THREAD);
+    sim.synchronize();
+    assert_eq!(sim.tag_errors(), 0);
+    for p in more.into_iter().chain([first, second]) {
+        a.deallocate_per_thread(p, 4 * KIB).unwrap();
+    }
+    drop(w);
+    assert_all_returned(&a, Some(&sim), 1);
+}
