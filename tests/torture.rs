@@ -247,7 +247,18 @@ fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
     assert_eq!(dev.reserved_bytes(), 0);
     drop(a);
     assert_eq!(dev.live_events(), 0, "the allocator destroys every event it created");
-    // 6: since CUDA graph safety (README, "CUDA graphs"), one `cuStreamIsCapturing` before the
-    // arena's first growth and one before its exit fence are among them.
-    assert!(per_life <= 6.0, "{per_life:.1} driver calls per thread lifetime (at most 6 expected)");
+    // The calls a lifetime makes whatever the timing: its exit fence (an event record), one
+    // `cuStreamIsCapturing` before the arena's first growth and one before that fence (README,
+    // "CUDA graphs"), and the pool's share of growth and event creation: at most 5 (4.2 on the
+    // 2-core CI machine, 4.5 on 16 cores).
+    let consume = s.fence_polls + s.fence_waits;
+    let fixed = (s.driver_calls - consume) as f64 / LIFETIMES as f64;
+    assert!(fixed <= 5.0, "{fixed:.1} driver calls per thread lifetime besides fence consumption (at most 5 expected)");
+    // Consuming the fences of memory a dead thread gave back: a poll, or a wait where the event
+    // is not yet complete. How many depends on how far the device's 30 µs events have come when
+    // the memory is taken, so on the machine's timing (1.4 per lifetime on 2 cores, 1.9 on 16);
+    // at most 3 keeps it bounded without making this a timed test.
+    let consume = consume as f64 / LIFETIMES as f64;
+    assert!(consume <= 3.0, "{consume:.1} fence polls and waits per thread lifetime (at most 3 expected)");
+    assert!(per_life <= 8.0, "{per_life:.1} driver calls per thread lifetime (at most 8 expected)");
 }
