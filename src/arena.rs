@@ -126,7 +126,7 @@ use crate::free_lists::{FreeBlock, FreeLists};
 use crate::shell::{ArenaShell, Batch, Freed};
 use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
 use crate::stream::{Stream, StreamKey};
-use crate::superblock::{FREE, PENDING, SbLocal, Superblock, USED};
+use crate::superblock::{FREE, IN_TRANSIT, PENDING, SbLocal, Superblock, USED};
 use crate::sync::Ordering;
 use std::sync::Arc;
 
@@ -283,10 +283,11 @@ impl Arena {
         // The mutation `carve_ignores_transit` hands such a block out as any other; the test
         // `a_bad_free_on_its_way_is_not_taken_...` in `tests/adversarial_s4_large_legacy.rs`
         // must then fail.
-        if !cfg!(cuarena_mutant = "carve_ignores_transit") && sb.in_transit(b.first) {
+        let flag = sb.freed_flag(b.first);
+        if !cfg!(cuarena_mutant = "carve_ignores_transit") && flag == IN_TRANSIT {
             return self.carve_around_transit(b, g);
         }
-        Some(self.carve_at(b, g))
+        Some(self.carve_at(b, g, flag))
     }
 
     /// [`Arena::carve`] of a block whose first granule a bad free on its way holds.
@@ -306,7 +307,8 @@ impl Arena {
                     l.mark(front.first, front.len, FREE, id);
                 })
             };
-            return Some(self.carve_at(FreeBlock { sb: b.sb, first: tail, len: g }, g));
+            let flag = sb.freed_flag(tail);
+            return Some(self.carve_at(FreeBlock { sb: b.sb, first: tail, len: g }, g, flag));
         }
         // SAFETY: as above.
         unsafe { sb.with_local(|l| l.mark(b.first, b.len, PENDING, b.len)) };
@@ -338,9 +340,11 @@ impl Arena {
         });
     }
 
-    /// Hands out the first `g` granules of the free block `b`, putting the rest back.
+    /// Hands out the first `g` granules of the free block `b`, putting the rest back; `flag` is
+    /// the freed flag at its first granule, not [`IN_TRANSIT`] (a stale `ARRIVED` is cleared).
     #[inline(always)]
-    fn carve_at(&mut self, b: FreeBlock, g: usize) -> u64 {
+    fn carve_at(&mut self, b: FreeBlock, g: usize, flag: u8) -> u64 {
+        debug_assert!(cfg!(cuarena_mutant = "carve_ignores_transit") || flag != IN_TRANSIT);
         // SAFETY: every block in our free lists lies in a superblock we own.
         let sb = unsafe { &*b.sb };
         let lists = &mut self.lists;
@@ -356,7 +360,7 @@ impl Arena {
                 l.live += g;
             })
         };
-        if sb.is_freed(b.first) {
+        if flag != 0 {
             sb.unfree(b.first);
         }
         self.live += g;

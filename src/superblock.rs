@@ -279,7 +279,14 @@ impl Superblock {
     /// reached the owner (or the pool) yet.
     #[inline]
     pub(crate) fn in_transit(&self, g: usize) -> bool {
-        self.flag(g).load(Ordering::Acquire) == IN_TRANSIT
+        self.freed_flag(g) == IN_TRANSIT
+    }
+
+    /// The freed flag at granule `g`: 0, [`ARRIVED`] or [`IN_TRANSIT`] (one load, for the
+    /// owner's carve, which needs both tests).
+    #[inline]
+    pub(crate) fn freed_flag(&self, g: usize) -> u8 {
+        self.flag(g).load(Ordering::Acquire)
     }
 
     /// The owner accepted a free that took the flag at `g` on its way (its drain): the flag
