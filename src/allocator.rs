@@ -349,8 +349,8 @@ impl Inner {
             small_max: self.cfg.small_max,
             large_max: self.cfg.large_max,
             deferred: &self.deferred,
-            batch_blocks: self.cfg.batch_blocks,
-            batch_bytes: self.cfg.batch_bytes,
+            legacy_blocks: self.cfg.legacy_blocks,
+            legacy_bytes: self.cfg.legacy_bytes,
         }
     }
 

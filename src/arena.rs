@@ -44,13 +44,15 @@
 //! per-thread stream, and a per-thread stream orders its work only after earlier legacy-stream
 //! *actions*, of which the free is none; its earlier uses may have been on another thread's
 //! per-thread stream (which the free's contract orders before later legacy work only). So
-//! `free_legacy` checks the block, marks it `PENDING` and keeps it back; once `batch_blocks`
-//! blocks or `batch_bytes` bytes are kept back, or when the slow path finds no other fit, or at
-//! a flush, one *legacy action* (`fence.rs`: a `cuStreamWaitEvent` on the legacy stream, which
+//! `free_legacy` checks the block, marks it `PENDING` and keeps it back; once `legacy_batch`
+//! blocks or `legacy_batch_bytes` bytes are kept back (`config.rs`), or when the slow path finds
+//! no other fit, or at a flush, one *legacy action* (`fence.rs`: a `cuStreamWaitEvent` on the legacy stream, which
 //! CUDA orders after all earlier per-thread-stream work and before all later) is queued, and
 //! the kept-back blocks merge into the free lists. No event, no outbox, no lock. A superblock
 //! that leaves the arena takes its kept-back blocks to the pool as free ranges with a lazy
-//! legacy fence. Memory kept back this way is at most one batch per thread.
+//! legacy fence. Memory kept back this way is, per thread, fewer than `legacy_batch` blocks and
+//! `legacy_batch_bytes` bytes plus one block, and it is not stranded: the owner's slow path
+//! releases it before it borrows more, and a reclaim without the owner takes it (below).
 //!
 //! ## Reclaim without the owner ([`Arena::reclaim`])
 //! An owner that is idle (blocked elsewhere, parked in a thread pool) never drains its inbox,
@@ -163,8 +165,8 @@ pub(crate) struct Arena {
     cache: [Vec<(*const Superblock, u32)>; CACHED_CLASSES],
     /// The owner's own frees on the legacy stream, in the legacy stream's arena: marked
     /// `PENDING` (counted in `live`) until one legacy action lets them be reused (see
-    /// "Frees on the legacy stream" above). At most `batch_blocks` blocks or `batch_bytes`
-    /// bytes (`legacy_freed_bytes`).
+    /// "Frees on the legacy stream" above). Fewer than `legacy_batch` blocks, and fewer than
+    /// `legacy_batch_bytes` bytes (`legacy_freed_bytes`) plus the last block.
     legacy_freed: Vec<Freed>,
     legacy_freed_bytes: usize,
     /// Free ranges kept out of the lists because a bad free of the address they start at is
@@ -480,8 +482,8 @@ impl Arena {
 
     /// The owner's free, on the legacy stream, of a block of this arena (the legacy stream's):
     /// checked and kept back, not yet reusable; the batch's legacy action is queued once
-    /// `batch_blocks` blocks or `batch_bytes` bytes are kept back (see "Frees on the legacy
-    /// stream" above). An invalid free changes nothing.
+    /// `legacy_batch` blocks or `legacy_batch_bytes` bytes are kept back (see "Frees on the
+    /// legacy stream" above). An invalid free changes nothing.
     pub(crate) fn free_legacy(
         &mut self,
         env: &Env<'_>,
@@ -503,7 +505,7 @@ impl Arena {
         r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
         self.legacy_freed.push(Freed { ptr, size });
         self.legacy_freed_bytes += bytes;
-        if self.legacy_freed.len() >= env.batch_blocks || self.legacy_freed_bytes >= env.batch_bytes {
+        if self.legacy_freed.len() >= env.legacy_blocks || self.legacy_freed_bytes >= env.legacy_bytes {
             self.release_legacy(env);
         }
         Ok(())

@@ -24,7 +24,19 @@
 //!   driver calls per 10^6 operations and a worse memory ratio (2.3), against 6-8 M pairs/s,
 //!   under 20 calls per 10^6 and 1.5 at `f = 0.6` (host device, 1 thread, 2026-11-30).
 //! - `batch = 64` blocks or `batch_bytes = 4 MiB`: remote frees are sent in batches of this size,
-//!   one CUDA event per batch.
+//!   one CUDA event per batch. The batch is memory the freeing thread holds and nobody can use
+//!   until it is sent, so it is kept small.
+//! - `legacy_batch = 256` blocks or `legacy_batch_bytes = 64 MiB`: a thread's own frees on the
+//!   legacy stream are kept back until this many, then made reusable by one *legacy action*
+//!   (`arena.rs`). Each action is queued on the one legacy stream that all threads share, and
+//!   with 16 threads the actions serialise in the driver: at the remote-batch size (64 blocks,
+//!   4 MiB), legacy churn made 14,800 actions per 10^6 operations and reached 29–30 M pairs/s
+//!   on 16 threads, and large blocks (1–64 MiB, each free a batch) 1.2 M; at 256 blocks and
+//!   64 MiB, 2,950 and 96,000 actions per 10^6 operations, 52–59 M and 4.6 M pairs/s (H200,
+//!   2026-12-01, `BENCHMARKS.md`). Kept-back memory is not stranded: the owner's slow path
+//!   releases it before borrowing more, and a reclaim takes it from an idle thread. It does
+//!   raise the memory a thread holds: reserved ÷ peak live on legacy churn went from 1.67 to
+//!   1.85 at 16 threads.
 //! - `stats=sampled` (the default) or `stats=exact`: with `exact`, one shared live-byte counter
 //!   is updated with `fetch_add` on every allocation and free so that the peak of live bytes is
 //!   exact; by default the fast path makes no atomic read-modify-write and the peak is bounded
@@ -39,18 +51,20 @@
 //! global pool, as before large superblocks); `chunk`: a
 //! positive multiple of the superblock; `max`: at least one superblock, or a fraction in (0, 1];
 //! `keep_empty`: 0 ..= [`MAX_KEEP_EMPTY`]; `sparse`: in (0, 1); `batch`: 1 ..= [`MAX_BATCH`];
-//! `batch_bytes`: at least 1.
+//! `batch_bytes`: at least 1; `legacy_batch`: 1 ..= [`MAX_BATCH`]; `legacy_batch_bytes`: at least 1.
 //!
 //! ## The `CUARENA_CONF` string ([`Config::parse`])
 //! Items `key=value` or, as in `PYTORCH_CUDA_ALLOC_CONF`, `key:value`, separated by commas
 //! (`max:80%,small_max:1MiB`); spaces around items, keys and values are ignored and a later
 //! item overrides an earlier one. Keys are exact and lowercase: `small_max`, `large_max`,
-//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `passthrough`,
-//! `stats`, `trace` (a file path, taken as written: it cannot hold `,` `=` `:` or `;`); the builder's
-//! names are aliases with the same meaning: `max_bytes` for `max`, `sparse_fraction` for
-//! `sparse`, `batch_blocks` for `batch`. Every error names `CUARENA_CONF` and lists the keys.
+//! `superblock`, `chunk`, `max`, `keep_empty`, `sparse`, `batch`, `batch_bytes`, `legacy_batch`,
+//! `legacy_batch_bytes`, `passthrough`, `stats`, `trace` (a file path, taken as written: it
+//! cannot hold `,` `=` `:` or `;`); the builder's names are aliases with the same meaning:
+//! `max_bytes` for `max`, `sparse_fraction` for `sparse`, `batch_blocks` for `batch`,
+//! `legacy_batch_blocks` for `legacy_batch`. Every error names `CUARENA_CONF` and lists the keys.
 //!
-//! Sizes (`small_max`, `large_max`, `superblock`, `chunk`, `max`, `batch_bytes`) follow one rule:
+//! Sizes (`small_max`, `large_max`, `superblock`, `chunk`, `max`, `batch_bytes`,
+//! `legacy_batch_bytes`) follow one rule:
 //! - a number and a unit, in any case, with or without a space between: `B`; `K`, `Ki`, `KiB`,
 //!   `M`, `Mi`, `MiB`, `G`, `Gi`, `GiB`, `T`, `Ti`, `TiB` (powers of 1024); `KB`, `MB`, `GB`,
 //!   `TB` (powers of 1000). So `4096B`, `64 KiB`, `2M`, `1g`, `512mb` (512·10^6) and `2MiB`;
@@ -80,8 +94,8 @@ pub const MAX_KEEP_EMPTY: usize = 1024;
 pub const MAX_BATCH: usize = 1 << 16;
 
 /// The keys of a `CUARENA_CONF` string, for error messages.
-const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, passthrough, stats, trace; \
-                    aliases: max_bytes = max, sparse_fraction = sparse, batch_blocks = batch; \
+const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sparse, batch, batch_bytes, legacy_batch, legacy_batch_bytes, passthrough, stats, trace; \
+                    aliases: max_bytes = max, sparse_fraction = sparse, batch_blocks = batch, legacy_batch_blocks = legacy_batch; \
                     items are key=value or key:value, separated by commas";
 
 /// A configuration error that says where configuration comes from and what the keys are.
@@ -110,6 +124,8 @@ pub struct Config {
     pub(crate) sparse: f64,
     pub(crate) batch_blocks: usize,
     pub(crate) batch_bytes: usize,
+    pub(crate) legacy_blocks: usize,
+    pub(crate) legacy_bytes: usize,
     pub(crate) skip_fences: bool,
     pub(crate) passthrough: bool,
     pub(crate) exact_stats: bool,
@@ -129,6 +145,8 @@ impl Default for Config {
             sparse: 0.6,
             batch_blocks: 64,
             batch_bytes: 4 << 20,
+            legacy_blocks: 256,
+            legacy_bytes: 64 << 20,
             skip_fences: false,
             passthrough: false,
             exact_stats: false,
@@ -212,6 +230,8 @@ impl Config {
                 "sparse" | "sparse_fraction" => b.sparse_fraction(number(v)?),
                 "batch" | "batch_blocks" => b.batch_blocks(whole(v)?),
                 "batch_bytes" => b.batch_bytes(size(v)?),
+                "legacy_batch" | "legacy_batch_blocks" => b.legacy_batch_blocks(whole(v)?),
+                "legacy_batch_bytes" => b.legacy_batch_bytes(size(v)?),
                 "stats" => b.exact_stats(match v {
                     "exact" => true,
                     "sampled" => false,
@@ -470,6 +490,18 @@ impl ConfigBuilder {
         self.0.batch_bytes = n;
         self
     }
+    /// A thread's own frees on the legacy stream kept back before one legacy action makes them
+    /// reusable (`legacy_batch`).
+    pub fn legacy_batch_blocks(mut self, n: usize) -> Self {
+        self.0.legacy_blocks = n;
+        self
+    }
+    /// Bytes of a thread's own legacy-stream frees kept back before one legacy action
+    /// (`legacy_batch_bytes`).
+    pub fn legacy_batch_bytes(mut self, n: usize) -> Self {
+        self.0.legacy_bytes = n;
+        self
+    }
     /// Pass-through mode (a debug mode): every allocation and free goes straight to the driver
     /// (`cuMemAllocAsync`/`cuMemFreeAsync`), so compute-sanitizer sees each one. Frees are still
     /// checked against the live blocks.
@@ -554,6 +586,12 @@ impl ConfigBuilder {
         }
         if c.batch_bytes == 0 {
             return err("batch_bytes must be positive".into());
+        }
+        if c.legacy_blocks == 0 || c.legacy_blocks > MAX_BATCH {
+            return err(format!("legacy_batch {} must be in 1 ..= {MAX_BATCH}", c.legacy_blocks));
+        }
+        if c.legacy_bytes == 0 {
+            return err("legacy_batch_bytes must be positive".into());
         }
         Ok(c)
     }
@@ -650,6 +688,28 @@ mod tests {
         assert_helpful(&message(Config::parse("batch_bytes=0B")), "batch_bytes");
         assert_helpful(&message(Config::parse("batch_bytes=0")), "batch_bytes");
         assert_eq!(Config::parse("batch_bytes=1B").unwrap().batch_bytes, 1);
+    }
+
+    #[test]
+    fn legacy_batch_is_its_own_key_and_range_checked() {
+        let d = Config::default();
+        assert_eq!((d.legacy_blocks, d.legacy_bytes), (256, 64 << 20));
+        let c = Config::parse("legacy_batch=8,legacy_batch_bytes=1MiB").unwrap();
+        assert_eq!((c.legacy_blocks, c.legacy_bytes), (8, 1 << 20));
+        assert_eq!(
+            (c.batch_blocks, c.batch_bytes),
+            (d.batch_blocks, d.batch_bytes),
+            "remote batches unchanged"
+        );
+        let b = Config::builder().legacy_batch_blocks(8).legacy_batch_bytes(1 << 20).build().unwrap();
+        assert_eq!(b, c);
+        assert_eq!(Config::parse("legacy_batch_blocks=9").unwrap().legacy_blocks, 9);
+        assert_helpful(&message(Config::parse("legacy_batch=0")), "legacy_batch");
+        assert_helpful(
+            &message(Config::builder().legacy_batch_blocks(MAX_BATCH + 1).build()),
+            "legacy_batch",
+        );
+        assert_helpful(&message(Config::parse("legacy_batch_bytes=0B")), "legacy_batch_bytes");
     }
 
     #[test]

@@ -26,10 +26,10 @@ pub(crate) struct Env<'a> {
     pub(crate) large_max: usize,
     /// Where errors found after the call that caused them (invalid remote frees) are kept.
     pub(crate) deferred: &'a Mutex<Option<Error>>,
-    /// Frees a thread keeps back before one fence, or one legacy action, lets them be reused:
-    /// `batch_blocks` blocks or `batch_bytes` bytes (`config.rs`).
-    pub(crate) batch_blocks: usize,
-    pub(crate) batch_bytes: usize,
+    /// The owner's frees on the legacy stream kept back before one legacy action lets them be
+    /// reused: `legacy_batch` blocks or `legacy_batch_bytes` bytes (`config.rs`).
+    pub(crate) legacy_blocks: usize,
+    pub(crate) legacy_bytes: usize,
 }
 
 impl Env<'_> {

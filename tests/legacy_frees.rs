@@ -13,8 +13,9 @@ use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 mod common;
 use common::host;
 
+/// Kept-back legacy frees are released `batch` at a time (`legacy_batch`).
 fn allocator(sim: &HostDevice, batch: usize) -> Allocator {
-    host_allocator(sim.clone(), Config::builder().batch_blocks(batch).build().unwrap()).unwrap()
+    host_allocator(sim.clone(), Config::builder().legacy_batch_blocks(batch).build().unwrap()).unwrap()
 }
 
 /// The block is used on thread B's per-thread stream (a long write), freed by its owner A on
@@ -87,6 +88,35 @@ fn kept_back_frees_cost_one_wait_per_batch_and_no_event() {
     a.flush().unwrap();
     assert_eq!(a.stats().fence_waits, s2.fence_waits + 1, "a flush releases them with one action");
     assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// The legacy keep-back has its own caps, apart from the remote-free batch: by default 256
+/// blocks or 64 MiB; `legacy_batch_bytes` releases a batch once that many bytes are kept back.
+#[test]
+fn the_legacy_batch_is_capped_by_its_own_blocks_and_bytes() {
+    let waits_for = |cfg: Config, n: usize, size: usize| {
+        let sim = host(0);
+        let a = host_allocator(sim.clone(), cfg).unwrap();
+        let ps: Vec<_> = (0..n).map(|_| a.allocate(size, Stream::LEGACY).unwrap()).collect();
+        let s0 = a.stats();
+        for p in &ps {
+            a.deallocate(*p, size, Stream::LEGACY).unwrap();
+        }
+        let waits = a.stats().fence_waits - s0.fence_waits;
+        assert_all_returned(&a, Some(&sim), 0);
+        waits
+    };
+    // Defaults: 1024 frees of 4 KiB (4 MiB) are 4 batches of 256 blocks, not 16 of the remote
+    // batch's 64.
+    assert_eq!(waits_for(Config::default(), 1024, 4096), 4);
+    // 64 frees of 1 MiB: one batch at 64 MiB.
+    assert_eq!(waits_for(Config::default(), 64, 1 << 20), 1);
+    // A byte cap of 256 KiB: every 64 blocks of 4 KiB.
+    let cfg = Config::builder().legacy_batch_bytes(256 << 10).build().unwrap();
+    assert_eq!(waits_for(cfg, 1024, 4096), 16);
+    // The remote batch does not change it.
+    let cfg = Config::builder().batch_blocks(1).batch_bytes(4096).build().unwrap();
+    assert_eq!(waits_for(cfg, 1024, 4096), 4);
 }
 
 /// A kept-back block is freed: a second free of it, by its owner on any stream or by another

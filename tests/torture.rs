@@ -253,7 +253,10 @@ fn thread_churn_keeps_memory_flat_and_driver_calls_few() {
     // 2-core CI machine, 4.5 on 16 cores).
     let consume = s.fence_polls + s.fence_waits;
     let fixed = (s.driver_calls - consume) as f64 / LIFETIMES as f64;
-    assert!(fixed <= 5.0, "{fixed:.1} driver calls per thread lifetime besides fence consumption (at most 5 expected)");
+    assert!(
+        fixed <= 5.0,
+        "{fixed:.1} driver calls per thread lifetime besides fence consumption (at most 5 expected)"
+    );
     // Consuming the fences of memory a dead thread gave back: a poll, or a wait where the event
     // is not yet complete. How many depends on how far the device's 30 µs events have come when
     // the memory is taken, so on the machine's timing (1.4 per lifetime on 2 cores, 1.9 on 16);
