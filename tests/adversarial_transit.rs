@@ -169,7 +169,7 @@ fn the_owner_carves_the_tail_then_quarantines_then_takes_the_range_back() {
 /// W's on its way at its head), with `x[0]`, `x[2]`, `x[3]`, a 32 KiB block at `x[1]` and a
 /// 16 KiB block at `x[1] + 48 KiB` live; returns those blocks (address, size).
 fn quarantine_on(o: &Worker, w: &Worker) -> (DeviceAddr, Vec<(DeviceAddr, usize)>) {
-    let x = o.run(|a| four_blocks(a));
+    let x = o.run(four_blocks);
     let q = DeviceAddr(x[1].0 + 32 * KIB as u64);
     w.run(move |a| a.deallocate(q, 16 * KIB, Stream::PER_THREAD).unwrap());
     let v = o.run(move |a| {
@@ -341,5 +341,364 @@ fn a_request_of_a_quarantined_superblocks_size_succeeds_once_the_bad_free_arrive
         });
         drop((ta, w));
         assert_all_returned(&a, Some(&sim), 1);
+    });
+}
+
+/// Large superblocks: W frees an interior pointer of the owner's 4 MiB block at 1 MiB, with a
+/// large size (2 MiB). The owner frees the block, takes 1 MiB from the front of the large
+/// superblock (so a free range starts at the bad free's address), then asks twice for 2 MiB:
+/// both come from the range's end. After the bad free arrives (refused: the head of a free
+/// range), 2 MiB requests may start there again. Nothing overlaps; every byte comes back.
+#[test]
+fn a_large_block_is_carved_from_the_end_of_a_range_a_bad_large_free_holds() {
+    let sim = host(0);
+    let a = host_allocator(sim.clone(), Config::builder().batch_blocks(64).build().unwrap()).unwrap();
+    let w = Worker::new(&a);
+    let live = Live::default();
+    let big = a.allocate_per_thread(4 * MIB).unwrap();
+    let q = DeviceAddr(big.0 + MIB as u64);
+    w.run(move |a| a.deallocate(q, 2 * MIB, Stream::PER_THREAD).unwrap());
+    tag(&sim, big, 4 * MIB, 0x42, Stream::PER_THREAD);
+    a.deallocate_per_thread(big, 4 * MIB).unwrap();
+    let mut got = Vec::new();
+    let mut alloc = |size: usize| {
+        let p = a.allocate_per_thread(size).unwrap();
+        live.insert(p, size);
+        tag(&sim, p, size, got.len() as u32, Stream::PER_THREAD);
+        got.push((p, size));
+        p
+    };
+    assert_eq!(alloc(MIB), big, "the front of the large superblock");
+    let (p1, p2) = (alloc(2 * MIB), alloc(2 * MIB));
+    // The large superblock is 16 MiB (four times 4 MiB): its last 2 MiB, then the 2 before.
+    assert_eq!((p1.0, p2.0), (big.0 + 14 * MIB as u64, big.0 + 12 * MIB as u64), "carved from the end");
+    w.run(|a| a.flush().unwrap());
+    a.flush().unwrap();
+    let e = a.take_deferred_error();
+    assert!(matches!(e, Some(Error::InvalidFree { ptr, .. }) if ptr == q.0), "reported: {e:?}");
+    let more: Vec<_> = (0..4).map(|_| alloc(2 * MIB)).collect();
+    assert!(more.contains(&q), "the range is used from its head again once the bad free is refused");
+    live.assert_clean();
+    for (i, &(p, size)) in got.iter().enumerate() {
+        check(&sim, p, size, i as u32, Stream::PER_THREAD);
+        a.deallocate_per_thread(p, size).unwrap();
+    }
+    drop(w);
+    assert_all_returned(&a, Some(&sim), 1);
+}
+
+/// The legacy stream's arena: W's bad interior free on the legacy stream; the owner's free of
+/// the block on the legacy stream is kept back, released by the next slow path, and the
+/// carving goes around the bad free (tail, then quarantine). The owner then frees a block of
+/// the same superblock on the legacy stream (kept back) and exits: the superblock goes back with
+/// a kept-back free and a quarantined range in it. The bad free then reaches the pool, which
+/// refuses it. Nothing overlaps, no race, every byte comes back.
+#[test]
+fn legacy_kept_back_frees_and_a_quarantine_in_one_superblock_at_exit() {
+    let sim = host(20);
+    let a = host_allocator(sim.clone(), small_cfg().build().unwrap()).unwrap();
+    let (o, w) = (Worker::new(&a), Worker::new(&a));
+    let leg = Stream::LEGACY;
+    let sim1 = sim.clone();
+    let (q, blocks) = o.run(move |a| {
+        let x: Vec<_> = (0..4).map(|_| a.allocate(64 * KIB, leg).unwrap()).collect();
+        for (i, &p) in x.iter().enumerate() {
+            tag(&sim1, p, 64 * KIB, i as u32, leg);
+        }
+        (DeviceAddr(x[1].0 + 32 * KIB as u64), x)
+    });
+    w.run(move |a| a.deallocate(q, 16 * KIB, leg).unwrap());
+    let sim1 = sim.clone();
+    let kept = o.run(move |a| {
+        a.deallocate(blocks[1], 64 * KIB, leg).unwrap();
+        let p0 = a.allocate(32 * KIB, leg).unwrap();
+        let p1 = a.allocate(16 * KIB, leg).unwrap();
+        let p2 = a.allocate(16 * KIB, leg).unwrap();
+        assert_eq!((p0, p1.0), (blocks[1], q.0 + 16 * KIB as u64), "front, then the range's tail");
+        assert_ne!(p2, q, "a block handed out at a bad free's address on its way");
+        for p in [p0, p1, p2] {
+            tag(&sim1, p, 16 * KIB, 0x99, leg);
+        }
+        // A kept-back free in the same superblock, then the owner exits.
+        a.deallocate(p0, 32 * KIB, leg).unwrap();
+        vec![
+            (blocks[0], 64 * KIB),
+            (blocks[2], 64 * KIB),
+            (blocks[3], 64 * KIB),
+            (p1, 16 * KIB),
+            (p2, 16 * KIB),
+        ]
+    });
+    o.exit();
+    w.exit();
+    let e = a.take_deferred_error();
+    assert!(matches!(e, Some(Error::InvalidFree { ptr, .. }) if ptr == q.0), "reported: {e:?}");
+    let live = Live::default();
+    for &(p, size) in &kept {
+        live.insert(p, size);
+    }
+    // Another thread allocates over the returned ranges on its per-thread stream.
+    let got: Vec<_> = (0..32)
+        .map(|_| {
+            let p = a.allocate_per_thread(16 * KIB).unwrap();
+            live.insert(p, 16 * KIB);
+            sim.write_tag(p.0, 16 * KIB, 7, Stream::PER_THREAD).unwrap();
+            p
+        })
+        .collect();
+    live.assert_clean();
+    for p in got {
+        a.deallocate_per_thread(p, 16 * KIB).unwrap();
+    }
+    for (p, size) in kept {
+        a.deallocate(p, size, leg).unwrap();
+    }
+    assert_all_returned(&a, Some(&sim), 1);
+}
+
+/// A block one thread holds: its size, and the stream and tag it was last written with.
+#[derive(Clone, Copy)]
+struct Held {
+    p: DeviceAddr,
+    size: usize,
+    s: Stream,
+    t: u32,
+}
+
+/// Sizes the race allocates: mostly powers of two from 1 KiB to 64 KiB (so that a block split
+/// in halves lands blocks at its middle, where the receivers' bad frees point), some other
+/// whole KiBs, some large. All at least 4 granules: no block of 3 granules (768 bytes) is ever
+/// handed out, so a free of that size is always invalid.
+fn race_size(r: u64) -> usize {
+    match r % 16 {
+        0..=10 => KIB << ((r >> 8) % 7),
+        11..=13 => KIB * (1 + (r >> 8) as usize % 64),
+        _ => 64 * KIB + KIB * (1 + (r >> 8) as usize % 1024),
+    }
+}
+
+/// Many threads race: they allocate on their per-thread and the legacy stream, hand blocks to
+/// each other, and every receiver makes bad frees before it frees or returns the block:
+/// interior pointers with the size of the block's rest (what a block carved there would
+/// have), wrong-size frees of the head, and 768-byte frees (no such block exists) of pointers
+/// freed earlier by anyone (merged away, reused, or in trimmed chunks). Threads also flush,
+/// trim (taking idle arenas' superblocks, quarantined ranges included) and release their
+/// arenas. Every bad free must be refused, exactly once (counted synchronously or later);
+/// correct frees may be refused only as a double free (the README's stated limit: a
+/// wrong-size free of that block's head on its way), and must succeed once everything is
+/// flushed. No overlap, no race, every
+/// byte back.
+fn race(threads: usize, ops: usize, seed: u64, cap: Option<usize>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Barrier, Mutex};
+    let sim = host(20);
+    let mut cfg = small().batch_blocks(16);
+    if let Some(c) = cap {
+        cfg = cfg.max_bytes(c);
+    }
+    let a = host_allocator(sim.clone(), cfg.build().unwrap()).unwrap();
+    let live = Arc::new(Live::default());
+    // Per thread: blocks sent to it, with the sender and whether to hand them back.
+    type Mailbox = Mutex<Vec<(Held, usize, bool)>>;
+    let boxes: Arc<Vec<Mailbox>> = Arc::new((0..threads).map(|_| Mutex::new(Vec::new())).collect());
+    // Addresses freed earlier (by anyone), for stale frees.
+    let stale = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let bad = Arc::new(AtomicU64::new(0));
+    let limit_refusals = Arc::new(AtomicU64::new(0));
+    let ooms = Arc::new(AtomicU64::new(0));
+    let bar = Arc::new(Barrier::new(threads));
+    let mut hs = Vec::new();
+    for t in 0..threads {
+        let (a, sim, live, boxes, stale) =
+            (a.clone(), sim.clone(), live.clone(), boxes.clone(), stale.clone());
+        let (bad, limit_refusals, ooms, bar) =
+            (bad.clone(), limit_refusals.clone(), ooms.clone(), bar.clone());
+        hs.push(std::thread::spawn(move || {
+            let mut x = seed ^ 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(t as u64 + 1);
+            let mut held: Vec<Held> = Vec::new();
+            // Correct frees refused for now (the limit): retried at the end.
+            let mut retry: Vec<Held> = Vec::new();
+            let mut tagn = (t as u32) << 24;
+            // A bad free: any result but acceptance-for-now or an invalid-free refusal fails.
+            let bad_free = |p: u64, size: usize, s: Stream| {
+                bad.fetch_add(1, Ordering::Relaxed);
+                match a.deallocate(DeviceAddr(p), size, s) {
+                    Ok(()) => {}
+                    Err(Error::InvalidFree { .. }) => {}
+                    Err(e) => panic!("bad free {p:#x} {size}: {e:?}"),
+                }
+            };
+            // A correct free: accepted, or refused as a double free while a wrong-size free of
+            // the block's head is on its way (then retried at the end, where it must succeed):
+            // a receiver's, or a stale 768-byte free of a pointer that is this block's head now.
+            let good_free = |h: Held, s: Stream, retry: &mut Vec<Held>| {
+                live.remove(h.p);
+                match a.deallocate(h.p, h.size, s) {
+                    Ok(()) => {
+                        stale.lock().unwrap().push(h.p.0);
+                        true
+                    }
+                    Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. }) => {
+                        limit_refusals.fetch_add(1, Ordering::Relaxed);
+                        live.insert(h.p, h.size);
+                        retry.push(h);
+                        false
+                    }
+                    Err(e) => panic!("correct free of {:#x} {}: {e:?}", h.p.0, h.size),
+                }
+            };
+            bar.wait();
+            for i in 0..ops {
+                let r = rng(&mut x);
+                let inbox: Vec<_> = std::mem::take(&mut *boxes[t].lock().unwrap());
+                for (h, from, back) in inbox {
+                    // Legacy work follows every per-thread stream's earlier work.
+                    check(&sim, h.p, h.size, h.t, Stream::LEGACY);
+                    let g = h.size.div_ceil(256);
+                    if from != usize::MAX {
+                        let k = 1 + (rng(&mut x) as usize % (g - 1));
+                        let s =
+                            if rng(&mut x).is_multiple_of(2) { Stream::LEGACY } else { Stream::PER_THREAD };
+                        match rng(&mut x) % 6 {
+                            // The middle, with half the size: the second of two halves.
+                            0 | 1 => bad_free(h.p.0 + 128 * g as u64, 128 * g, s),
+                            // The last quarter, with its size.
+                            2 => bad_free(h.p.0 + 192 * g as u64, 64 * g, s),
+                            // Anywhere inside, with the size of the rest of the block.
+                            3 => bad_free(h.p.0 + 256 * k as u64, (g - k) * 256, s),
+                            // Anywhere inside, with a size of some other class.
+                            4 => bad_free(h.p.0 + 256 * k as u64, 256 * k, s),
+                            // The head with a wrong size (768 B: no block has it).
+                            _ => bad_free(h.p.0, 768, s),
+                        }
+                    }
+                    if back && from != usize::MAX {
+                        // Back to its owner; our bad free is sent first, or stays in our
+                        // outbox while the owner frees the block and carves it again.
+                        if rng(&mut x).is_multiple_of(2) {
+                            let _ = a.flush();
+                        }
+                        boxes[from].lock().unwrap().push((h, usize::MAX, false));
+                    } else if from == usize::MAX {
+                        // Our own block, handed back: freed, then its two halves allocated
+                        // (where a bad free of its middle may be on its way).
+                        if good_free(h, Stream::PER_THREAD, &mut retry) && h.size >= 2 * KIB {
+                            for _ in 0..2 {
+                                if let Ok(p) = a.allocate_per_thread(h.size / 2) {
+                                    live.insert(p, h.size / 2);
+                                    tagn += 1;
+                                    tag(&sim, p, h.size / 2, tagn, Stream::PER_THREAD);
+                                    held.push(Held { p, size: h.size / 2, s: Stream::PER_THREAD, t: tagn });
+                                }
+                            }
+                        }
+                    } else {
+                        let _ = good_free(h, Stream::LEGACY, &mut retry);
+                    }
+                }
+                match r % 32 {
+                    0..=12 => {
+                        let size = race_size(rng(&mut x));
+                        let s = if r & 0x100 == 0 { Stream::LEGACY } else { Stream::PER_THREAD };
+                        match a.allocate(size, s) {
+                            Ok(p) => {
+                                live.insert(p, size);
+                                tagn += 1;
+                                tag(&sim, p, size, tagn, s);
+                                held.push(Held { p, size, s, t: tagn });
+                            }
+                            Err(Error::OutOfMemory { .. }) => {
+                                ooms.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => panic!("allocate {size}: {e:?}"),
+                        }
+                    }
+                    13..=22 if !held.is_empty() => {
+                        let h = held.swap_remove((r >> 8) as usize % held.len());
+                        check(&sim, h.p, h.size, h.t, h.s);
+                        let s = if (r >> 40).is_multiple_of(3) { Stream::PER_THREAD } else { Stream::LEGACY };
+                        let _ = good_free(h, s, &mut retry);
+                    }
+                    23..=27 if !held.is_empty() && threads > 1 => {
+                        let h = held.swap_remove((r >> 8) as usize % held.len());
+                        let to = (t + 1 + (r >> 20) as usize % (threads - 1)) % threads;
+                        boxes[to].lock().unwrap().push((h, t, (r >> 30).is_multiple_of(2)));
+                    }
+                    28 => {
+                        // A stale pointer, freed earlier by anyone, with a size no block has.
+                        let p = {
+                            let v = stale.lock().unwrap();
+                            (!v.is_empty()).then(|| v[(r >> 8) as usize % v.len()])
+                        };
+                        if let Some(p) = p {
+                            let s =
+                                if (r >> 50).is_multiple_of(2) { Stream::LEGACY } else { Stream::PER_THREAD };
+                            bad_free(p + 256 * ((r >> 20) % 4), 768, s);
+                        }
+                    }
+                    29 => {
+                        let _ = a.flush();
+                    }
+                    30 if i % 4 == 0 => {
+                        a.trim(false).unwrap();
+                    }
+                    31 if i % 8 == 0 => a.release_thread().unwrap(),
+                    _ => {}
+                }
+            }
+            // Everything still sent to us is freed; two rounds of flushes take every bad free
+            // in (sent in the first, drained in the second), then the refused frees go again.
+            bar.wait();
+            for (h, _, _) in std::mem::take(&mut *boxes[t].lock().unwrap()) {
+                check(&sim, h.p, h.size, h.t, Stream::LEGACY);
+                let _ = good_free(h, Stream::LEGACY, &mut retry);
+            }
+            a.flush().unwrap();
+            bar.wait();
+            a.flush().unwrap();
+            bar.wait();
+            for h in retry.drain(..) {
+                live.remove(h.p);
+                a.deallocate(h.p, h.size, Stream::LEGACY).expect("a refused correct free succeeds later");
+            }
+            for h in held {
+                check(&sim, h.p, h.size, h.t, h.s);
+                let _ = good_free(h, Stream::LEGACY, &mut retry);
+            }
+            assert!(retry.is_empty());
+            a.release_thread().unwrap();
+        }));
+    }
+    for h in hs {
+        h.join().unwrap();
+    }
+    live.assert_clean();
+    let st = a.stats();
+    let (bad, lim) = (bad.load(Ordering::Relaxed), limit_refusals.load(Ordering::Relaxed));
+    eprintln!(
+        "seed {seed} cap {cap:?}: bad frees {bad}, correct frees refused for now {lim}, ooms {}, dissolved {}, allocs {}",
+        ooms.load(Ordering::Relaxed),
+        st.superblocks_dissolved,
+        st.allocations
+    );
+    assert!(bad > 0);
+    assert_all_returned(&a, Some(&sim), bad + lim);
+}
+
+#[test]
+fn race_bad_frees_roomy() {
+    within(120, || {
+        for seed in 1..=2 {
+            race(4, 1500, seed, None);
+        }
+    });
+}
+
+#[test]
+fn race_bad_frees_under_a_tight_cap() {
+    within(120, || {
+        for seed in 11..=12 {
+            race(4, 1500, seed, Some(32 * MIB));
+        }
     });
 }
