@@ -702,3 +702,46 @@ fn race_bad_frees_under_a_tight_cap() {
         }
     });
 }
+
+/// Bad frees of pointers into a range already freed and merged: its head (whose flag says a
+/// free was accepted: refused at once) and its middle (a clear flag: accepted for now, on its
+/// way). The owner then splits the range in halves: the second half, starting at the bad
+/// free's address with the bad free's size, must not be handed out while it is on its way;
+/// once it arrives it is refused, and the half is handed out again. Exactly two refusals.
+#[test]
+fn bad_frees_into_a_freed_and_merged_range() {
+    let sim = host(0);
+    let a = host_allocator(sim.clone(), small_cfg().build().unwrap()).unwrap();
+    let x = four_blocks(&a);
+    a.deallocate_per_thread(x[1], 64 * KIB).unwrap();
+    let q = DeviceAddr(x[1].0 + 32 * KIB as u64);
+    let w = Worker::new(&a);
+    let (head, mid) = w.run(move |a| {
+        (a.deallocate(x[1], 64 * KIB, Stream::PER_THREAD), a.deallocate(q, 32 * KIB, Stream::PER_THREAD))
+    });
+    assert!(is_double(&head), "the freed block's head: refused at once: {head:?}");
+    assert!(mid.is_ok(), "the middle of a free range: on its way, checked by the owner: {mid:?}");
+    let live = Live::default();
+    let halves: Vec<_> = (0..2).map(|_| a.allocate_per_thread(32 * KIB).unwrap()).collect();
+    for &p in &halves {
+        live.insert(p, 32 * KIB);
+    }
+    assert_eq!(halves[0], x[1]);
+    assert_ne!(halves[1], q, "a block handed out at a bad free's address on its way");
+    w.run(|a| a.flush().unwrap());
+    a.flush().unwrap();
+    let e = a.take_deferred_error();
+    assert!(matches!(e, Some(Error::InvalidFree { ptr, .. }) if ptr == q.0), "reported: {e:?}");
+    let third = a.allocate_per_thread(32 * KIB).unwrap();
+    live.insert(third, 32 * KIB);
+    assert_eq!(third, q, "the half, taken back from the quarantine");
+    live.assert_clean();
+    for p in halves.into_iter().chain([third]) {
+        a.deallocate_per_thread(p, 32 * KIB).unwrap();
+    }
+    for p in [x[0], x[2], x[3]] {
+        a.deallocate_per_thread(p, 64 * KIB).unwrap();
+    }
+    drop(w);
+    assert_all_returned(&a, Some(&sim), 2);
+}
