@@ -643,13 +643,15 @@ impl Arena {
             !inside
         });
         self.legacy_freed_bytes -= kept;
-        // Quarantined ranges are free memory (their fences were satisfied before they merged);
-        // the bad free on its way reaches the pool, which refuses it.
+        // Quarantined ranges are free ranges taken out of the lists: free for this arena's
+        // stream only (a block freed on it, a pending block made safe by a wait on it, a
+        // superblock lent behind a wait on it), so they go behind `fences`, as the free ranges
+        // below do. The bad free on its way reaches the pool, which refuses it.
         self.quarantined.retain(|b| {
             let inside = std::ptr::eq(b.sb, sbp);
             if inside {
                 let addr = sb.base + ((b.first as u64) << GRANULE_SHIFT);
-                fenced.push((addr, b.len << GRANULE_SHIFT, FenceSet::default()));
+                fenced.push((addr, b.len << GRANULE_SHIFT, fences.clone()));
             }
             !inside
         });
