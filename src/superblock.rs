@@ -43,7 +43,9 @@
 //!
 //! Invariant: for a block handed out by the owner, the flag is set exactly while an accepted
 //! free of it exists and the block has not been handed out again. `IN_TRANSIT` is never stale:
-//! it lasts until its free arrives. `ARRIVED` may be stale (a block freed and merged away, then
+//! it lasts until its free arrives, or for good if its free never does (a batch dropped
+//! because no fence could be recorded for it, `outbox.rs`: its blocks are never reused, and no
+//! block starting at that flag is handed out again). `ARRIVED` may be stale (a block freed and merged away, then
 //! the range kept, given back or lent again: clearing them all at each lending cost a store per
 //! granule): the owner clears it whenever it hands out a block starting there, so a stale one is
 //! only ever read for a pointer that is not a live block, whose free is refused either way. Two
@@ -64,7 +66,7 @@ use std::sync::Arc;
 pub(crate) const ARRIVED: u8 = 1;
 /// Freed flag: a free away from the owner's fast path took the flag and is on its way to the
 /// owner (an outbox, an inbox) or to the pool. Never stale: it is cleared (refused) or becomes
-/// [`ARRIVED`] when the free arrives, so the owner never hands out a block starting here
+/// [`ARRIVED`] when the free arrives (or stays, if the free is dropped on a driver error), so the owner never hands out a block starting here
 /// meanwhile (`Arena::carve`): a bad free on its way would otherwise be taken as a free of it.
 pub(crate) const IN_TRANSIT: u8 = 2;
 
