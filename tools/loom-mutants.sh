@@ -37,6 +37,7 @@ claim_no_light_barrier   claim      an_owner_and_a_reclaimer_are_never_inside_at
 claim_no_light_barrier   allocator  a_reclaim_racing_the_owner_loses_nothing
 transit_unmarked         allocator  a_second_free_while_the_first_waits_in_an_outbox_is_refused
 owner_free_unmarked      allocator  a_remote_free_after_the_owners_local_free_is_refused
+carve_ignores_transit    allocator  a_bad_free_on_its_way_is_never_taken_as_a_free_of_a_later_block
 zombie_no_sync           user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
 zombie_never_parked      user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
 stats_peak_no_barrier    stats      a_peak_reset_racing_a_threads_allocations_keeps_the_upper_bound

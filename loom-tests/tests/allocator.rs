@@ -241,3 +241,65 @@ fn a_remote_free_after_the_owners_local_free_is_refused() {
         assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
     });
 }
+
+/// Freed flags in transit (`superblock.rs`, `Arena::carve`): another thread frees an interior
+/// pointer `q` of the owner's block (a bad free: it takes the clear flag at `q` and waits in its
+/// outbox), then sends it while the owner frees the block and allocates two blocks of the bad
+/// free's size, the second of which would start at `q`. The owner must never hand out a block
+/// starting at a free on its way: when the bad free arrives it must be refused and reported,
+/// and the owner's own free of each block accepted. The mutation `carve_ignores_transit`
+/// (hand such a block out) must fail this.
+#[test]
+fn a_bad_free_on_its_way_is_never_taken_as_a_free_of_a_later_block() {
+    use cuarena::Config;
+    use loom_tests::model::ModelDevice;
+    const SB2: usize = 128 << 10;
+    model(|| {
+        // Superblocks of 128 KiB, so a 64 KiB block (above the cached classes) merges back
+        // into its free range when freed, and the 4 KiB blocks are carved from its start.
+        let dev = Arc::new(ModelDevice::new(SB2 as u64, 4 * SB2 as u64));
+        let cfg = Config::builder()
+            .superblock(SB2)
+            .small_max(SB2 / 2)
+            .chunk(SB2)
+            .max_bytes(4 * SB2)
+            .batch_blocks(4)
+            .build()
+            .expect("a valid model config");
+        let a = Allocator::new(dev.clone(), cfg).expect("allocator");
+        let shared = Arc::new(AtomicU64::new(0));
+        let freed = Arc::new(AtomicU64::new(0));
+        let (a2, s2, f2) = (a.clone(), shared.clone(), freed.clone());
+        let other = thread::spawn(move || {
+            let q = DeviceAddr(wait_for(|| Some(s2.load(Ordering::Acquire)).filter(|&b| b != 0)));
+            // Accepted for now: only the owner can tell it is bad. It waits in the outbox.
+            a2.deallocate_per_thread(q, 4096).unwrap();
+            f2.store(1, Ordering::Release);
+            a2.flush().unwrap(); // sent to the owner, racing the owner's allocations
+            a2.release_thread().unwrap();
+        });
+        let x = a.allocate_per_thread(SB2 / 2).unwrap();
+        let q = x.0 + 4096;
+        shared.store(q, Ordering::Release);
+        wait_for(|| Some(freed.load(Ordering::Acquire)).filter(|&f| f != 0));
+        a.deallocate_per_thread(x, SB2 / 2).unwrap();
+        let first = a.allocate_per_thread(4096).unwrap();
+        let second = a.allocate_per_thread(4096).unwrap();
+        assert_ne!(second.0, q, "a block handed out at a bad free on its way");
+        other.join().unwrap();
+        a.flush().unwrap(); // the owner drains the bad free
+        let e = a.take_deferred_error();
+        assert!(e.is_some(), "the bad free was not reported");
+        dev.complete_all();
+        let third = a.allocate_per_thread(4096).unwrap();
+        assert!(third != first && third != second, "a live block handed out twice");
+        for p in [first, second, third] {
+            a.deallocate_per_thread(p, 4096).unwrap();
+        }
+        a.release_thread().unwrap();
+        a.check_invariants();
+        let s = a.stats();
+        assert_eq!((s.invalid_frees, s.live_bytes), (1, 0), "{:?}", a.take_deferred_error());
+        assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
+    });
+}
