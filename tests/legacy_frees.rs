@@ -200,7 +200,7 @@ fn out_of_memory_takes_an_idle_threads_kept_back_frees() {
     let idle = std::thread::spawn(move || {
         let ps: Vec<_> = (0..12).map(|_| a2.allocate(512 << 10, Stream::LEGACY).unwrap()).collect();
         for p in ps {
-            a2.deallocate(p, 512 << 10, Stream::LEGACY).unwrap(); // 12 < 64: all kept back
+            a2.deallocate(p, 512 << 10, Stream::LEGACY).unwrap(); // 12 blocks, 6 MiB: all kept back
         }
         done.send(()).unwrap();
         wait.recv().unwrap(); // idle, alive, holding them
@@ -214,5 +214,77 @@ fn out_of_memory_takes_an_idle_threads_kept_back_frees() {
         a.deallocate_per_thread(p, 512 << 10).unwrap();
     }
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// With the default caps (256 blocks, 64 MiB) each thread may keep back much of what it holds.
+/// Four idle threads keep back everything they had, filling the cap between them; another
+/// thread then needs the whole cap: out of memory takes every idle thread's kept-back frees,
+/// ordered for the per-thread stream that reuses them (with fences skipped, this fails: the
+/// reuse overlaps the earlier uses).
+#[test]
+fn out_of_memory_takes_the_kept_back_frees_of_many_idle_threads_under_the_default_caps() {
+    const THREADS: usize = 4;
+    const EACH: usize = 8; // 8 × 512 KiB: two whole superblocks per thread
+    let sim = host(0);
+    let cap = THREADS * EACH * (512 << 10);
+    let cfg = Config::builder().max_bytes(cap).chunk(2 << 20).build().unwrap();
+    let a = host_allocator(sim.clone(), cfg).unwrap();
+    let mut go = Vec::new();
+    let (done, freed) = std::sync::mpsc::channel::<()>();
+    let idle: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (a2, done, sim2) = (a.clone(), done.clone(), sim.clone());
+            let (tx, wait) = std::sync::mpsc::channel::<()>();
+            go.push(tx);
+            std::thread::spawn(move || {
+                let ps: Vec<_> = (0..EACH).map(|_| a2.allocate(512 << 10, Stream::LEGACY).unwrap()).collect();
+                // Uses still running on another thread's per-thread stream when the blocks are
+                // freed on the legacy stream (which the free's contract covers: later legacy
+                // work waits for them; another per-thread stream does not, unless a legacy
+                // action comes between).
+                let (ps2, sim3) = (ps.clone(), sim2.clone());
+                std::thread::spawn(move || {
+                    for (i, p) in ps2.iter().enumerate() {
+                        let tag = (t * EACH + i) as u32;
+                        sim3.hold_and_check(
+                            p.0,
+                            512 << 10,
+                            tag,
+                            Duration::from_millis(20),
+                            Stream::PER_THREAD,
+                        )
+                        .unwrap();
+                    }
+                })
+                .join()
+                .unwrap();
+                for p in ps {
+                    a2.deallocate(p, 512 << 10, Stream::LEGACY).unwrap();
+                }
+                done.send(()).unwrap();
+                wait.recv().unwrap(); // idle, alive, holding them kept back
+                a2.release_thread().unwrap();
+            })
+        })
+        .collect();
+    for _ in 0..THREADS {
+        freed.recv().unwrap();
+    }
+    assert_eq!(a.stats().reserved_bytes as usize, cap, "the cap is reached");
+    let ps: Vec<_> = (0..THREADS * EACH)
+        .map(|_| a.allocate_per_thread(512 << 10).expect("kept-back frees of idle threads are taken back"))
+        .collect();
+    for (i, p) in ps.iter().enumerate() {
+        sim.write_tag(p.0, 512 << 10, 1000 + i as u32, Stream::PER_THREAD).unwrap();
+    }
+    go.into_iter().for_each(|g| g.send(()).unwrap());
+    idle.into_iter().for_each(|h| h.join().unwrap());
+    sim.synchronize();
+    assert!(sim.violations().is_empty(), "reused before the legacy uses ended: {:?}", sim.violations());
+    assert_eq!(sim.tag_errors(), 0);
+    for p in ps {
+        a.deallocate_per_thread(p, 512 << 10).unwrap();
+    }
     assert_all_returned(&a, Some(&sim), 0);
 }
