@@ -968,7 +968,9 @@ impl Arena {
                 let (live, granules) = unsafe { ((*sbp).with_local(|l| l.live), (*sbp).granules) };
                 let pend = pending.iter().find(|(p, _)| std::ptr::eq(*p, sbp)).map_or(0, |p| p.1);
                 let used = live - pend;
-                used == 0 || (dissolve && live < granules)
+                // Pending and kept-back blocks count in `live` but are free space to give:
+                // a superblock full of used and kept-back blocks is dissolved too.
+                used == 0 || (dissolve && used < granules)
             })
             .collect();
         if picks.is_empty() {
