@@ -42,14 +42,6 @@ fn pick_size(r: u64) -> usize {
 /// Blocks sent to a thread: (block, sender, hand it back?).
 type Mailbox = Mutex<Vec<(Held, usize, bool)>>;
 
-struct Held {
-    p: DeviceAddr,
-    size: usize,
-    /// The stream the block was last written on.
-    s: Stream,
-    t: u32,
-}
-
 /// Many threads churn mixed small and large blocks on their per-thread and the legacy stream,
 /// under a cap that forces out-of-memory dissolves, with blocks handed to other threads (used
 /// there on their per-thread stream and handed back, or freed there), cross-stream frees,
@@ -114,12 +106,7 @@ fn churn_on(cap: usize, threads: usize, ops: usize, seed: u64, batch: usize, fai
                         let size = pick_size(rng(&mut x));
                         let s = if r & 0x100 == 0 { Stream::LEGACY } else { Stream::PER_THREAD };
                         match a.allocate(size, s) {
-                            Ok(p) => {
-                                live.insert(p, size);
-                                tagn += 1;
-                                tag(&sim, p, size, tagn, s);
-                                held.push(Held { p, size, s, t: tagn });
-                            }
+                            Ok(p) => held.push(Held::taken(&sim, &live, p, size, s, &mut tagn)),
                             Err(Error::OutOfMemory { .. }) => {
                                 ooms.fetch_add(1, Ordering::Relaxed);
                             }

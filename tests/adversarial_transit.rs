@@ -456,15 +456,6 @@ fn legacy_kept_back_frees_and_a_quarantine_in_one_superblock_at_exit() {
     assert_all_returned(&a, Some(&sim), 1);
 }
 
-/// A block one thread holds: its size, and the stream and tag it was last written with.
-#[derive(Clone, Copy)]
-struct Held {
-    p: DeviceAddr,
-    size: usize,
-    s: Stream,
-    t: u32,
-}
-
 /// Sizes the race allocates: mostly powers of two from 1 KiB to 64 KiB (so that a block split
 /// in halves lands blocks at its middle, where the receivers' bad frees point), some other
 /// whole KiBs, some large. All at least 4 granules: no block of 3 granules (768 bytes) is ever
@@ -585,10 +576,8 @@ fn race(threads: usize, ops: usize, seed: u64, cap: Option<usize>) {
                         if good_free(h, Stream::PER_THREAD, &mut retry) && h.size >= 2 * KIB {
                             for _ in 0..2 {
                                 if let Ok(p) = a.allocate_per_thread(h.size / 2) {
-                                    live.insert(p, h.size / 2);
-                                    tagn += 1;
-                                    tag(&sim, p, h.size / 2, tagn, Stream::PER_THREAD);
-                                    held.push(Held { p, size: h.size / 2, s: Stream::PER_THREAD, t: tagn });
+                                    let s = Stream::PER_THREAD;
+                                    held.push(Held::taken(&sim, &live, p, h.size / 2, s, &mut tagn));
                                 }
                             }
                         }
@@ -601,12 +590,7 @@ fn race(threads: usize, ops: usize, seed: u64, cap: Option<usize>) {
                         let size = race_size(rng(&mut x));
                         let s = if r & 0x100 == 0 { Stream::LEGACY } else { Stream::PER_THREAD };
                         match a.allocate(size, s) {
-                            Ok(p) => {
-                                live.insert(p, size);
-                                tagn += 1;
-                                tag(&sim, p, size, tagn, s);
-                                held.push(Held { p, size, s, t: tagn });
-                            }
+                            Ok(p) => held.push(Held::taken(&sim, &live, p, size, s, &mut tagn)),
                             Err(Error::OutOfMemory { .. }) => {
                                 ooms.fetch_add(1, Ordering::Relaxed);
                             }

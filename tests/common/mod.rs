@@ -152,6 +152,33 @@ pub fn tag(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
     }
 }
 
+/// A block a test thread holds: its size, and the stream and tag it was last written with.
+#[derive(Clone, Copy, Debug)]
+pub struct Held {
+    pub p: DeviceAddr,
+    pub size: usize,
+    pub s: Stream,
+    pub t: u32,
+}
+
+impl Held {
+    /// A block just allocated for `s`: recorded in `live` (an overlap is an error there) and
+    /// tagged on `s` with the next tag after `tagn`.
+    pub fn taken(
+        sim: &HostDevice,
+        live: &Live,
+        p: DeviceAddr,
+        size: usize,
+        s: Stream,
+        tagn: &mut u32,
+    ) -> Held {
+        live.insert(p, size);
+        *tagn += 1;
+        tag(sim, p, size, *tagn, s);
+        Held { p, size, s, t: *tagn }
+    }
+}
+
 /// Checks on `s` the tags [`tag`] wrote (mismatches count in the device's `tag_errors`).
 pub fn check(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
     sim.check_tag(p.0, 256, t, s).unwrap();
