@@ -22,12 +22,23 @@ pub mod common {
 
     /// [`setup`] with remote frees gathered `batch` at a time (so a free can wait in an outbox).
     pub fn setup_batched(keep_empty: usize, sparse: f64, batch: usize) -> (Arc<ModelDevice>, Allocator) {
-        let dev = Arc::new(ModelDevice::new(SB as u64, 8 * SB as u64));
+        setup_sized(SB, 8, keep_empty, sparse, batch)
+    }
+
+    /// [`setup_batched`] with superblocks of `sb` bytes and room for `superblocks` of them.
+    pub fn setup_sized(
+        sb: usize,
+        superblocks: usize,
+        keep_empty: usize,
+        sparse: f64,
+        batch: usize,
+    ) -> (Arc<ModelDevice>, Allocator) {
+        let dev = Arc::new(ModelDevice::new(sb as u64, (superblocks * sb) as u64));
         let cfg = Config::builder()
-            .superblock(SB)
-            .small_max(SB / 2)
-            .chunk(SB)
-            .max_bytes(8 * SB)
+            .superblock(sb)
+            .small_max(sb / 2)
+            .chunk(sb)
+            .max_bytes(superblocks * sb)
             .batch_blocks(batch)
             .keep_empty(keep_empty)
             .sparse_fraction(sparse)

@@ -6,7 +6,7 @@
 use cuarena::{Allocator, DeviceAddr};
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::thread;
-use loom_tests::common::{SB, assert_all_returned, model, setup, setup_batched, wait_for};
+use loom_tests::common::{SB, assert_all_returned, model, setup, setup_batched, setup_sized, wait_for};
 use std::sync::Arc;
 
 /// Fills the owner's superblock with two half blocks and frees the first from another thread.
@@ -251,22 +251,12 @@ fn a_remote_free_after_the_owners_local_free_is_refused() {
 /// (hand such a block out) must fail this.
 #[test]
 fn a_bad_free_on_its_way_is_never_taken_as_a_free_of_a_later_block() {
-    use cuarena::Config;
-    use loom_tests::model::ModelDevice;
     const SB2: usize = 128 << 10;
     model(|| {
         // Superblocks of 128 KiB, so a 64 KiB block (above the cached classes) merges back
         // into its free range when freed, and the 4 KiB blocks are carved from its start.
-        let dev = Arc::new(ModelDevice::new(SB2 as u64, 4 * SB2 as u64));
-        let cfg = Config::builder()
-            .superblock(SB2)
-            .small_max(SB2 / 2)
-            .chunk(SB2)
-            .max_bytes(4 * SB2)
-            .batch_blocks(4)
-            .build()
-            .expect("a valid model config");
-        let a = Allocator::new(dev.clone(), cfg).expect("allocator");
+        // The return rule's defaults (keep 2 empty, sparse 0.6).
+        let (dev, a) = setup_sized(SB2, 4, 2, 0.6, 4);
         let shared = Arc::new(AtomicU64::new(0));
         let freed = Arc::new(AtomicU64::new(0));
         let (a2, s2, f2) = (a.clone(), shared.clone(), freed.clone());
