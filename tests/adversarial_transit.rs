@@ -203,10 +203,7 @@ fn the_owner_exits_with_a_range_quarantined() {
     let e = a.take_deferred_error();
     assert!(matches!(e, Some(Error::InvalidFree { ptr, .. }) if ptr == q.0), "reported: {e:?}");
     // The old owner's blocks are freed by another thread now (pool blocks).
-    let live = Live::default();
-    for &(p, size) in &blocks {
-        live.insert(p, size);
-    }
+    let live = Live::of(&blocks);
     let got: Vec<_> = (0..48)
         .map(|i| {
             let size = [16, 32, 48][i % 3] * KIB;
@@ -252,10 +249,7 @@ fn out_of_memory_elsewhere_takes_a_quarantined_range_from_an_idle_owner() {
     });
     let st = a.stats();
     assert!(st.superblocks_dissolved >= 1, "the quarantined superblock was dissolved: {st:?}");
-    let live = Live::default();
-    for &(p, size) in &blocks {
-        live.insert(p, size);
-    }
+    let live = Live::of(&blocks);
     live.insert(extra, 16 * KIB);
     for &p in &r {
         live.insert(p, 64 * KIB);
@@ -433,10 +427,7 @@ fn legacy_kept_back_frees_and_a_quarantine_in_one_superblock_at_exit() {
     w.exit();
     let e = a.take_deferred_error();
     assert!(matches!(e, Some(Error::InvalidFree { ptr, .. }) if ptr == q.0), "reported: {e:?}");
-    let live = Live::default();
-    for &(p, size) in &kept {
-        live.insert(p, size);
-    }
+    let live = Live::of(&kept);
     // Another thread allocates over the returned ranges on its per-thread stream.
     let got: Vec<_> = (0..32)
         .map(|_| {

@@ -38,6 +38,14 @@ pub struct Live {
 }
 
 impl Live {
+    /// A set holding `blocks` (address, length), checked for overlaps as they go in.
+    pub fn of(blocks: &[(DeviceAddr, usize)]) -> Live {
+        let live = Live::default();
+        for &(p, len) in blocks {
+            live.insert(p, len);
+        }
+        live
+    }
     pub fn insert(&self, p: DeviceAddr, len: usize) {
         let (s, e) = (p.0, p.0 + len as u64);
         let mut m = self.map.lock().unwrap();
