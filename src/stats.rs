@@ -63,21 +63,23 @@ pub(crate) struct Counter(AtomicU64);
 impl Counter {
     #[inline]
     fn add(&self, n: u64, shared: bool) {
-        if shared {
-            self.0.fetch_add(n, Ordering::Relaxed);
-        } else {
-            // Only the owning thread writes: load + store is exact and needs no RMW.
-            self.0.store(self.0.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
-        }
+        self.add_ordered(n, shared, Ordering::Relaxed);
     }
 
     /// `add` with a `Release` store (or read-modify-write): see `Counters::count_free`.
     #[inline]
     fn add_release(&self, n: u64, shared: bool) {
+        self.add_ordered(n, shared, Ordering::Release);
+    }
+
+    /// Adds `n`, the write made with `order` (`Relaxed` or `Release`).
+    #[inline(always)]
+    fn add_ordered(&self, n: u64, shared: bool, order: Ordering) {
         if shared {
-            self.0.fetch_add(n, Ordering::Release);
+            self.0.fetch_add(n, order);
         } else {
-            self.0.store(self.0.load(Ordering::Relaxed).wrapping_add(n), Ordering::Release);
+            // Only the owning thread writes: load + store is exact and needs no RMW.
+            self.0.store(self.0.load(Ordering::Relaxed).wrapping_add(n), order);
         }
     }
 
