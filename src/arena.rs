@@ -89,16 +89,26 @@
 //! has just recorded), the out-of-memory path, which never blocks the host, may find none and
 //! return out-of-memory where `trim(true)` and a retry would succeed.
 
-//! ## Superblock return rule (Hoard's emptiness rule)
+//! ## Superblock return rule (Hoard's emptiness rule, with learnt slack)
 //! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
-//! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
-//! `u < a - K·S` and `u < (1 - f)·a`, the emptiest superblock goes back to the pool
-//! (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks;
-//! cached blocks count as free and are merged first).
+//! `S` a superblock, `K = keep_empty`, `f = sparse` and `E` the learnt slack below: after
+//! every free, while `u < a - K·S - E` and `u < (1 - f)·a`, the emptiest superblock goes back
+//! to the pool (merely "taken back" if empty; "dissolved" if not, its live blocks becoming
+//! pool blocks; cached blocks count as free and are merged first).
 //! Such a superblock exists by pigeonhole. Hence after every free
-//! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
-//! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
-//! its live bytes, whichever is larger (see `config.rs` for why `f` is not Hoard's 1/4).
+//! `a <= max(u + K·S + E, u / (1 - f))`: **memory stranded in an arena is at most
+//! `max(K·S + E, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks plus `E`,
+//! or 1.5 times its live bytes, whichever is larger (see `config.rs` for why `f` is not
+//! Hoard's 1/4).
+//!
+//! **Learnt slack `E`** ([`EXTRA_MAX`]): the pigeonhole bound does not see fragmentation, so a
+//! working set that needs more than the rule allows gives a superblock back and borrows one
+//! again a little later, an event and the pool's lock each time. A borrow within
+//! [`REGRET_WINDOW`] calls of the rule after a give-back by the rule is such a *regretted*
+//! give-back: `E` grows by the superblock borrowed, up to `EXTRA_MAX = 384 MiB`. `E` halves
+//! when a give-back follows one that no borrow followed, and decays by a granule per call (by
+//! 2^-20 of itself once that is more), so slack learnt in a phase that has ended is let go
+//! within about 10^6 frees. `E` is 0 in an arena that never regretted a give-back.
 //!
 //! **With large superblocks** (sizes differ, so `a` is the granules of all superblocks held):
 //! the pigeonhole still gives a superblock at most as full as the arena (`live_i / size_i <=
@@ -107,12 +117,13 @@
 //! arena holds any large superblock, the rule keeps `L = 128 MiB` more ([`LARGE_SUPERBLOCK_MAX`]),
 //! and `u` is the recent peak of live granules `û` (decaying by 1/256 per free), so a working
 //! set that swings does not return and borrow a superblock on every swing. Hence, after every
-//! free, `a <= max(û + K·S + L, û / (1 - f)) + N`, where `N` is the large superblocks that hold
-//! a live block but are not given back for it: **an arena holding large superblocks strands at
-//! most `max(K·S + L, f/(1-f)·û)` beyond its recent peak, plus its non-empty large
-//! superblocks**, each at most `max(8 MiB, 8 × its largest request)` and 128 MiB. Out of memory
-//! and `trim` still take back everything free without the owner (`reclaim`, dissolving large
-//! superblocks too on out-of-memory).
+//! free, `a <= max(û + K·S + L + E, û / (1 - f)) + N`, where `N` is the large superblocks that
+//! hold a live block but are not given back for it: **an arena holding large superblocks
+//! strands at most `max(K·S + L + E, f/(1-f)·û)` beyond its recent peak (at most
+//! `K·S + 512 MiB` or `f/(1-f)·û`), plus its non-empty large superblocks**, each at most
+//! `max(8 MiB, 8 × its largest request)` and 128 MiB. Out of memory and `trim` still take back
+//! everything free without the owner (`reclaim`, dissolving large superblocks too on
+//! out-of-memory), whatever `E` is.
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
@@ -152,6 +163,13 @@ pub(crate) struct Arena {
     large_keep: usize,
     /// The recent peak of `live` (see `over_held`), kept while large superblocks are held.
     recent: usize,
+    /// `E` of the return rule, in granules: slack learnt from give-backs the arena regretted
+    /// (borrowed again within [`REGRET_WINDOW`] calls of the rule), at most [`EXTRA_MAX`].
+    extra: usize,
+    /// Calls of the rule (`over_held`) since the last give-back by `shrink`, saturating.
+    since_give_back: u32,
+    /// A give-back by `shrink` has not yet been followed by a borrow.
+    awaiting_regret: bool,
     keep_empty: usize,
     /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
     dense_1024: usize,
@@ -197,6 +215,19 @@ pub(crate) fn large_superblock_bytes(requested: usize, superblock: usize) -> usi
         .max(requested.next_multiple_of(superblock))
 }
 
+/// A borrow within this many calls of the return rule (about one per free) after a give-back
+/// by the rule is a regretted give-back ("Learnt slack" above).
+const REGRET_WINDOW: u32 = 1024;
+/// The most slack regretted give-backs can add to the return rule (`E`, "Learnt slack"
+/// above), in granules: three
+/// of the largest large superblocks, 384 MiB. With 8 live blocks of 1 to 64 MiB a thread's
+/// large superblocks need about 2.5 times its recent peak of live bytes (fragmentation among
+/// sizes that differ 64-fold), which `L` alone did not keep: it gave back a 128 MiB superblock
+/// and borrowed one again every 200 frees or so (an event record and the pool's lock each
+/// time: 8,000 driver calls per 10^6 operations). At `E` up to 384 MiB that fell to under 5
+/// (host device, 2026-12-01).
+const EXTRA_MAX: usize = (3 * LARGE_SUPERBLOCK_MAX) >> GRANULE_SHIFT;
+
 /// Pending batches polled per slow path at most (one event query each).
 const MAX_POLLS: usize = 16;
 /// Size classes served by the block cache: classes up to 32 KiB.
@@ -222,6 +253,9 @@ impl Arena {
             large_held: 0,
             large_keep: 0,
             recent: 0,
+            extra: 0,
+            since_give_back: 0,
+            awaiting_regret: false,
             keep_empty,
             dense_1024: ((1.0 - sparse) * 1024.0).round() as usize,
             lists: FreeLists::default(),
@@ -536,6 +570,11 @@ impl Arena {
     /// True if the return rule asks for a superblock back.
     #[inline]
     fn over_held(&mut self) -> bool {
+        self.since_give_back = self.since_give_back.saturating_add(1);
+        if self.extra != 0 {
+            // `E` decays by a granule per call, or 2^-20 of itself once that is more.
+            self.extra -= (self.extra >> 20).max(1);
+        }
         let u = if self.large_held == 0 {
             self.live
         } else {
@@ -546,7 +585,7 @@ impl Arena {
             self.recent
         };
         let (a, s) = (self.held, self.granules);
-        u + self.keep_empty * s + self.large_keep < a && u * 1024 < self.dense_1024 * a
+        u + self.keep_empty * s + self.large_keep + self.extra < a && u * 1024 < self.dense_1024 * a
     }
 
     /// Merges every cached block into the free lists.
@@ -598,6 +637,13 @@ impl Arena {
                 Ok(HomeFence::Gone) => return,
                 Err(e) => return env.defer(e), // keep the superblock; try again later
             };
+            // The rule's previous give-back was followed by no borrow at all: the slack it
+            // was kept with was not needed, so halve it.
+            if self.awaiting_regret {
+                self.extra /= 2;
+            }
+            self.awaiting_regret = true;
+            self.since_give_back = 0;
             self.give_back(env, idx, FenceSet::one(fence));
         }
     }
@@ -751,6 +797,13 @@ impl Arena {
                 id
             })
         };
+        // A borrow soon after a give-back: the rule returned what the arena still needed (a
+        // working set the pigeonhole bound does not see: fragmentation among large blocks, or
+        // sizes that swing), so keep that much more from now on.
+        if self.awaiting_regret && self.since_give_back < REGRET_WINDOW {
+            self.extra = (self.extra + granules).min(EXTRA_MAX);
+        }
+        self.awaiting_regret = false;
         self.owned.push(sbp);
         self.held += granules;
         if granules > self.granules {
