@@ -37,8 +37,10 @@
 //!
 //! Measures: pairs (alloc + free) per second over a timed steady state (after each thread's
 //! slots are filled), p50/p99 ns per pair (every 8th pair timed), peak live bytes (sampled every
-//! millisecond from per-thread single-writer counters), peak reserved bytes, driver calls per
-//! million operations in steady state, and host-blocking synchronisations.
+//! millisecond from per-thread single-writer counters) and the sum of each thread's own peak
+//! (`thread_peaks_ratio`: that sum over the peak, the memory ratio of keeping each thread's
+//! peak), peak reserved bytes, driver calls per million operations in steady state, and
+//! host-blocking synchronisations.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -384,6 +386,11 @@ pub struct Point {
     pub p50_ns: u64,
     pub p99_ns: u64,
     pub peak_live_bytes: u64,
+    /// The sum over threads of each thread's own peak of live bytes, sampled with
+    /// `peak_live_bytes`. Over `peak_live_bytes` it is the memory ratio of an allocator that
+    /// keeps, per thread, exactly that thread's peak and nothing more: a floor for any design
+    /// that caches memory per thread (peaks of different threads fall at different times).
+    pub thread_peaks_bytes: u64,
     pub reserved_bytes: u64,
     pub driver_calls: u64,
     pub driver_calls_per_mop: f64,
@@ -411,6 +418,15 @@ impl Point {
         if self.peak_live_bytes == 0 { 0.0 } else { self.reserved_bytes as f64 / self.peak_live_bytes as f64 }
     }
 
+    /// Sum of per-thread peaks over the peak of the total (see `thread_peaks_bytes`).
+    pub fn thread_peaks_ratio(&self) -> f64 {
+        if self.peak_live_bytes == 0 {
+            0.0
+        } else {
+            self.thread_peaks_bytes as f64 / self.peak_live_bytes as f64
+        }
+    }
+
     /// One JSON object (one line): the fields in this order, the times in seconds to 3 decimals,
     /// `pairs_per_sec` whole, `memory_ratio` to 3 decimals, `driver_calls_per_mop` to 1; `null`
     /// for a figure the point does not have.
@@ -431,6 +447,7 @@ impl Point {
             peak_live_bytes: self.peak_live_bytes,
             reserved_bytes: self.reserved_bytes,
             memory_ratio: round(self.memory_ratio(), 3),
+            thread_peaks_ratio: round(self.thread_peaks_ratio(), 3),
             driver_calls: self.driver_calls,
             driver_calls_per_mop: round(self.driver_calls_per_mop, 1),
             host_syncs: self.host_syncs,
@@ -462,6 +479,7 @@ struct JsonRow<'a> {
     peak_live_bytes: u64,
     reserved_bytes: u64,
     memory_ratio: f64,
+    thread_peaks_ratio: f64,
     driver_calls: u64,
     driver_calls_per_mop: f64,
     host_syncs: u64,
@@ -799,6 +817,7 @@ impl Bench {
             p50_ns: pct(0.5),
             p99_ns: pct(0.99),
             peak_live_bytes: shared.peak.load(Ordering::Relaxed),
+            thread_peaks_bytes: shared.thread_peaks.iter().map(|p| p.load(Ordering::Relaxed)).sum(),
             reserved_bytes: counts.peak_reserved,
             driver_calls: start_counts.driver_calls,
             driver_calls_per_mop: start_counts.driver_calls as f64 * 1e6 / (2 * pairs).max(1) as f64,
@@ -879,6 +898,8 @@ struct Shared {
     stop: AtomicBool,
     live: Vec<PaddedLive>,
     peak: AtomicU64,
+    /// Each thread's own peak of `live`, sampled with `peak`.
+    thread_peaks: Vec<AtomicU64>,
     queues: Vec<ArrayQueue<Msg>>,
     mail: Vec<Mailbox>,
     /// Each producer's ordering event (empty when blocks need no ordering).
@@ -894,6 +915,7 @@ impl Shared {
             stop: AtomicBool::new(false),
             live: (0..threads).map(|_| PaddedLive::default()).collect(),
             peak: AtomicU64::new(0),
+            thread_peaks: (0..threads).map(|_| AtomicU64::new(0)).collect(),
             queues: (0..threads).map(|_| ArrayQueue::new(256)).collect(),
             mail: (0..threads).map(|_| Mailbox::default()).collect(),
             events,
@@ -902,7 +924,12 @@ impl Shared {
     }
 
     fn sample_live(&self) {
-        let sum: i64 = self.live.iter().map(|l| l.0.load(Ordering::Relaxed)).sum();
+        let mut sum = 0;
+        for (l, p) in self.live.iter().zip(&self.thread_peaks) {
+            let v = l.0.load(Ordering::Relaxed);
+            p.fetch_max(v.max(0) as u64, Ordering::Relaxed);
+            sum += v;
+        }
         self.peak.fetch_max(sum.max(0) as u64, Ordering::Relaxed);
     }
 
