@@ -638,7 +638,9 @@ impl Slot {
 
     /// The slow path of the arena `w` serving `home` (identity `key`): drains and grows it,
     /// making it first if it is a fixed arena the thread does not have yet. If a reclaimer
-    /// holds the arena at this moment, the request is served by the pool instead (no waiting).
+    /// holds the arena at this moment, the request is served by the pool instead (no waiting);
+    /// so it is if the arena cannot grow even after a reclaim (the pool's first fit may still
+    /// find room for the request where it has none for a superblock).
     #[cold]
     #[inline(never)]
     fn alloc_slow_in(
@@ -677,7 +679,13 @@ impl Slot {
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 self.counters.bump(&self.counters.alloc_retries, 1);
                 let owned = self.arenas.get_mut(w).expect("reclaim keeps the arenas");
-                owned.with(|arena| arena.alloc_slow(&env, class, g))
+                match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
+                    // The pool may still hold free ranges that it cannot lend as a superblock
+                    // (remnants of dissolved superblocks, smaller than one or not aligned to
+                    // one): the request itself may fit there, by first fit.
+                    Some(Err(Error::OutOfMemory { .. })) => None,
+                    r => r,
+                }
             }
             r => r,
         };

@@ -91,24 +91,24 @@
 
 //! ## Superblock return rule (Hoard's emptiness rule, with learnt slack)
 //! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
-//! `S` a superblock, `K = keep_empty`, `f = sparse` and `E` the learnt slack below: after
-//! every free, while `u < a - K·S - E` and `u < (1 - f)·a`, the emptiest superblock goes back
-//! to the pool (merely "taken back" if empty; "dissolved" if not, its live blocks becoming
-//! pool blocks; cached blocks count as free and are merged first).
+//! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
+//! `u < a - K·S` and `u < (1 - f)·a`, the emptiest superblock goes back to the pool
+//! (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks;
+//! cached blocks count as free and are merged first).
 //! Such a superblock exists by pigeonhole. Hence after every free
-//! `a <= max(u + K·S + E, u / (1 - f))`: **memory stranded in an arena is at most
-//! `max(K·S + E, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks plus `E`,
-//! or 1.5 times its live bytes, whichever is larger (see `config.rs` for why `f` is not
-//! Hoard's 1/4).
+//! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
+//! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
+//! its live bytes, whichever is larger (see `config.rs` for why `f` is not Hoard's 1/4).
 //!
-//! **Learnt slack `E`** ([`EXTRA_MAX`]): the pigeonhole bound does not see fragmentation, so a
-//! working set that needs more than the rule allows gives a superblock back and borrows one
-//! again a little later, an event and the pool's lock each time. A borrow within
-//! [`REGRET_WINDOW`] calls of the rule after a give-back by the rule is such a *regretted*
-//! give-back: `E` grows by the superblock borrowed, up to `EXTRA_MAX = 384 MiB`. `E` halves
-//! when a give-back follows one that no borrow followed, and decays by a granule per call (by
-//! 2^-20 of itself once that is more), so slack learnt in a phase that has ended is let go
-//! within about 10^6 frees. `E` is 0 in an arena that never regretted a give-back.
+//! **Learnt slack `E`** ([`EXTRA_MAX`]), only while the arena holds a large superblock (as
+//! `L` below; 0 otherwise): the pigeonhole bound does not see fragmentation, so a working set of
+//! large blocks of sizes far apart, which needs more than the rule allows, gives a superblock
+//! back and borrows one again a little later, an event and the pool's lock each time. A borrow
+//! within [`REGRET_WINDOW`] calls of the rule after a give-back by the rule is such a
+//! *regretted* give-back: `E` grows by the superblock borrowed, up to `EXTRA_MAX = 384 MiB`. A
+//! give-back that no borrow follows within the window halves `E`; `E` also decays by a granule
+//! per call (by 2^-20 of itself once that is more), and is forgotten when the last large
+//! superblock goes back and at every reclaim (`trim`, out of memory).
 //!
 //! **With large superblocks** (sizes differ, so `a` is the granules of all superblocks held):
 //! the pigeonhole still gives a superblock at most as full as the arena (`live_i / size_i <=
@@ -121,9 +121,9 @@
 //! hold a live block but are not given back for it: **an arena holding large superblocks
 //! strands at most `max(K·S + L + E, f/(1-f)·û)` beyond its recent peak (at most
 //! `K·S + 512 MiB` or `f/(1-f)·û`), plus its non-empty large superblocks**, each at most
-//! `max(8 MiB, 8 × its largest request)` and 128 MiB. Out of memory and `trim` still take back
-//! everything free without the owner (`reclaim`, dissolving large superblocks too on
-//! out-of-memory), whatever `E` is.
+//! `max(8 MiB, 8 × its largest request)` and 128 MiB. Without the owner, `trim` takes back
+//! every superblock that holds no used block and out of memory everything free (`reclaim`,
+//! dissolving superblocks, large ones too), whatever `E` was.
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
@@ -164,11 +164,13 @@ pub(crate) struct Arena {
     /// The recent peak of `live` (see `over_held`), kept while large superblocks are held.
     recent: usize,
     /// `E` of the return rule, in granules: slack learnt from give-backs the arena regretted
-    /// (borrowed again within [`REGRET_WINDOW`] calls of the rule), at most [`EXTRA_MAX`].
+    /// (borrowed again within [`REGRET_WINDOW`] calls of the rule), at most [`EXTRA_MAX`]; 0
+    /// while no large superblock is held.
     extra: usize,
     /// Calls of the rule (`over_held`) since the last give-back by `shrink`, saturating.
     since_give_back: u32,
-    /// A give-back by `shrink` has not yet been followed by a borrow.
+    /// A give-back by `shrink` has been followed by no borrow yet, nor by the end of the
+    /// window.
     awaiting_regret: bool,
     keep_empty: usize,
     /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
@@ -216,16 +218,18 @@ pub(crate) fn large_superblock_bytes(requested: usize, superblock: usize) -> usi
 }
 
 /// A borrow within this many calls of the return rule (about one per free) after a give-back
-/// by the rule is a regretted give-back ("Learnt slack" above).
-const REGRET_WINDOW: u32 = 1024;
-/// The most slack regretted give-backs can add to the return rule (`E`, "Learnt slack"
-/// above), in granules: three
-/// of the largest large superblocks, 384 MiB. With 8 live blocks of 1 to 64 MiB a thread's
-/// large superblocks need about 2.5 times its recent peak of live bytes (fragmentation among
-/// sizes that differ 64-fold), which `L` alone did not keep: it gave back a 128 MiB superblock
-/// and borrowed one again every 200 frees or so (an event record and the pool's lock each
-/// time: 8,000 driver calls per 10^6 operations). At `E` up to 384 MiB that fell to under 5
-/// (host device, 2026-12-01).
+/// by the rule is a regretted give-back; a give-back with no borrow within it halves `E`
+/// ("Learnt slack" above). At 1,024 the halving came too soon in the `large` workload's steady
+/// state (give-backs and borrows at 58-74 driver calls per 10^6 operations, against 11-13 at
+/// 8,192; host device, 2026-12-01).
+const REGRET_WINDOW: u32 = 8192;
+/// The most slack regretted give-backs can add to the return rule while large superblocks are
+/// held (`E`, "Learnt slack" above), in granules: three of the largest large superblocks, 384
+/// MiB. With 8 live blocks of 1 to 64 MiB a thread's large superblocks need about 2.5 times its
+/// recent peak of live bytes (fragmentation among sizes that differ 64-fold), which `L` alone
+/// did not keep: it gave back a 128 MiB superblock and borrowed one again every 200 frees or so
+/// (an event record and the pool's lock each time: 8,000 driver calls per 10^6 operations).
+/// With `E` that fell to 11-13 (host device, 2026-12-01).
 const EXTRA_MAX: usize = (3 * LARGE_SUPERBLOCK_MAX) >> GRANULE_SHIFT;
 
 /// Pending batches polled per slow path at most (one event query each).
@@ -571,21 +575,26 @@ impl Arena {
     #[inline]
     fn over_held(&mut self) -> bool {
         self.since_give_back = self.since_give_back.saturating_add(1);
-        if self.extra != 0 {
-            // `E` decays by a granule per call, or 2^-20 of itself once that is more.
-            self.extra -= (self.extra >> 20).max(1);
-        }
-        let u = if self.large_held == 0 {
-            self.live
+        let (u, slack) = if self.large_held == 0 {
+            (self.live, 0)
         } else {
             // With large superblocks, `u` is the recent peak of `live`: it decays by 1/256 per
             // call (one per free), so a working set that swings (a few large blocks freed and
             // then allocated again) keeps its superblocks instead of returning and borrowing.
             self.recent = self.live.max(self.recent - (self.recent >> 8));
-            self.recent
+            if self.extra != 0 {
+                // `E` decays by a granule per call, or 2^-20 of itself once that is more; and
+                // halves when the rule's last give-back found no borrow within the window.
+                self.extra -= (self.extra >> 20).max(1);
+                if self.awaiting_regret && self.since_give_back == REGRET_WINDOW {
+                    self.extra /= 2;
+                    self.awaiting_regret = false;
+                }
+            }
+            (self.recent, self.large_keep + self.extra)
         };
         let (a, s) = (self.held, self.granules);
-        u + self.keep_empty * s + self.large_keep + self.extra < a && u * 1024 < self.dense_1024 * a
+        u + self.keep_empty * s + slack < a && u * 1024 < self.dense_1024 * a
     }
 
     /// Merges every cached block into the free lists.
@@ -637,11 +646,6 @@ impl Arena {
                 Ok(HomeFence::Gone) => return,
                 Err(e) => return env.defer(e), // keep the superblock; try again later
             };
-            // The rule's previous give-back was followed by no borrow at all: the slack it
-            // was kept with was not needed, so halve it.
-            if self.awaiting_regret {
-                self.extra /= 2;
-            }
             self.awaiting_regret = true;
             self.since_give_back = 0;
             self.give_back(env, idx, FenceSet::one(fence));
@@ -744,6 +748,7 @@ impl Arena {
             self.large_held -= granules;
             if self.large_held == 0 {
                 self.large_keep = 0;
+                self.extra = 0;
             }
             // A large superblock's tags do not stay with it: they go to the pool's bounded
             // stash of zeroed buffers (or are dropped), so the host memory they take is bounded
@@ -797,19 +802,20 @@ impl Arena {
                 id
             })
         };
-        // A borrow soon after a give-back: the rule returned what the arena still needed (a
-        // working set the pigeonhole bound does not see: fragmentation among large blocks, or
-        // sizes that swing), so keep that much more from now on.
-        if self.awaiting_regret && self.since_give_back < REGRET_WINDOW {
-            self.extra = (self.extra + granules).min(EXTRA_MAX);
-        }
-        self.awaiting_regret = false;
         self.owned.push(sbp);
         self.held += granules;
         if granules > self.granules {
             self.large_held += granules;
             self.large_keep = LARGE_SUPERBLOCK_MAX >> GRANULE_SHIFT;
         }
+        // A borrow soon after a give-back: the rule returned what the arena still needed (a
+        // working set the pigeonhole bound does not see: fragmentation among large blocks of
+        // sizes far apart), so keep that much more from now on (only while large superblocks
+        // are held, as `L`).
+        if self.awaiting_regret && self.since_give_back < REGRET_WINDOW && self.large_held != 0 {
+            self.extra = (self.extra + granules).min(EXTRA_MAX);
+        }
+        self.awaiting_regret = false;
         let c = env.dev.counters;
         c.bump(&c.superblocks_taken, 1);
         c.bump(&c.arena_held_bytes, (granules as u64) << GRANULE_SHIFT);
@@ -1001,6 +1007,9 @@ impl Arena {
         dissolve: bool,
         fence: impl FnOnce() -> Result<HomeFence>,
     ) -> usize {
+        // Memory is wanted back: the slack learnt from regretted give-backs is forgotten.
+        self.extra = 0;
+        self.awaiting_regret = false;
         self.flush_cache();
         self.drain(env);
         // Granules of pending blocks per superblock: the rest of `live` is used.
@@ -1136,5 +1145,45 @@ mod tests {
             let b = large_superblock_bytes(r, s);
             assert!(b >= r && b.is_multiple_of(s) && b <= LARGE_SUPERBLOCK_MAX.max(8 * r));
         }
+    }
+
+    /// An arena whose bookkeeping says it holds `large` large superblocks of 128 MiB, all
+    /// empty (only the return rule's arithmetic is exercised: it owns no real superblock).
+    fn holding_empty_large(large: usize) -> Arena {
+        let mut a =
+            Arena::new(Arc::default(), Stream::PER_THREAD, StreamKey(7), (2 << 20) >> GRANULE_SHIFT, 2, 0.6);
+        a.held = large * (LARGE_SUPERBLOCK_MAX >> GRANULE_SHIFT);
+        a.large_held = a.held;
+        a.large_keep = LARGE_SUPERBLOCK_MAX >> GRANULE_SHIFT;
+        a
+    }
+
+    #[test]
+    fn slack_at_its_cap_decays_until_the_rule_gives_back() {
+        // Four empty 128 MiB superblocks: `K·S + L + E` = 4 + 128 + 384 MiB is more than the
+        // 512 MiB held, so the rule keeps them until `E` has decayed by 4 MiB (16,384
+        // granules, one per call); without the decay, never.
+        let mut a = holding_empty_large(4);
+        a.extra = EXTRA_MAX;
+        let calls = (1..=1 << 20).find(|_| a.over_held());
+        assert_eq!(calls, Some((4 << 20 >> GRANULE_SHIFT) + 1), "calls of the rule until a give-back");
+    }
+
+    #[test]
+    fn slack_halves_when_no_borrow_follows_a_give_back_within_the_window() {
+        let mut a = holding_empty_large(1);
+        a.extra = 1 << 20;
+        a.awaiting_regret = true;
+        a.since_give_back = 0;
+        for _ in 0..REGRET_WINDOW {
+            a.over_held();
+        }
+        let decayed = (1 << 20) - REGRET_WINDOW as usize;
+        assert_eq!(a.extra, decayed / 2, "halved once, at the end of the window");
+        assert!(!a.awaiting_regret);
+        for _ in 0..REGRET_WINDOW {
+            a.over_held();
+        }
+        assert_eq!(a.extra, decayed / 2 - REGRET_WINDOW as usize, "not halved again without a give-back");
     }
 }

@@ -453,12 +453,13 @@ pub struct Stats {
     /// Arenas alive now (a thread has one per stream it allocates small blocks on: its
     /// per-thread stream and the legacy stream).
     pub arenas: u64,
-    /// Allocations served by a thread's arena (requests up to `large_max` on the per-thread or
-    /// the legacy stream): the path with no lock and no CUDA call. `allocations -
-    /// pool_allocations`.
+    /// Allocations served by a thread's arena (requests up to `large_max`, on any stream): the
+    /// path with no lock (and no CUDA call on the per-thread and legacy streams; one identity
+    /// lookup on a user stream). `allocations - pool_allocations`.
     pub arena_allocations: u64,
-    /// Allocations served by the global pool (requests over `large_max`, smaller ones on user
-    /// streams, and those made while a reclaimer briefly holds the thread's arena).
+    /// Allocations served by the global pool (requests over `large_max`, those made while a
+    /// reclaimer briefly holds the thread's arena, and those for which the arena could not
+    /// grow even after an out-of-memory reclaim).
     pub pool_allocations: u64,
     /// Of `arena_allocations`, those over `small_max`: large blocks served by an arena from its
     /// large superblocks.

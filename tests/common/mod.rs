@@ -194,3 +194,44 @@ pub fn check(sim: &HostDevice, p: DeviceAddr, size: usize, t: u32, s: Stream) {
         sim.check_tag(p.0 + (size as u64 & !255) - 256, 256, t ^ 0x5555, s).unwrap();
     }
 }
+
+/// A simulated device roomy enough (8 GiB) that no out-of-memory reclaim runs (it would give
+/// back superblocks outside the return rule).
+pub fn roomy() -> HostDevice {
+    HostDevice::new(HostConfig { capacity: 8 << 30, ..HostConfig::default() })
+}
+
+/// A size log-uniform in 1 MiB ..= 64 MiB (the benchmark's `large` workload).
+pub fn large_size(x: &mut u64) -> usize {
+    let u = (rng(x) >> 11) as f64 / (1u64 << 53) as f64;
+    ((1u64 << 20) as f64 * 64f64.powf(u)) as usize
+}
+
+/// Slots of live blocks (address, size) for [`large_churn`].
+pub type Slots = Vec<Option<(DeviceAddr, usize)>>;
+
+/// The benchmark's `large` churn on `s`: each pair frees the block of a random slot and
+/// allocates a new size in its place, every block checked aligned and against the others.
+/// With eight slots this is what teaches an arena the return rule's slack `E`.
+pub fn large_churn(a: &Allocator, live: &Live, slots: &mut Slots, x: &mut u64, pairs: usize, s: Stream) {
+    for _ in 0..pairs {
+        let k = rng(x) as usize % slots.len();
+        if let Some((p, n)) = slots[k].take() {
+            live.remove(p);
+            a.deallocate(p, n, s).unwrap();
+        }
+        let n = large_size(x);
+        let p = a.allocate(n, s).unwrap();
+        assert_eq!(p.0 % 256, 0, "alignment");
+        live.insert(p, n);
+        slots[k] = Some((p, n));
+    }
+}
+
+/// Frees every block in `slots`.
+pub fn free_all(a: &Allocator, live: &Live, slots: &mut Slots, s: Stream) {
+    for (p, n) in slots.iter_mut().filter_map(Option::take) {
+        live.remove(p);
+        a.deallocate(p, n, s).unwrap();
+    }
+}
