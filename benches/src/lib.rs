@@ -390,7 +390,9 @@ pub struct Point {
     /// `peak_live_bytes`. Over `peak_live_bytes` it is the memory ratio of an allocator that
     /// keeps, per thread, exactly that thread's peak and nothing more: a floor for any design
     /// that caches memory per thread (peaks of different threads fall at different times).
-    pub thread_peaks_bytes: u64,
+    /// `None` for the handoff workloads, where a thread's count of what it allocated less what
+    /// it freed is not memory it holds.
+    pub thread_peaks_bytes: Option<u64>,
     pub reserved_bytes: u64,
     pub driver_calls: u64,
     pub driver_calls_per_mop: f64,
@@ -419,12 +421,9 @@ impl Point {
     }
 
     /// Sum of per-thread peaks over the peak of the total (see `thread_peaks_bytes`).
-    pub fn thread_peaks_ratio(&self) -> f64 {
-        if self.peak_live_bytes == 0 {
-            0.0
-        } else {
-            self.thread_peaks_bytes as f64 / self.peak_live_bytes as f64
-        }
+    pub fn thread_peaks_ratio(&self) -> Option<f64> {
+        let sum = self.thread_peaks_bytes?;
+        Some(if self.peak_live_bytes == 0 { 0.0 } else { sum as f64 / self.peak_live_bytes as f64 })
     }
 
     /// One JSON object (one line): the fields in this order, the times in seconds to 3 decimals,
@@ -447,7 +446,7 @@ impl Point {
             peak_live_bytes: self.peak_live_bytes,
             reserved_bytes: self.reserved_bytes,
             memory_ratio: round(self.memory_ratio(), 3),
-            thread_peaks_ratio: round(self.thread_peaks_ratio(), 3),
+            thread_peaks_ratio: self.thread_peaks_ratio().map(|r| round(r, 3)),
             driver_calls: self.driver_calls,
             driver_calls_per_mop: round(self.driver_calls_per_mop, 1),
             host_syncs: self.host_syncs,
@@ -479,7 +478,7 @@ struct JsonRow<'a> {
     peak_live_bytes: u64,
     reserved_bytes: u64,
     memory_ratio: f64,
-    thread_peaks_ratio: f64,
+    thread_peaks_ratio: Option<f64>,
     driver_calls: u64,
     driver_calls_per_mop: f64,
     host_syncs: u64,
@@ -817,7 +816,8 @@ impl Bench {
             p50_ns: pct(0.5),
             p99_ns: pct(0.99),
             peak_live_bytes: shared.peak.load(Ordering::Relaxed),
-            thread_peaks_bytes: shared.thread_peaks.iter().map(|p| p.load(Ordering::Relaxed)).sum(),
+            thread_peaks_bytes: (!w.hands_off())
+                .then(|| shared.thread_peaks.iter().map(|p| p.load(Ordering::Relaxed)).sum()),
             reserved_bytes: counts.peak_reserved,
             driver_calls: start_counts.driver_calls,
             driver_calls_per_mop: start_counts.driver_calls as f64 * 1e6 / (2 * pairs).max(1) as f64,
@@ -1286,6 +1286,20 @@ mod tests {
         }
         let p = b.run("cuarena", Workload::Churn, false, StreamMode::Own, 1, 0.02).expect("a point");
         assert_eq!((p.local_frees, p.drain_frees), (None, None));
+    }
+
+    #[test]
+    fn thread_peaks_are_at_least_the_peak_of_the_total_and_absent_for_handoffs() {
+        let b = host_bench(Duration::ZERO);
+        let p = b.run("cuarena", Workload::Churn, false, StreamMode::PerThread, 2, 0.05).expect("a point");
+        // Both come from the same samples, and each sample's total is at most the sum of the
+        // threads' peaks so far.
+        let sum = p.thread_peaks_bytes.expect("churn has them");
+        assert!(p.peak_live_bytes > 0 && sum >= p.peak_live_bytes, "{}", p.json());
+        assert!(p.thread_peaks_ratio().expect("churn") >= 1.0, "{}", p.json());
+        let p = b.run("cuarena", Workload::Handoff, false, StreamMode::PerThread, 2, 0.02).expect("a point");
+        assert_eq!(p.thread_peaks_bytes, None, "{}", p.json());
+        assert!(p.json().contains("\"thread_peaks_ratio\":null"), "{}", p.json());
     }
 
     #[test]
