@@ -30,7 +30,8 @@
 //! names no stream, gives back everything parked (more than `ZOMBIE_BYTES` parked,
 //! out-of-memory, `trim(true)`, or the allocator's drop). Reclaim by another thread takes a
 //! user arena's memory only where it may block (out-of-memory, `trim(true)`), after a device
-//! synchronise (`Env::home_fence`).
+//! synchronise (`Env::home_fence`). Remote frees on a user stream that cannot wait in their
+//! thread's outbox for a call on that stream are parked the same way (`outbox.rs`).
 
 use std::cell::RefCell;
 
@@ -43,7 +44,7 @@ use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::Fence;
 use crate::global_pool::{GlobalPool, Origin};
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, ParkedFrees};
 use crate::shell::{ArenaShell, Freed};
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
 use crate::stats::{AllocPath, CounterRegistry, Counters, Stats};
@@ -110,21 +111,33 @@ struct Shells {
 /// parks one that brings the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives
 /// them all back, as do the out-of-memory paths, `trim(true)` and the allocator's drop.
 ///
-/// **Bound:** memory parked here is at most `ZOMBIE_BYTES` plus one arena's superblocks.
+/// Remote frees made on user streams that had to leave a thread's outbox outside a call on
+/// their stream (`outbox.rs`, "Frees on user streams") are parked here too, unfenced, and
+/// delivered after the same synchronise.
+///
+/// **Bound:** memory parked here is at most `ZOMBIE_BYTES` plus one arena's superblocks or
+/// one thread's user-stream batches.
 /// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas when they were last
-/// counted ([`Zombies::recount`], at every park): a reclaimer on out-of-memory may take
-/// superblocks from a parked arena meanwhile, so between counts it may be above the truth.
+/// counted ([`Zombies::recount`], at every park), plus the bytes of the parked frees: a
+/// reclaimer on out-of-memory may take superblocks from a parked arena meanwhile, so between
+/// counts it may be above the truth.
 #[derive(Default)]
 struct Zombies {
     arenas: Vec<OwnedArena>,
+    frees: ParkedFrees,
     bytes: usize,
 }
 
 impl Zombies {
     /// Counts the bytes the parked arenas hold now (one held by a reclaimer this moment counts
-    /// as nothing; the reclaimer gives superblocks back, never takes any).
+    /// as nothing; the reclaimer gives superblocks back, never takes any) and the parked frees.
     fn recount(&mut self) {
-        self.bytes = self.arenas.iter_mut().map(|a| a.with(|a| a.held_bytes()).unwrap_or(0)).sum();
+        self.bytes = self.arenas.iter_mut().map(|a| a.with(|a| a.held_bytes()).unwrap_or(0)).sum::<usize>()
+            + self.frees.bytes();
+    }
+
+    fn is_empty(&self) -> bool {
+        self.arenas.is_empty() && self.frees.bytes() == 0
     }
 }
 
@@ -388,9 +401,20 @@ impl Inner {
             }
             return;
         }
+        self.park(env, |z| z.arenas.push(owned));
+    }
+
+    /// Parks remote frees of user-stream batches that must leave a thread's outbox outside a
+    /// call on their streams (see [`Zombies`]).
+    fn park_frees(&self, env: &Env<'_>, frees: ParkedFrees) {
+        self.park(env, |z| z.frees.append(frees));
+    }
+
+    /// Adds to the parked memory with `add`; past [`ZOMBIE_BYTES`], gives it all back.
+    fn park(&self, env: &Env<'_>, add: impl FnOnce(&mut Zombies)) {
         let over = {
             let mut z = lock(&self.zombies);
-            z.arenas.push(owned);
+            add(&mut z);
             z.recount();
             z.bytes > ZOMBIE_BYTES
         };
@@ -404,7 +428,7 @@ impl Inner {
     #[cold]
     fn bury_zombies(&self, env: &Env<'_>) -> Result<usize> {
         let z = std::mem::take(&mut *lock(&self.zombies));
-        if z.arenas.is_empty() {
+        if z.is_empty() {
             return Ok(0);
         }
         // Mutation for the loom model of parked arenas: give them back with no synchronise.
@@ -417,14 +441,19 @@ impl Inner {
             let mut back = lock(&self.zombies);
             back.bytes += z.bytes;
             back.arenas.extend(z.arenas);
+            back.frees.append(z.frees);
             return Err(e);
         }
+
         for owned in z.arenas {
             // All work queued before the synchronise, on every stream, has completed.
             if let Some(shell) = owned.exit(env, Some(None)) {
                 lock(&self.shells).idle.push(shell);
             }
         }
+        // Every use of the parked frees' blocks was queued before the synchronise too. (After
+        // the arenas' exits: a free towards one of them now goes to the pool.)
+        z.frees.deliver(env, None);
         Ok(z.bytes)
     }
 
@@ -539,9 +568,22 @@ impl Slot {
         if stream.is_per_thread() { Self::ptds_key(ptds, env) } else { env.dev.stream_key(stream) }
     }
 
-    /// Sends the gathered remote frees, if any.
+    /// Sends the gathered remote frees, if any, and parks the user-stream batches (no call on
+    /// their streams is running: `outbox.rs`).
     /// Returns the fence the flush recorded, with its stream, if it sent anything.
-    fn flush_outbox(outbox: &mut Outbox, ptds: &mut Option<StreamKey>, env: &Env<'_>) -> Result<Flushed> {
+    fn flush_outbox(
+        outbox: &mut Outbox,
+        ptds: &mut Option<StreamKey>,
+        inner: &Inner,
+        env: &Env<'_>,
+    ) -> Result<Flushed> {
+        if let Some(p) = outbox.take_user_batches() {
+            // Mutation for the loom model of parked frees: send them at once, unfenced.
+            #[cfg(cuarena_mutant = "parked_frees_unfenced")]
+            p.deliver(env, None);
+            #[cfg(not(cuarena_mutant = "parked_frees_unfenced"))]
+            inner.park_frees(env, p);
+        }
         if outbox.is_empty() {
             return Ok(None);
         }
@@ -602,6 +644,9 @@ impl Slot {
         large: bool,
     ) -> Result<u64> {
         self.arenas.tick = self.arenas.tick.wrapping_add(1);
+        if let Err(e) = self.outbox.tick_user(&inner.env(&self.counters), key, stream) {
+            inner.env(&self.counters).defer(e); // that batch is lost, never reused
+        }
         if let Some(j) = self.arenas.user(key) {
             let u = &mut self.arenas.users[j];
             u.last_use = self.arenas.tick;
@@ -751,7 +796,7 @@ impl Slot {
         dissolve: bool,
         may_block: bool,
     ) -> usize {
-        if let Err(e) = Self::flush_outbox(outbox, ptds, env) {
+        if let Err(e) = Self::flush_outbox(outbox, ptds, inner, env) {
             env.defer(e);
         }
         let mut bytes = 0;
@@ -900,9 +945,27 @@ impl Slot {
                 // This free was accepted; the batch it joined is lost, never reused.
                 env.defer(e);
             }
-        } else if let Err(e) = crate::outbox::send_now(&env, owner, fr, stream) {
-            sb.unfree(g); // nothing changed
-            return Err(e);
+        } else {
+            // A user stream: the free waits in that stream's batch (`outbox.rs`, "Frees on
+            // user streams"). Its identity is asked now, inside this call on it, and a stream
+            // being captured is refused before the free is taken.
+            let key =
+                match env.dev.stream_key(stream).and_then(|k| env.dev.refuse_capturing(stream).map(|()| k)) {
+                    Ok(k) => k,
+                    Err(e) => {
+                        sb.unfree(g); // nothing changed
+                        return Err(e);
+                    }
+                };
+            let (cfg, outbox) = (&inner.cfg, &mut self.outbox);
+            let (evicted, sent) =
+                outbox.push_user(&env, key, owner, fr, stream, cfg.batch_blocks, cfg.batch_bytes);
+            if let Some(p) = evicted {
+                inner.park_frees(&env, p);
+            }
+            if let Err(e) = sent {
+                env.defer(e); // this free was accepted; the batch it joined is lost, never reused
+            }
         }
         let c = &*self.counters;
         c.bump(if mine.is_some() { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);
@@ -913,7 +976,7 @@ impl Slot {
     /// Sends remote frees and gives the arenas back (what thread exit does).
     fn release_arena(&mut self, inner: &Inner) -> Result<()> {
         let env = inner.env(&self.counters);
-        let flushed = Self::flush_outbox(&mut self.outbox, &mut self.ptds, &env);
+        let flushed = Self::flush_outbox(&mut self.outbox, &mut self.ptds, inner, &env);
         for (i, slot) in self.arenas.fixed.iter_mut().enumerate() {
             // A fence just recorded on an arena's stream also covers its blocks (every local
             // free came before it): exit reuses it.
@@ -1262,11 +1325,14 @@ impl Allocator {
     }
 
     /// Sends this thread's gathered remote frees and takes back frees sent to it (and to
-    /// arenas parked without an owner: see "Arenas of user streams that may be gone").
+    /// arenas parked without an owner: see "Arenas of user streams that may be gone"). Remote
+    /// frees this thread made on user streams cannot be fenced outside a call on their stream:
+    /// they are parked, and reach their owners after the next device synchronise (more than
+    /// 64 MiB parked, out of memory, `trim(true)`). Never blocks.
     pub fn flush(&self) -> Result<()> {
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
-            Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, &env)?;
+            Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, inner, &env)?;
             for a in slot.arenas.iter_mut() {
                 a.with(|a| a.tidy(&env));
             }
@@ -1412,7 +1478,14 @@ impl Allocator {
     pub fn parked_bytes(&self) -> usize {
         let mut z = lock(&self.inner.zombies);
         z.recount();
-        z.bytes
+        z.bytes - z.frees.bytes()
+    }
+
+    /// Bytes of the blocks of parked remote frees made on user streams, waiting for the same
+    /// synchronise (see `outbox.rs`). For tests.
+    #[doc(hidden)]
+    pub fn parked_free_bytes(&self) -> usize {
+        lock(&self.inner.zombies).frees.bytes()
     }
 
     /// Bytes the pool has handed out (blocks and lent superblocks). For tests.

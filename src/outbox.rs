@@ -16,15 +16,41 @@
 //! accepted each already (`GlobalPool::begin_free`), and the flush frees them under the
 //! batch's fence (`GlobalPool::finish_frees`).
 //!
-//! A free on a user stream is sent at once ([`send_now`]) with its own fence: the caller may
-//! destroy the stream right after the free, and a later flush could not record on it.
+//! ## Frees on user streams
+//! A user stream may be destroyed right after any call on it, and CUDA gives its handle to the
+//! next new stream, so an event can be recorded on it only inside a call on it, after its
+//! identity has been asked (`cuStreamGetId`). Remote frees on a user stream therefore gather in
+//! a batch per stream identity ([`UserBatch`], at most [`MAX_USER_BATCHES`] streams per thread)
+//! and are sent under **one** event recorded inside a later call on that same stream: the free
+//! that fills the batch (`batch_blocks` blocks or `batch_bytes` bytes), or the thread's
+//! [`STALE_ALLOCS`]-th allocation on that stream since the batch began. Every free in the batch
+//! was made on that stream before the event, so the event follows all their earlier uses (the
+//! free's contract). A free on a stream being captured into a graph is refused before it joins
+//! a batch (one `cuStreamIsCapturing`), so a batch never holds a free whose uses a graph still
+//! to be launched may make.
+//!
+//! A batch that cannot wait for a call on its stream (thread exit, `flush`, a reclaim, or a
+//! fifth stream's free evicting the batch least recently added to) is *parked*
+//! ([`ParkedFrees`], `allocator.rs`): handed, with no event, to the allocator's parked list,
+//! where it waits for the one device synchronise that gives parked memory back (over 64 MiB
+//! parked, out of memory, `trim(true)`, the allocator's drop). A synchronise names no stream,
+//! and every use of these blocks was queued before it.
+//!
+//! **Bound:** besides the batch above, a thread holds at most `MAX_USER_BATCHES` user-stream
+//! batches unsent, each under `batch_blocks` blocks or `batch_bytes` bytes plus one block.
 
 use crate::env::Env;
 use crate::error::Result;
 use crate::fence::{Fence, FenceSet};
 use crate::shell::{ArenaShell, Batch, Freed};
+use crate::size_class::block_bytes;
 use crate::stream::{Stream, StreamKey};
 use std::sync::Arc;
+
+/// Streams per thread whose remote frees may wait in a batch (see "Frees on user streams").
+pub(crate) const MAX_USER_BATCHES: usize = 4;
+/// Allocations on its stream after which a partly filled user-stream batch is sent.
+pub(crate) const STALE_ALLOCS: u32 = 256;
 
 /// Pending remote frees of one thread.
 #[derive(Default)]
@@ -33,6 +59,70 @@ pub(crate) struct Outbox {
     dests: Vec<(*const ArenaShell, Vec<Freed>)>,
     count: usize,
     bytes: usize,
+    /// Batches of frees on user streams, one per stream identity (at most
+    /// [`MAX_USER_BATCHES`]); none is empty.
+    users: Vec<UserBatch>,
+    /// Counts pushes to `users`, to find the batch least recently added to.
+    user_pushes: u64,
+}
+
+/// Remote frees made on one user stream, waiting for a call on it to fence them.
+struct UserBatch {
+    key: StreamKey,
+    frees: ParkedFrees,
+    count: usize,
+    /// The thread's allocations on this stream since the batch began.
+    allocs: u32,
+    /// `user_pushes` at the last push.
+    last: u64,
+}
+
+/// Remote frees sent with no event, per destination arena (null: none; see `deliver`): a
+/// user-stream batch that had to leave the outbox outside a call on its stream. Safe to
+/// deliver only after a device synchronise that follows every free in it.
+#[derive(Default)]
+pub(crate) struct ParkedFrees {
+    dests: Vec<(*const ArenaShell, Vec<Freed>)>,
+    bytes: usize,
+}
+
+// SAFETY: the shell pointers name shells that live as long as the allocator (`Shells::all`),
+// and they are only read through `deliver`, by whichever thread holds the parked list's lock.
+unsafe impl Send for ParkedFrees {}
+
+impl ParkedFrees {
+    /// Adds `fr`, a block of `bytes` bytes (its size rounded as the allocator rounds it).
+    fn push(&mut self, dest: *const ArenaShell, fr: Freed, bytes: usize) {
+        match self.dests.iter_mut().find(|(d, _)| *d == dest) {
+            Some((_, v)) => v.push(fr),
+            None => self.dests.push((dest, vec![fr])),
+        }
+        self.bytes += bytes;
+    }
+
+    /// Bytes of the blocks held (sizes rounded as the allocator rounds them).
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Moves `other`'s frees into these.
+    pub(crate) fn append(&mut self, other: ParkedFrees) {
+        for (dest, blocks) in other.dests {
+            match self.dests.iter_mut().find(|(d, _)| *d == dest) {
+                Some((_, v)) => v.extend(blocks),
+                None => self.dests.push((dest, blocks)),
+            }
+        }
+        self.bytes += other.bytes;
+    }
+
+    /// Sends every free under `fence` (`None` only after a device synchronise that followed
+    /// them all).
+    pub(crate) fn deliver(self, env: &Env<'_>, fence: Option<Arc<Fence>>) {
+        for (dest, blocks) in self.dests {
+            deliver(env, dest, Batch { fence: fence.clone(), blocks });
+        }
+    }
 }
 
 impl Outbox {
@@ -76,9 +166,84 @@ impl Outbox {
         self.count >= blocks || self.bytes >= bytes
     }
 
-    /// True if nothing waits.
+    /// True if nothing waits in the batch of the per-thread and legacy streams (user-stream
+    /// batches aside).
     pub(crate) fn is_empty(&self) -> bool {
         self.count == 0
+    }
+
+    /// Adds a free of a block owned by `dest`, made on the user stream `stream` whose identity
+    /// the caller asked in this call (`key`); sends the stream's batch under one event if that
+    /// fills it (`blocks` blocks or `bytes` bytes). Returns the batch a new stream's free
+    /// evicted, to be parked. An error of the send is returned after the free was taken: its
+    /// batch is lost, never reused (as [`Outbox::flush`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn push_user(
+        &mut self,
+        env: &Env<'_>,
+        key: StreamKey,
+        dest: *const ArenaShell,
+        fr: Freed,
+        stream: Stream,
+        blocks: usize,
+        bytes: usize,
+    ) -> (Option<ParkedFrees>, Result<()>) {
+        self.user_pushes += 1;
+        let mut evicted = None;
+        let i = match self.users.iter().position(|b| b.key == key) {
+            Some(i) => i,
+            None => {
+                if self.users.len() >= MAX_USER_BATCHES {
+                    let old = (0..self.users.len()).min_by_key(|&i| self.users[i].last).expect("full");
+                    evicted = Some(self.users.swap_remove(old).frees);
+                }
+                let b = UserBatch { key, frees: ParkedFrees::default(), count: 0, allocs: 0, last: 0 };
+                self.users.push(b);
+                self.users.len() - 1
+            }
+        };
+        let b = &mut self.users[i];
+        b.frees.push(dest, fr, block_bytes(fr.size, env.small_max).unwrap_or(fr.size));
+        b.count += 1;
+        b.last = self.user_pushes;
+        let full = b.count >= blocks || b.frees.bytes >= bytes;
+        (evicted, if full { self.send_user(env, i, stream) } else { Ok(()) })
+    }
+
+    /// An allocation on the user stream `stream` (identity `key`, asked in this call): sends
+    /// that stream's batch once it has waited [`STALE_ALLOCS`] of them.
+    #[inline]
+    pub(crate) fn tick_user(&mut self, env: &Env<'_>, key: StreamKey, stream: Stream) -> Result<()> {
+        if self.users.is_empty() {
+            return Ok(());
+        }
+        match self.users.iter().position(|b| b.key == key) {
+            Some(i) => {
+                self.users[i].allocs += 1;
+                if self.users[i].allocs >= STALE_ALLOCS { self.send_user(env, i, stream) } else { Ok(()) }
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Sends `users[i]` under one event recorded on `stream`, which the caller is inside a
+    /// call on and whose identity is the batch's. If no event can be recorded, the batch is
+    /// lost (never reused: its blocks' freed flags stay taken) and the error returned.
+    fn send_user(&mut self, env: &Env<'_>, i: usize, stream: Stream) -> Result<()> {
+        let b = self.users.swap_remove(i);
+        let fence = env.fence(stream, b.key)?;
+        b.frees.deliver(env, fence);
+        Ok(())
+    }
+
+    /// Takes every user-stream batch, to be parked: outside a call on their streams none can
+    /// be fenced.
+    pub(crate) fn take_user_batches(&mut self) -> Option<ParkedFrees> {
+        let mut all = ParkedFrees::default();
+        for b in self.users.drain(..) {
+            all.append(b.frees);
+        }
+        (!all.dests.is_empty()).then_some(all)
     }
 
     /// Sends every gathered free under one fence, and returns that fence with its stream.
@@ -121,14 +286,6 @@ impl Outbox {
         }
         Ok(Some((stream, fence)))
     }
-}
-
-/// Sends one free made on a user stream, fenced now. On error nothing has changed.
-pub(crate) fn send_now(env: &Env<'_>, dest: *const ArenaShell, fr: Freed, stream: Stream) -> Result<()> {
-    let key = env.dev.stream_key(stream)?;
-    let fence = env.fence(stream, key)?;
-    deliver(env, dest, Batch { fence, blocks: vec![fr] });
-    Ok(())
 }
 
 /// Pushes `batch` into `dest`'s inbox, or into the pool if its owner has exited.

@@ -40,6 +40,8 @@ owner_free_unmarked      allocator  a_remote_free_after_the_owners_local_free_is
 carve_ignores_transit    allocator  a_bad_free_on_its_way_is_never_taken_as_a_free_of_a_later_block
 zombie_no_sync           user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
 zombie_never_parked      user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
+zombie_no_sync           user_streams a_parked_user_stream_free_is_reused_only_after_a_synchronise
+parked_frees_unfenced    user_streams a_parked_user_stream_free_is_reused_only_after_a_synchronise
 stats_peak_no_barrier    stats      a_peak_reset_racing_a_threads_allocations_keeps_the_upper_bound
 stats_reset_stores_counters stats   a_counter_reset_racing_a_threads_bumps_is_not_lost
 stats_exact_free_local_first stats an_exact_peak_reset_racing_a_free_stays_within_the_upper_bound

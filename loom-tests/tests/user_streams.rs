@@ -76,3 +76,52 @@ fn a_destroyed_streams_arena_is_reused_only_after_a_synchronise() {
         assert_eq!(a.stats().live_bytes, 0);
     });
 }
+
+/// Model of a remote free on a user stream whose batch cannot wait for a call on its stream
+/// (`outbox.rs`, "Frees on user streams"): the freeing thread destroys the stream and exits,
+/// its batch is parked, and the owner gets the block back only after a device synchronise,
+/// while a blocking trim races to give the parked memory back.
+#[test]
+fn a_parked_user_stream_free_is_reused_only_after_a_synchronise() {
+    model(|| {
+        let (dev, a) = setup_one_superblock();
+        let s = Stream::from_raw(0x100);
+        // The owner's superblock: two halves, both handed out.
+        let p = a.allocate_per_thread(SB / 2).unwrap();
+        let q = a.allocate_per_thread(SB / 2).unwrap();
+        {
+            let (a, dev) = (a.clone(), dev.clone());
+            thread::spawn(move || {
+                a.deallocate(p, SB / 2, s).unwrap(); // remote, on a user stream: batched
+                dev.destroy_stream(s);
+                a.release_thread().unwrap(); // the batch cannot be fenced: parked
+            })
+            .join()
+            .unwrap();
+        }
+        assert_eq!(a.parked_free_bytes(), SB / 2, "the user-stream batch is parked");
+        let a3 = a.clone();
+        let trim = thread::spawn(move || {
+            a3.trim(true).unwrap();
+            a3.release_thread().unwrap();
+        });
+        // The owner needs `p`'s half again: it gets it only once the parked free has arrived,
+        // which must follow a synchronise (its own out-of-memory reclaim's, or the trim's).
+        match a.allocate_per_thread(SB / 2) {
+            Ok(r) => {
+                assert!(dev.syncs() > 0 || dev.caught_up(), "a parked free reused unsynchronised");
+                a.deallocate_per_thread(r, SB / 2).unwrap();
+            }
+            // Out of memory only while the trim holds the parked frees on their way.
+            Err(e) => assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}"),
+        }
+        trim.join().unwrap();
+        a.deallocate_per_thread(q, SB / 2).unwrap();
+        a.release_thread().unwrap();
+        a.trim(true).unwrap();
+        a.check_invariants();
+        assert_eq!((a.parked_bytes(), a.parked_free_bytes()), (0, 0));
+        assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
+        assert_eq!(a.stats().live_bytes, 0);
+    });
+}

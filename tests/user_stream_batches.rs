@@ -1,0 +1,214 @@
+//! Remote frees on user streams go in batches, one event per batch recorded inside a later
+//! call on the same stream (`outbox.rs`, "Frees on user streams"): the owner never reuses a
+//! block before its batch's event (the host device's race checker would see it; with fencing
+//! off it does), a partial batch is sent after enough allocations on its stream, a batch whose
+//! stream is gone is parked and comes back after a device synchronise, a fifth stream's free
+//! parks the least recently used batch, and a free on a stream being captured is refused.
+
+use std::time::Duration;
+
+use cuarena::{Allocator, Device, DeviceAddr, Error, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+
+mod common;
+use common::*;
+
+const SIZE: usize = 8 << 10;
+
+fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
+    host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
+}
+
+/// The owner allocates `n` blocks on its per-thread stream and tags them there; returns them
+/// with an event after the tags, which the user orders its stream after (the blocks are ready
+/// on the owner's stream).
+fn owned_blocks(owner: &Worker, sim: &HostDevice, n: usize, tag: u32) -> (Vec<DeviceAddr>, cuarena::Event) {
+    let sim = sim.clone();
+    owner.run(move |a| {
+        let v: Vec<DeviceAddr> = (0..n)
+            .map(|_| {
+                let p = a.allocate(SIZE, Stream::PER_THREAD).unwrap();
+                sim.write_tag(p.0, SIZE, tag, Stream::PER_THREAD).unwrap();
+                p
+            })
+            .collect();
+        let e = sim.create_event().unwrap();
+        sim.record_event(e, Stream::PER_THREAD).unwrap();
+        (v, e)
+    })
+}
+
+/// The owner takes back what was freed to it and reuses it: allocates `n` blocks and
+/// overwrites them on its per-thread stream (a reuse before a block's fence is a race the
+/// checker reports).
+fn owner_reuses(owner: &Worker, sim: &HostDevice, n: usize) {
+    let sim = sim.clone();
+    owner.run(move |a| {
+        a.flush().unwrap();
+        let v: Vec<DeviceAddr> = (0..n).map(|_| a.allocate(SIZE, Stream::PER_THREAD).unwrap()).collect();
+        for p in &v {
+            sim.write_tag(p.0, SIZE, 0xdead, Stream::PER_THREAD).unwrap();
+        }
+        for p in v {
+            a.deallocate(p, SIZE, Stream::PER_THREAD).unwrap();
+        }
+    });
+}
+
+/// 640 blocks of one thread used (held 2 ms each) and freed by another on its own stream:
+/// returns the events that thread recorded and the race checker's findings after the owner
+/// reused them.
+fn handoff(skip_fences: bool) -> (u64, Vec<String>) {
+    let sim = host(0);
+    let cfg = if skip_fences { small().skip_fences_for_testing() } else { small() };
+    let a = alloc_with(&sim, cfg);
+    let owner = Worker::new(&a);
+    let (blocks, ready) = owned_blocks(&owner, &sim, 640, 7);
+    let u = sim.create_stream();
+    sim.stream_wait_event(u, ready).unwrap();
+    let before = a.stats().fences_recorded;
+    for p in &blocks {
+        sim.hold_and_check(p.0, SIZE, 7, Duration::from_micros(2000), u).unwrap();
+        a.deallocate(*p, SIZE, u).unwrap();
+    }
+    let events = a.stats().fences_recorded - before;
+    owner_reuses(&owner, &sim, 640);
+    drop(owner);
+    sim.synchronize();
+    let v = sim.violations();
+    if !skip_fences {
+        sim.destroy_stream(u).unwrap();
+        assert_all_returned(&a, Some(&sim), 0);
+    }
+    (events, v)
+}
+
+#[test]
+fn remote_frees_on_a_user_stream_go_in_batches_of_one_event_and_are_fenced() {
+    let (events, v) = handoff(false);
+    // 640 frees, batches of 64: ten events (one per remote free before batching).
+    assert!(events <= 11, "{events} events for 640 remote frees");
+    assert!(v.is_empty(), "{v:?}");
+}
+
+#[test]
+fn without_fences_the_checker_catches_reuse_of_user_stream_frees() {
+    let (_, v) = handoff(true);
+    assert!(!v.is_empty(), "unfenced reuse went unnoticed");
+}
+
+#[test]
+fn a_partial_batch_is_sent_after_enough_allocations_on_its_stream() {
+    let sim = host(0);
+    let a = alloc_with(&sim, small());
+    let owner = Worker::new(&a);
+    let (blocks, ready) = owned_blocks(&owner, &sim, 3, 1);
+    let u = sim.create_stream();
+    sim.stream_wait_event(u, ready).unwrap();
+    for p in &blocks {
+        a.deallocate(*p, SIZE, u).unwrap();
+    }
+    let events = |a: &Allocator| a.stats().fences_recorded;
+    let before = events(&a);
+    let mut mine = Vec::new();
+    for i in 1..=256 {
+        mine.push(a.allocate(512, u).unwrap());
+        // The 256th allocation on the stream sends the three frees under one event.
+        assert_eq!(events(&a) - before, u64::from(i == 256), "after {i} allocations");
+    }
+    for p in mine {
+        a.deallocate(p, 512, u).unwrap();
+    }
+    owner_reuses(&owner, &sim, 64);
+    drop(owner);
+    sim.synchronize();
+    sim.destroy_stream(u).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+#[test]
+fn a_batch_whose_stream_is_gone_is_parked_and_comes_back_after_a_synchronise() {
+    let sim = host(0);
+    let a = alloc_with(&sim, small());
+    let owner = Worker::new(&a);
+    let (blocks, ready) = owned_blocks(&owner, &sim, 5, 2);
+    let user = Worker::new(&a);
+    let sim2 = sim.clone();
+    user.run(move |a| {
+        let u = sim2.create_stream();
+        sim2.stream_wait_event(u, ready).unwrap();
+        for p in &blocks {
+            sim2.hold_and_check(p.0, SIZE, 2, Duration::from_millis(20), u).unwrap();
+            a.deallocate(*p, SIZE, u).unwrap();
+        }
+        sim2.destroy_stream(u).unwrap();
+        // A new stream, likely with the same handle: the batch is not its own.
+        let v = sim2.create_stream();
+        for _ in 0..300 {
+            let p = a.allocate(512, v).unwrap();
+            a.deallocate(p, 512, v).unwrap();
+        }
+        sim2.destroy_stream(v).unwrap();
+    });
+    assert_eq!(a.parked_free_bytes(), 0, "the batch waits in the user's outbox");
+    user.exit(); // its outbox's batch is parked: no call on its stream can fence it
+    assert_eq!(a.parked_free_bytes(), 5 * SIZE);
+    // The owner's superblock holds the five blocks until the parked frees arrive, which is
+    // after a synchronise: then, taken in, it is empty and goes back.
+    owner.run(|a| a.flush().unwrap());
+    a.trim(false).unwrap();
+    assert!(a.stats().arena_held_bytes > 0, "the owner's blocks came back unfenced");
+    a.trim(true).unwrap();
+    assert_eq!(a.parked_free_bytes(), 0);
+    owner.run(|a| a.flush().unwrap());
+    a.trim(false).unwrap();
+    assert_eq!(a.stats().arena_held_bytes, 0, "the parked frees arrived after the synchronise");
+    owner_reuses(&owner, &sim, 64);
+    drop(owner);
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+#[test]
+fn a_fifth_streams_free_parks_the_least_recently_used_batch() {
+    let sim = host(0);
+    let a = alloc_with(&sim, small());
+    let owner = Worker::new(&a);
+    let (blocks, ready) = owned_blocks(&owner, &sim, 5, 3);
+    let streams: Vec<Stream> = (0..5).map(|_| sim.create_stream()).collect();
+    for (p, &s) in blocks.iter().zip(&streams) {
+        sim.stream_wait_event(s, ready).unwrap();
+        a.deallocate(*p, SIZE, s).unwrap();
+    }
+    // Four batches wait; the fifth stream's free parked the first one's.
+    assert_eq!(a.parked_free_bytes(), SIZE);
+    a.trim(true).unwrap();
+    assert_eq!(a.parked_free_bytes(), 0);
+    for s in streams {
+        sim.destroy_stream(s).unwrap();
+    }
+    owner_reuses(&owner, &sim, 64);
+    drop(owner);
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+#[test]
+fn a_remote_free_on_a_capturing_user_stream_is_refused_and_changes_nothing() {
+    let sim = host(0);
+    let a = alloc_with(&sim, small());
+    let owner = Worker::new(&a);
+    let (blocks, ready) = owned_blocks(&owner, &sim, 1, 4);
+    let u = sim.create_stream();
+    sim.stream_wait_event(u, ready).unwrap();
+    sim.begin_capture(u).unwrap();
+    let r = a.deallocate(blocks[0], SIZE, u);
+    assert!(matches!(r, Err(Error::StreamCapturing { .. })), "{r:?}");
+    sim.end_capture(u).unwrap();
+    // Nothing changed: the block is still live, and its free is accepted now.
+    assert_eq!(a.stats().deallocations, 0);
+    a.deallocate(blocks[0], SIZE, u).unwrap();
+    a.flush().unwrap();
+    sim.synchronize();
+    sim.destroy_stream(u).unwrap();
+    drop(owner);
+    assert_all_returned(&a, Some(&sim), 0);
+}
