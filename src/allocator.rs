@@ -44,7 +44,7 @@ use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::Fence;
 use crate::global_pool::{GlobalPool, Origin};
-use crate::outbox::{Outbox, ParkedFrees};
+use crate::outbox::{Outbox, ParkedFrees, UserSend};
 use crate::shell::{ArenaShell, Freed};
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
 use crate::stats::{AllocPath, CounterRegistry, Counters, Stats};
@@ -113,10 +113,14 @@ struct Shells {
 ///
 /// Remote frees made on user streams that had to leave a thread's outbox outside a call on
 /// their stream (`outbox.rs`, "Frees on user streams") are parked here too, unfenced, and
-/// delivered after the same synchronise.
+/// delivered after the same synchronise. Parking them never synchronises (it happens inside
+/// frees, `flush` and thread exits), so they have no bound of their own: each park adds at most
+/// one thread's user-stream batches (under `batch_blocks` blocks and `batch_bytes` bytes plus
+/// one block), and out of memory, `trim(true)`, a parked arena past `ZOMBIE_BYTES` or the
+/// allocator's drop gives them all back.
 ///
-/// **Bound:** memory parked here is at most `ZOMBIE_BYTES` plus one arena's superblocks or
-/// one thread's user-stream batches.
+/// **Bound:** parked arenas hold at most `ZOMBIE_BYTES` (parked frees counted in) plus one
+/// arena's superblocks.
 /// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas when they were last
 /// counted ([`Zombies::recount`], at every park), plus the bytes of the parked frees: a
 /// reclaimer on out-of-memory may take superblocks from a parked arena meanwhile, so between
@@ -405,9 +409,23 @@ impl Inner {
     }
 
     /// Parks remote frees of user-stream batches that must leave a thread's outbox outside a
-    /// call on their streams (see [`Zombies`]).
-    fn park_frees(&self, env: &Env<'_>, frees: ParkedFrees) {
-        self.park(env, |z| z.frees.append(frees));
+    /// call on their streams (see [`Zombies`]). Never synchronises (it runs inside frees,
+    /// `flush` and exits): they wait for the next synchronise that happens anyway.
+    fn park_frees(&self, frees: ParkedFrees) {
+        let mut z = lock(&self.zombies);
+        z.frees.append(frees);
+        z.recount();
+    }
+
+    /// Parks what a user-stream batch operation left, and keeps its error.
+    #[inline]
+    fn settle(&self, env: &Env<'_>, sent: UserSend) {
+        if let Some(p) = sent.park {
+            self.park_frees(p);
+        }
+        if let Some(e) = sent.err {
+            env.defer(e);
+        }
     }
 
     /// Adds to the parked memory with `add`; past [`ZOMBIE_BYTES`], gives it all back.
@@ -582,7 +600,7 @@ impl Slot {
             #[cfg(cuarena_mutant = "parked_frees_unfenced")]
             p.deliver(env, None);
             #[cfg(not(cuarena_mutant = "parked_frees_unfenced"))]
-            inner.park_frees(env, p);
+            inner.park_frees(p);
         }
         if outbox.is_empty() {
             return Ok(None);
@@ -644,9 +662,9 @@ impl Slot {
         large: bool,
     ) -> Result<u64> {
         self.arenas.tick = self.arenas.tick.wrapping_add(1);
-        if let Err(e) = self.outbox.tick_user(&inner.env(&self.counters), key, stream) {
-            inner.env(&self.counters).defer(e); // that batch is lost, never reused
-        }
+        let env = inner.env(&self.counters);
+        let sent = self.outbox.tick_user(&env, key, stream);
+        inner.settle(&env, sent);
         if let Some(j) = self.arenas.user(key) {
             let u = &mut self.arenas.users[j];
             u.last_use = self.arenas.tick;
@@ -958,14 +976,8 @@ impl Slot {
                     }
                 };
             let (cfg, outbox) = (&inner.cfg, &mut self.outbox);
-            let (evicted, sent) =
-                outbox.push_user(&env, key, owner, fr, stream, cfg.batch_blocks, cfg.batch_bytes);
-            if let Some(p) = evicted {
-                inner.park_frees(&env, p);
-            }
-            if let Err(e) = sent {
-                env.defer(e); // this free was accepted; the batch it joined is lost, never reused
-            }
+            let sent = outbox.push_user(&env, key, owner, fr, stream, cfg.batch_blocks, cfg.batch_bytes);
+            inner.settle(&env, sent);
         }
         let c = &*self.counters;
         c.bump(if mine.is_some() { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);

@@ -22,25 +22,32 @@
 //! identity has been asked (`cuStreamGetId`). Remote frees on a user stream therefore gather in
 //! a batch per stream identity ([`UserBatch`], at most [`MAX_USER_BATCHES`] streams per thread)
 //! and are sent under **one** event recorded inside a later call on that same stream: the free
-//! that fills the batch (`batch_blocks` blocks or `batch_bytes` bytes), or the thread's
-//! [`STALE_ALLOCS`]-th allocation on that stream since the batch began. Every free in the batch
+//! after which the thread's user-stream batches together hold `batch_blocks` blocks or
+//! `batch_bytes` bytes (its stream's batch is sent), or the thread's [`STALE_ALLOCS`]-th
+//! allocation on that stream since the batch began. Every free in the batch
 //! was made on that stream before the event, so the event follows all their earlier uses (the
 //! free's contract). A free on a stream being captured into a graph is refused before it joins
 //! a batch (one `cuStreamIsCapturing`), so a batch never holds a free whose uses a graph still
 //! to be launched may make.
 //!
-//! A batch that cannot wait for a call on its stream (thread exit, `flush`, a reclaim, or a
-//! fifth stream's free evicting the batch least recently added to) is *parked*
+//! A batch that cannot wait for a call on its stream (thread exit, `flush`, a reclaim, a
+//! fifth stream's free evicting the batch least recently added to, or an event that cannot be
+//! recorded, as on a stream being captured when an allocation finds the batch due) is *parked*
 //! ([`ParkedFrees`], `allocator.rs`): handed, with no event, to the allocator's parked list,
-//! where it waits for the one device synchronise that gives parked memory back (over 64 MiB
-//! parked, out of memory, `trim(true)`, the allocator's drop). A synchronise names no stream,
-//! and every use of these blocks was queued before it.
+//! where it waits for the next device synchronise that gives parked memory back (a parked
+//! arena past 64 MiB, out of memory, `trim(true)`, the allocator's drop). A synchronise names
+//! no stream, and every use of these blocks was queued before it.
 //!
-//! **Bound:** besides the batch above, a thread holds at most `MAX_USER_BATCHES` user-stream
-//! batches unsent, each under `batch_blocks` blocks or `batch_bytes` bytes plus one block.
+//! Parking never synchronises: the memory waits for the next synchronise that happens anyway.
+//!
+//! **Bound:** besides the batch above, a thread holds unsent, over all its user streams, fewer
+//! than `batch_blocks` blocks and `batch_bytes` bytes plus one block; no reclaim by another
+//! thread reaches them (as with the batch above). A bad free (wrong size, interior pointer)
+//! waiting in a batch holds the block's freed flag as long, so the owner's correct free of
+//! that block is refused as a double free meanwhile (the limit stated in the README).
 
 use crate::env::Env;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fence::{Fence, FenceSet};
 use crate::shell::{ArenaShell, Batch, Freed};
 use crate::size_class::block_bytes;
@@ -75,6 +82,22 @@ struct UserBatch {
     allocs: u32,
     /// `user_pushes` at the last push.
     last: u64,
+}
+
+/// What a user-stream batch operation leaves its caller: frees to park, an error to keep.
+#[derive(Default)]
+pub(crate) struct UserSend {
+    pub(crate) park: Option<ParkedFrees>,
+    pub(crate) err: Option<Error>,
+}
+
+impl UserSend {
+    fn park(&mut self, frees: ParkedFrees) {
+        match &mut self.park {
+            Some(p) => p.append(frees),
+            None => self.park = Some(frees),
+        }
+    }
 }
 
 /// Remote frees sent with no event, per destination arena (null: none; see `deliver`): a
@@ -173,10 +196,9 @@ impl Outbox {
     }
 
     /// Adds a free of a block owned by `dest`, made on the user stream `stream` whose identity
-    /// the caller asked in this call (`key`); sends the stream's batch under one event if that
-    /// fills it (`blocks` blocks or `bytes` bytes). Returns the batch a new stream's free
-    /// evicted, to be parked. An error of the send is returned after the free was taken: its
-    /// batch is lost, never reused (as [`Outbox::flush`]).
+    /// the caller asked in this call (`key`). Once the thread's user-stream batches together
+    /// hold `blocks` blocks or `bytes` bytes, sends this stream's batch under one event. A new
+    /// stream's free past [`MAX_USER_BATCHES`] evicts the batch least recently added to.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn push_user(
         &mut self,
@@ -187,15 +209,15 @@ impl Outbox {
         stream: Stream,
         blocks: usize,
         bytes: usize,
-    ) -> (Option<ParkedFrees>, Result<()>) {
+    ) -> UserSend {
         self.user_pushes += 1;
-        let mut evicted = None;
+        let mut out = UserSend::default();
         let i = match self.users.iter().position(|b| b.key == key) {
             Some(i) => i,
             None => {
                 if self.users.len() >= MAX_USER_BATCHES {
                     let old = (0..self.users.len()).min_by_key(|&i| self.users[i].last).expect("full");
-                    evicted = Some(self.users.swap_remove(old).frees);
+                    out.park(self.users.swap_remove(old).frees);
                 }
                 let b = UserBatch { key, frees: ParkedFrees::default(), count: 0, allocs: 0, last: 0 };
                 self.users.push(b);
@@ -206,34 +228,46 @@ impl Outbox {
         b.frees.push(dest, fr, block_bytes(fr.size, env.small_max).unwrap_or(fr.size));
         b.count += 1;
         b.last = self.user_pushes;
-        let full = b.count >= blocks || b.frees.bytes >= bytes;
-        (evicted, if full { self.send_user(env, i, stream) } else { Ok(()) })
+        let (n, total) = self.users.iter().fold((0, 0), |(n, t), b| (n + b.count, t + b.frees.bytes));
+        if n >= blocks || total >= bytes {
+            self.send_user(env, i, stream, &mut out);
+        }
+        out
     }
 
     /// An allocation on the user stream `stream` (identity `key`, asked in this call): sends
     /// that stream's batch once it has waited [`STALE_ALLOCS`] of them.
     #[inline]
-    pub(crate) fn tick_user(&mut self, env: &Env<'_>, key: StreamKey, stream: Stream) -> Result<()> {
+    pub(crate) fn tick_user(&mut self, env: &Env<'_>, key: StreamKey, stream: Stream) -> UserSend {
+        let mut out = UserSend::default();
         if self.users.is_empty() {
-            return Ok(());
+            return out;
         }
-        match self.users.iter().position(|b| b.key == key) {
-            Some(i) => {
-                self.users[i].allocs += 1;
-                if self.users[i].allocs >= STALE_ALLOCS { self.send_user(env, i, stream) } else { Ok(()) }
+        if let Some(i) = self.users.iter().position(|b| b.key == key) {
+            self.users[i].allocs += 1;
+            if self.users[i].allocs >= STALE_ALLOCS {
+                self.send_user(env, i, stream, &mut out);
             }
-            None => Ok(()),
         }
+        out
     }
 
     /// Sends `users[i]` under one event recorded on `stream`, which the caller is inside a
-    /// call on and whose identity is the batch's. If no event can be recorded, the batch is
-    /// lost (never reused: its blocks' freed flags stay taken) and the error returned.
-    fn send_user(&mut self, env: &Env<'_>, i: usize, stream: Stream) -> Result<()> {
+    /// call on and whose identity is the batch's. If no event can be recorded, the batch goes
+    /// to `out` to be parked (its frees were made while the stream was not being captured, so
+    /// a device synchronise follows every use of their blocks), with the error unless it is
+    /// only that the stream is being captured now.
+    fn send_user(&mut self, env: &Env<'_>, i: usize, stream: Stream, out: &mut UserSend) {
         let b = self.users.swap_remove(i);
-        let fence = env.fence(stream, b.key)?;
-        b.frees.deliver(env, fence);
-        Ok(())
+        match env.fence(stream, b.key) {
+            Ok(fence) => b.frees.deliver(env, fence),
+            Err(e) => {
+                out.park(b.frees);
+                if !matches!(e, Error::StreamCapturing { .. }) {
+                    out.err = Some(e);
+                }
+            }
+        }
     }
 
     /// Takes every user-stream batch, to be parked: outside a call on their streams none can

@@ -13,13 +13,18 @@ use std::sync::Arc;
 /// One superblock of room in all, so a second thread can only get memory the parked arena
 /// gives back; no superblock goes back by the return rule (`keep_empty` 8).
 fn setup_one_superblock() -> (Arc<ModelDevice>, Allocator) {
+    setup_one_superblock_batched(1)
+}
+
+/// [`setup_one_superblock`] with remote frees in batches of `batch` blocks.
+fn setup_one_superblock_batched(batch: usize) -> (Arc<ModelDevice>, Allocator) {
     let dev = Arc::new(ModelDevice::new(SB as u64, SB as u64));
     let cfg = Config::builder()
         .superblock(SB)
         .small_max(SB / 2)
         .chunk(SB)
         .max_bytes(SB)
-        .batch_blocks(1)
+        .batch_blocks(batch)
         .keep_empty(8)
         .build()
         .expect("a valid model config");
@@ -84,7 +89,8 @@ fn a_destroyed_streams_arena_is_reused_only_after_a_synchronise() {
 #[test]
 fn a_parked_user_stream_free_is_reused_only_after_a_synchronise() {
     model(|| {
-        let (dev, a) = setup_one_superblock();
+        // Batches of two: the one free waits in its batch.
+        let (dev, a) = setup_one_superblock_batched(2);
         let s = Stream::from_raw(0x100);
         // The owner's superblock: two halves, both handed out.
         let p = a.allocate_per_thread(SB / 2).unwrap();
