@@ -127,7 +127,9 @@
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
-//! fence, **then** closes the inbox. A free that finds the inbox closed, or a superblock with
+//! fence, **then** closes the inbox. Frees waiting for their fences (pending batches, those
+//! drained at exit included) go to the pool under their own fences: the exit fence may have
+//! been recorded before some of them were made. A free that finds the inbox closed, or a superblock with
 //! no owner, goes to the pool, which by then knows the block.
 
 use std::collections::VecDeque;
@@ -1084,8 +1086,12 @@ impl Arena {
         recorded: Option<Option<Arc<Fence>>>,
     ) -> Option<Arc<ArenaShell>> {
         self.flush_cache();
+        // Frees sent here so far are taken in, and keep their own fences: `recorded` (and the
+        // synchronise behind `Some(None)`) may come before some of them, so none is completed
+        // here, not even one freed on this arena's stream (a legacy arena's batch from another
+        // thread, whose work follows `recorded` on that stream). `give_back` sends each pending
+        // block to the pool under its batch's fence.
         self.drain(env);
-        self.poll(env);
         let fence = if self.owned.is_empty() {
             None
         } else if let Some(f) = recorded {
