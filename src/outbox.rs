@@ -100,9 +100,9 @@ impl UserSend {
     }
 }
 
-/// Remote frees sent with no event, per destination arena (null: none; see `deliver`): a
-/// user-stream batch that had to leave the outbox outside a call on its stream. Safe to
-/// deliver only after a device synchronise that follows every free in it.
+/// Remote frees grouped by destination arena (its shell): a user stream's batch, or batches
+/// that had to leave the outbox outside a call on their streams, to be delivered only after a
+/// device synchronise that follows every free in them.
 #[derive(Default)]
 pub(crate) struct ParkedFrees {
     dests: Vec<(*const ArenaShell, Vec<Freed>)>,
@@ -116,10 +116,7 @@ unsafe impl Send for ParkedFrees {}
 impl ParkedFrees {
     /// Adds `fr`, a block of `bytes` bytes (its size rounded as the allocator rounds it).
     fn push(&mut self, dest: *const ArenaShell, fr: Freed, bytes: usize) {
-        match self.dests.iter_mut().find(|(d, _)| *d == dest) {
-            Some((_, v)) => v.push(fr),
-            None => self.dests.push((dest, vec![fr])),
-        }
+        group(&mut self.dests, dest).push(fr);
         self.bytes += bytes;
     }
 
@@ -131,10 +128,7 @@ impl ParkedFrees {
     /// Moves `other`'s frees into these.
     pub(crate) fn append(&mut self, other: ParkedFrees) {
         for (dest, blocks) in other.dests {
-            match self.dests.iter_mut().find(|(d, _)| *d == dest) {
-                Some((_, v)) => v.extend(blocks),
-                None => self.dests.push((dest, blocks)),
-            }
+            group(&mut self.dests, dest).extend(blocks);
         }
         self.bytes += other.bytes;
     }
@@ -170,10 +164,7 @@ impl Outbox {
             self.flush(env, ptds)?;
         }
         self.stream = Some(stream);
-        match self.dests.iter_mut().find(|(d, _)| *d == dest) {
-            Some((_, v)) => v.push(fr),
-            None => self.dests.push((dest, vec![fr])),
-        }
+        group(&mut self.dests, dest).push(fr);
         self.count += 1;
         self.bytes += fr.size;
         Ok(())
@@ -320,6 +311,18 @@ impl Outbox {
         }
         Ok(Some((stream, fence)))
     }
+}
+
+/// The frees gathered for `dest`, a new empty group if none.
+fn group(dests: &mut Vec<(*const ArenaShell, Vec<Freed>)>, dest: *const ArenaShell) -> &mut Vec<Freed> {
+    let i = match dests.iter().position(|(d, _)| *d == dest) {
+        Some(i) => i,
+        None => {
+            dests.push((dest, Vec::new()));
+            dests.len() - 1
+        }
+    };
+    &mut dests[i].1
 }
 
 /// Pushes `batch` into `dest`'s inbox, or into the pool if its owner has exited.
