@@ -405,7 +405,15 @@ impl Inner {
             }
             return;
         }
-        self.park(env, |z| z.arenas.push(owned));
+        let over = {
+            let mut z = lock(&self.zombies);
+            z.arenas.push(owned);
+            z.recount();
+            z.bytes > ZOMBIE_BYTES
+        };
+        if over && let Err(e) = self.bury_zombies(env) {
+            env.defer(e);
+        }
     }
 
     /// Parks remote frees of user-stream batches that must leave a thread's outbox outside a
@@ -424,19 +432,6 @@ impl Inner {
             self.park_frees(p);
         }
         if let Some(e) = sent.err {
-            env.defer(e);
-        }
-    }
-
-    /// Adds to the parked memory with `add`; past [`ZOMBIE_BYTES`], gives it all back.
-    fn park(&self, env: &Env<'_>, add: impl FnOnce(&mut Zombies)) {
-        let over = {
-            let mut z = lock(&self.zombies);
-            add(&mut z);
-            z.recount();
-            z.bytes > ZOMBIE_BYTES
-        };
-        if over && let Err(e) = self.bury_zombies(env) {
             env.defer(e);
         }
     }
