@@ -3,24 +3,30 @@
 //! apart) stops giving one back and borrowing it again; and the slack it learnt is let go
 //! soon after that phase ends, so memory held beyond the recent peak stays bounded.
 
-use cuarena::{Config, Stream};
+use cuarena::{Allocator, Config, Stats, Stream};
 use cuarena_testkit::{assert_all_returned, host_allocator};
 
 mod common;
 use common::*;
+
+/// 5,000 pairs of the large churn on the per-thread stream (the arena learns what it needs),
+/// then 20,000 more: the statistics before and after those, and the blocks still live.
+fn learn(a: &Allocator, live: &Live) -> (Stats, Stats, Slots) {
+    let s = Stream::PER_THREAD;
+    let mut slots = vec![None; 8];
+    let mut x = 0x2545_f491_4f6c_dd1d;
+    large_churn(a, live, &mut slots, &mut x, 5_000, s);
+    let before = a.stats();
+    large_churn(a, live, &mut slots, &mut x, 20_000, s);
+    (before, a.stats(), slots)
+}
 
 #[test]
 fn a_fragmented_large_working_set_stops_giving_back_and_borrowing_again() {
     let sim = roomy();
     let a = host_allocator(sim.clone(), Config::default()).unwrap();
     let (live, s) = (Live::default(), Stream::PER_THREAD);
-    let mut slots = vec![None; 8];
-    let mut x = 0x2545_f491_4f6c_dd1d;
-    // Warm up: the arena learns what it needs.
-    large_churn(&a, &live, &mut slots, &mut x, 5_000, s);
-    let before = a.stats();
-    large_churn(&a, &live, &mut slots, &mut x, 20_000, s);
-    let after = a.stats();
+    let (before, after, mut slots) = learn(&a, &live);
     let taken = after.superblocks_taken - before.superblocks_taken;
     let back = (after.superblocks_returned + after.superblocks_dissolved)
         - (before.superblocks_returned + before.superblocks_dissolved);
@@ -46,12 +52,7 @@ fn slack_learnt_in_a_large_phase_is_let_go_soon_after_it_ends() {
     let sim = roomy();
     let a = host_allocator(sim.clone(), Config::default()).unwrap();
     let (live, s) = (Live::default(), Stream::PER_THREAD);
-    let mut slots = vec![None; 8];
-    let mut x = 0x2545_f491_4f6c_dd1d;
-    large_churn(&a, &live, &mut slots, &mut x, 5_000, s);
-    let before = a.stats();
-    large_churn(&a, &live, &mut slots, &mut x, 20_000, s);
-    let after = a.stats();
+    let (before, after, mut slots) = learn(&a, &live);
     // The slack is learnt (without it, 114 superblocks taken here: the test above).
     let taken = after.superblocks_taken - before.superblocks_taken;
     assert!(taken <= 5, "taken {taken} in 20,000 pairs: no slack learnt");
