@@ -61,27 +61,7 @@ fn slack_learnt_in_a_large_phase_does_not_keep_a_later_small_phases_superblocks(
     let after_trim = a.stats().arena_held_bytes;
     // The small phase: 110 normal superblocks' worth of 64 KiB blocks, then all but one per
     // superblock freed.
-    let n = 110 * (S / (64 << 10));
-    let mut blocks: Vec<DeviceAddr> = (0..n)
-        .map(|_| {
-            let p = a.allocate(64 << 10, s).unwrap();
-            live.insert(p, 64 << 10);
-            p
-        })
-        .collect();
-    blocks.sort();
-    let mut by_sb: BTreeMap<u64, Vec<DeviceAddr>> = BTreeMap::new();
-    for p in blocks {
-        by_sb.entry(p.0 / S as u64).or_default().push(p);
-    }
-    let mut kept = Vec::new();
-    for (_, v) in by_sb {
-        kept.push(v[0]);
-        for &p in &v[1..] {
-            live.remove(p);
-            a.deallocate(p, 64 << 10, s).unwrap();
-        }
-    }
+    let kept = one_block_per_superblock(&a, &live, s, 110);
     let st = a.stats();
     a.trim(true).unwrap();
     let st2 = a.stats();
