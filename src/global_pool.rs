@@ -300,6 +300,7 @@ impl GlobalPool {
             match st.used.remove(&ptr) {
                 Some(u) if u.freeing => {
                     st.in_use -= u.len;
+                    self.mark_freed(ptr, Origin::Caller);
                     Self::insert_free(&mut st, ptr, u.len, u.chunk, fences.clone());
                 }
                 other => {
@@ -360,18 +361,47 @@ impl GlobalPool {
         origin: Origin,
     ) -> Result<()> {
         let mut st = lock(&self.state);
-        if origin == Origin::Transit
-            && let Some(sb) = self.registry.lookup(ptr)
-            && let Some(g) = sb.granule_of(ptr)
-        {
-            // Applied or refused now, under the lock: before the block can be handed out again.
-            sb.unfree(g);
-        }
-        let u = self.validate(&st, ptr, size, origin)?;
+        let u = match self.validate(&st, ptr, size, origin) {
+            Ok(u) => u,
+            Err(e) => {
+                if origin == Origin::Transit
+                    && let Some((sb, g)) = self.flag_of(ptr)
+                {
+                    sb.unfree(g); // refused now, under the lock: the flag was this free's
+                }
+                return Err(e);
+            }
+        };
         st.used.remove(&ptr);
         st.in_use -= u.len;
+        self.mark_freed(ptr, origin);
         Self::insert_free(&mut st, ptr, u.len, u.chunk, FenceSet::one(fence));
         Ok(())
+    }
+
+    /// The superblock and granule whose freed flag belongs to `ptr`, if a superblock was ever
+    /// lent over it (`registry.rs`).
+    fn flag_of(&self, ptr: u64) -> Option<(&Superblock, usize)> {
+        let sb = self.registry.lookup(ptr)?;
+        Some((sb, sb.granule_of(ptr)?))
+    }
+
+    /// A free of the block at `ptr` was applied (under the lock): its freed flag says so until
+    /// the block's address is handed out again by an arena, so that once the range is lent
+    /// again, another thread's second free of the block is refused at once by the flag, as in
+    /// the arena the block came from (`superblock.rs`, "Freed flags"). A free that came in
+    /// transit set the flag itself; a caller's free leaves a flag of a bad free on its way.
+    fn mark_freed(&self, ptr: u64, origin: Origin) {
+        // Mutation for the loom model of a range lent again: the flag left as it was.
+        if cfg!(cuarena_mutant = "pool_free_unmarked") {
+            return;
+        }
+        if let Some((sb, g)) = self.flag_of(ptr) {
+            match origin {
+                Origin::Transit => sb.mark_arrived(g),
+                Origin::Caller => sb.mark_pool_freed(g),
+            }
+        }
     }
 
     /// Lends a superblock of `bytes` (a multiple of the normal superblock size, aligned to it)

@@ -25,7 +25,7 @@
 //!   done) and this free is refused at once;
 //! - the owner's local free reads it (refusing a set one) and stores `ARRIVED`, a plain store;
 //! - the owner's drain, taking in a free on its way, stores `ARRIVED`; refusing it, `0`; the
-//!   pool, receiving one (a dissolved superblock's block), stores `0`;
+//!   pool, receiving one (a dissolved superblock's block), the same, under its lock;
 //! - the owner clears an `ARRIVED` flag, with a plain store, when it hands the block out again;
 //!   the owner's fast path thus does no read-modify-write. It never hands out a block that
 //!   would start at an `IN_TRANSIT` flag: that free is a bad one (a wrong size or an interior
@@ -35,8 +35,12 @@
 //! - when a superblock leaves its arena, the flags stay: the pool reads one only at the head of
 //!   a used block the arena had handed out (`from_arena` in `global_pool.rs`), where it says
 //!   that the block's arena free is on its way, and refuses a free of it from anyone else
-//!   meanwhile; the pool clears it when that free arrives (under its lock), and refuses a free
-//!   on its way for any block an arena did not hand out.
+//!   meanwhile, and refuses a free on its way for any block an arena did not hand out;
+//! - every free the pool applies at an address a superblock once covered leaves the flag
+//!   `ARRIVED` (a caller's free only where it was `0`, so that a bad free's `IN_TRANSIT`
+//!   stays): when the pool lends the range again, the new arena's carve clears it at the
+//!   blocks it hands out, and until then another thread's second free of the old block is
+//!   refused at once, as it would be in the arena the block came from.
 //!
 //! The flags belong to addresses, not to superblock objects: a large superblock and the normal
 //! ones lent earlier or later over the same range share them (`registry.rs`).
@@ -48,7 +52,9 @@
 //! block starting at that flag is handed out again). `ARRIVED` may be stale (a block freed and merged away, then
 //! the range kept, given back or lent again: clearing them all at each lending cost a store per
 //! granule): the owner clears it whenever it hands out a block starting there, so a stale one is
-//! only ever read for a pointer that is not a live block, whose free is refused either way. Two
+//! only ever read for a pointer that is not a live block, whose free is refused either way (a
+//! block the pool itself hands out may start at a stale one: the pool reads the flag only for
+//! blocks an arena handed out, and no arena owns a range while a pool block lives in it). Two
 //! frees of one block that race each other (neither ordered before the other) may both be
 //! accepted, as with any allocator; ordered double frees are refused at once. A wrong-size or
 //! interior free by another thread is accepted until the owner checks it; while it is on its
@@ -296,6 +302,13 @@ impl Superblock {
     #[inline]
     pub(crate) fn mark_arrived(&self, g: usize) {
         self.flag(g).store(ARRIVED, Ordering::Release);
+    }
+
+    /// The pool applied a caller's free of the block at granule `g` (a pool block in a range a
+    /// superblock once covered): `ARRIVED`, unless a bad free on its way holds the flag (it
+    /// stays `IN_TRANSIT` until that free arrives). Under the pool's lock, off the fast path.
+    pub(crate) fn mark_pool_freed(&self, g: usize) {
+        let _ = self.flag(g).compare_exchange(0, ARRIVED, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// The owner's local free of the block at granule `g` (after `is_freed` was false). A

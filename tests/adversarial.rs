@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, RwLock};
 use std::time::{Duration, Instant};
 
 use cuarena::{Allocator, DeviceAddr, Error, Stream};
@@ -654,13 +654,14 @@ fn heavy_random_mix_with_injected_bad_frees() {
     let (txs, rxs): (Vec<_>, Vec<_>) =
         (0..threads).map(|_| mpsc::channel::<(DeviceAddr, usize, cuarena::Event)>()).unzip();
     let barrier = Arc::new(Barrier::new(threads));
+    let gate = Arc::new(RwLock::new(()));
     let hs: Vec<_> = rxs
         .into_iter()
         .enumerate()
         .map(|(t, rx)| {
             let tx = txs[(t + 1) % threads].clone();
-            let (a, sim, bad, live, barrier) =
-                (a.clone(), sim.clone(), bad.clone(), live.clone(), barrier.clone());
+            let (a, sim, bad, live, barrier, gate) =
+                (a.clone(), sim.clone(), bad.clone(), live.clone(), barrier.clone(), gate.clone());
             std::thread::spawn(move || {
                 let user = sim.create_stream();
                 let streams = [Stream::PER_THREAD, Stream::LEGACY, user];
@@ -673,19 +674,28 @@ fn heavy_random_mix_with_injected_bad_frees() {
                         a.device().stream_wait_event(s, ev).unwrap();
                         a.device().destroy_event(ev);
                         live.remove(p);
-                        a.deallocate(p, n, s).unwrap();
                         if rng(&mut x) % 10 == 0 {
                             // An immediate second free: the first is in transit or in the pool.
+                            // No thread allocates between the two (`gate`): a block handed out
+                            // again cannot be told from a new one (the README's contract).
+                            let _no_allocations = gate.write().unwrap();
+                            a.deallocate(p, n, s).unwrap();
                             let r = a.deallocate(p, n, streams[(rng(&mut x) % 3) as usize]);
                             assert!(r.is_err(), "double free accepted: {r:?}");
                             bad.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            a.deallocate(p, n, s).unwrap();
                         }
                     }
                     let r = rng(&mut x) % 100;
                     if r < 45 || mine.is_empty() {
                         let n = if r % 9 == 0 { 300 << 10 } else { 256 << (rng(&mut x) % 9) };
                         let s = if r % 5 == 0 { user } else { Stream::PER_THREAD };
-                        match a.allocate(n, s) {
+                        let got = {
+                            let _gate = gate.read().unwrap();
+                            a.allocate(n, s)
+                        };
+                        match got {
                             Ok(p) => {
                                 live.insert(p, n);
                                 sim.hold_and_check(
@@ -793,4 +803,58 @@ fn the_owners_cross_stream_double_free_is_refused_at_once() {
     let _ = a.take_deferred_error();
     assert!(failures.is_empty(), "{failures:?}");
     assert_all_returned(&a, Some(&sim), bad);
+}
+
+/// A block left live by an exited thread is freed (the pool takes it, its superblock being
+/// dissolved), the pool lends the whole range to another thread's arena, and the block is
+/// freed again before that arena hands anything out at its address: the second free is
+/// refused at once, on every stream, whichever way the first free reached the pool (a user
+/// stream's free straight to the pool, a batched free on the per-thread or legacy stream, or
+/// a free on its way to the exited owner that the pool took in).
+#[test]
+fn a_double_free_after_the_pool_lent_the_range_again_is_refused_at_once() {
+    const SB: u64 = 256 << 10;
+    for first in 0..4 {
+        for second in 0..3 {
+            let sim = host(0);
+            let a = host_allocator(sim.clone(), small().build().unwrap()).unwrap();
+            let user = sim.create_stream();
+            let streams = [Stream::PER_THREAD, Stream::LEGACY, user];
+            // The owner takes two blocks and frees the first: `p` starts 16 granules in.
+            let owner = Worker::new(&a);
+            let p = owner.run(|a| {
+                let q = a.allocate_per_thread(4096).unwrap();
+                let p = a.allocate_per_thread(4096).unwrap();
+                a.deallocate_per_thread(q, 4096).unwrap();
+                p
+            });
+            if first == 3 {
+                // On its way to the owner when the owner exits: the pool takes it in.
+                a.deallocate(p, 4096, user).unwrap();
+                owner.exit();
+                a.flush().unwrap();
+                a.trim(true).unwrap(); // delivers the parked free (a device synchronise)
+            } else {
+                owner.exit();
+                a.deallocate(p, 4096, streams[first]).unwrap();
+                a.flush().unwrap();
+            }
+            a.device().synchronize().unwrap();
+            // Another thread's arena borrows the range: its first block is carved at the
+            // superblock's start, below `p`.
+            let lender = Worker::new(&a);
+            let b = lender.run(|a| a.allocate_per_thread(256).unwrap());
+            assert_eq!(b.0 & !(SB - 1), p.0 & !(SB - 1), "the range was lent again ({first}, {second})");
+            assert_ne!(b, p);
+            let r = a.deallocate(p, 4096, streams[second]);
+            assert!(is_double(&r), "first free on {first}, second on {second}: {r:?}");
+            lender.run(move |a| a.deallocate_per_thread(b, 256).unwrap());
+            lender.exit();
+            a.flush().unwrap();
+            a.trim(true).unwrap();
+            assert!(a.take_deferred_error().is_none());
+            assert_all_returned(&a, Some(&sim), 1);
+            sim.destroy_stream(user).unwrap();
+        }
+    }
 }

@@ -242,6 +242,47 @@ fn a_remote_free_after_the_owners_local_free_is_refused() {
     });
 }
 
+/// Freed flags of a range lent again (`superblock.rs`, `GlobalPool::free`): the owner exits
+/// holding a block (its superblock dissolves around it), this thread frees the block (the pool
+/// takes it) and then frees it again, while another thread borrows the whole range for its
+/// arena. Whether the borrow comes before, between or after the two frees, the second must be
+/// refused at once, and nothing handed out twice. The mutation `pool_free_unmarked` (the pool
+/// leaves the flag clear) must fail this: the new arena's flag would take the second free.
+#[test]
+fn a_second_free_after_the_range_is_lent_again_is_refused() {
+    model(|| {
+        let (_dev, a) = setup(8, 0.9);
+        let quarter = SB / 4;
+        let a2 = a.clone();
+        let p = thread::spawn(move || {
+            let q = a2.allocate_per_thread(quarter).unwrap();
+            let p = a2.allocate_per_thread(quarter).unwrap();
+            a2.deallocate_per_thread(q, quarter).unwrap();
+            a2.release_thread().unwrap();
+            p
+        })
+        .join()
+        .unwrap();
+        let a3 = a.clone();
+        let lender = thread::spawn(move || {
+            let b = a3.allocate_per_thread(256).unwrap();
+            a3.deallocate_per_thread(b, 256).unwrap();
+            a3.release_thread().unwrap();
+            b
+        });
+        a.deallocate(p, quarter, cuarena::Stream::LEGACY).unwrap(); // a batch of one: sent now
+        let second = a.deallocate(p, quarter, cuarena::Stream::LEGACY);
+        assert!(second.is_err(), "a double free was accepted");
+        let b = lender.join().unwrap();
+        assert!(b.0 + 256 <= p.0 || p.0 + quarter as u64 <= b.0, "a freed block handed out twice");
+        a.release_thread().unwrap();
+        a.check_invariants();
+        let s = a.stats();
+        assert_eq!((s.invalid_frees, s.live_bytes), (1, 0), "{:?}", a.take_deferred_error());
+        assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
+    });
+}
+
 /// Freed flags in transit (`superblock.rs`, `Arena::carve`): another thread frees an interior
 /// pointer `q` of the owner's block (a bad free: it takes the clear flag at `q` and waits in its
 /// outbox), then sends it while the owner frees the block and allocates two blocks of the bad
