@@ -241,11 +241,26 @@ fn gpu_torture(mode: StreamMode) {
 /// while the other stream still holds it.
 fn gpu_torture_unfenced(mode: StreamMode) {
     let Some(dev) = gpu() else { return };
-    let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
+    // Whether an unfenced reuse overlaps a kernel still running is timing: on the H200 one
+    // run in about five saw none on own streams. Up to three runs, each a fresh allocator;
+    // the test fails if none sees an overwritten tag.
+    for run in 1..=3 {
+        let tag_errors = gpu_torture_unfenced_once(&dev, mode);
+        if tag_errors > 0 {
+            return;
+        }
+        eprintln!("gpu torture {} unfenced: run {run} saw no overwritten tag", mode.name());
+    }
+    panic!("unfenced reuse went unnoticed on the GPU in 3 runs ({} mode)", mode.name());
+}
+
+/// One unfenced torture run; returns the overwritten tags it saw.
+fn gpu_torture_unfenced_once(dev: &Arc<CudaDevice>, mode: StreamMode) -> u64 {
+    let ops = Arc::new(GpuOps::new(Arc::clone(dev)).unwrap());
     // Remote frees sent one at a time (not gathered into batches), so a freed block reaches its
     // owner, and is reused, while the freeing side's work may still run.
     let cfg = Config::builder().skip_fences_for_testing().batch_blocks(1).build().unwrap();
-    let a = Allocator::new(dev, cfg).unwrap();
+    let a = Allocator::new(Arc::clone(dev) as Arc<dyn Device>, cfg).unwrap();
     let legacy = mode == StreamMode::Legacy;
     let p = TortureParams {
         allocations_per_thread: 2000,
@@ -261,7 +276,7 @@ fn gpu_torture_unfenced(mode: StreamMode) {
     };
     let r = torture(&[Target { ops, alloc: a }], &p).unwrap();
     eprintln!("gpu torture {} unfenced: {}", mode.name(), r.summary());
-    assert!(r.tag_errors > 0, "unfenced reuse went unnoticed on the GPU ({} mode)", mode.name());
+    r.tag_errors
 }
 
 #[test]
