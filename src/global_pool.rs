@@ -367,7 +367,16 @@ impl GlobalPool {
                 if origin == Origin::Transit
                     && let Some((sb, g)) = self.flag_of(ptr)
                 {
-                    sb.unfree(g); // refused now, under the lock: the flag was this free's
+                    // Refused now, under the lock: the flag was this free's. Cleared where a
+                    // live block starts (its own free must be taken); elsewhere `ARRIVED`: a
+                    // block the pool took back there meanwhile left the flag to this free
+                    // (`mark_pool_freed`), and a second free of it must still be refused once
+                    // the range is lent again (a stale `ARRIVED` is harmless, `superblock.rs`).
+                    if st.used.get(&ptr).is_some_and(|u| u.kind == UsedKind::Block) {
+                        sb.unfree(g);
+                    } else {
+                        sb.mark_arrived(g);
+                    }
                 }
                 return Err(e);
             }
@@ -396,11 +405,13 @@ impl GlobalPool {
         if cfg!(cuarena_mutant = "pool_free_unmarked") {
             return;
         }
-        if let Some((sb, g)) = self.flag_of(ptr) {
-            match origin {
-                Origin::Transit => sb.mark_arrived(g),
-                Origin::Caller => sb.mark_pool_freed(g),
-            }
+        match (self.flag_of(ptr), origin) {
+            (Some((sb, g)), Origin::Transit) => sb.mark_arrived(g),
+            (Some((sb, g)), Origin::Caller) => sb.mark_pool_freed(g),
+            // No superblock has covered the slot yet (a block the pool's first fit served in a
+            // range it could not lend): the flag's page is made now, for the arena the slot is
+            // lent to later.
+            (None, _) => self.registry.mark_freed_unlent(ptr),
         }
     }
 

@@ -24,11 +24,14 @@
 //! again, so the number of objects is bounded by the layouts ever lent. The freed flags (one
 //! byte per 256-byte granule, see `superblock.rs`) belong to the address, not to the object:
 //! one page of flags per slot, made once and shared by every superblock that covers the slot.
-//! Host memory for the flags is thus one byte per granule of address space ever lent (0.4%),
-//! whatever the layouts; the owner-only boundary tags are sized per lending (`superblock.rs`).
+//! A page is also made for a slot never lent when the pool takes back a block that started
+//! there (`Registry::mark_freed_unlent`). Host memory for the flags is thus one byte per
+//! granule of address space ever lent (0.4%), whatever the layouts, plus a page per other slot
+//! a freed pool block started in; the owner-only boundary tags are sized per lending
+//! (`superblock.rs`).
 //! Loom model: `loom-tests/tests/registry.rs`.
 
-use crate::superblock::Superblock;
+use crate::superblock::{ARRIVED, Superblock};
 use crate::sync::{AtomicPtr, AtomicU8, Mutex, Ordering, lock, ordering};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -95,6 +98,32 @@ impl Registry {
         // SAFETY: entries point into `store.units`, whose objects are never removed and are
         // released only in Drop.
         (!sb.is_null()).then(|| unsafe { &*sb })
+    }
+
+    /// Marks the freed flag of the granule at `addr` [`ARRIVED`] (where it is `0`) in a slot
+    /// no superblock has been entered in yet, making the slot's page of flags now: the pool took
+    /// back a block it had handed out there (its first fit serves small requests in ranges it
+    /// cannot lend as a superblock), and once the slot is lent, the page the superblock gets
+    /// (`get_or_insert`) says so, so that a second free of the block is refused at once.
+    ///
+    /// Must be called with the global pool's lock held (it orders this store before the
+    /// superblock that publishes the page is entered). Does nothing for an address the
+    /// registry cannot cover or one off a granule boundary.
+    pub(crate) fn mark_freed_unlent(&self, addr: u64) {
+        if !self.covers(addr) {
+            return;
+        }
+        let slot_bytes = 1u64 << self.shift;
+        let granule = crate::size_class::GRANULE as u64;
+        let (base, off) = (addr & !(slot_bytes - 1), addr & (slot_bytes - 1));
+        if !off.is_multiple_of(granule) {
+            return;
+        }
+        let per_slot = (slot_bytes / granule) as usize;
+        let mut st = lock(&self.store);
+        let page = st.pages.entry(base).or_insert_with(|| (0..per_slot).map(|_| AtomicU8::new(0)).collect());
+        let _ =
+            page[(off / granule) as usize].compare_exchange(0, ARRIVED, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// The superblock of `granules` granules at `base`, made if new, and entered in every slot

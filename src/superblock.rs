@@ -24,8 +24,10 @@
 //!   already (the first free may still be in an outbox, an inbox, waiting for its fence, or
 //!   done) and this free is refused at once;
 //! - the owner's local free reads it (refusing a set one) and stores `ARRIVED`, a plain store;
-//! - the owner's drain, taking in a free on its way, stores `ARRIVED`; refusing it, `0`; the
-//!   pool, receiving one (a dissolved superblock's block), the same, under its lock;
+//! - the owner's drain, taking in a free on its way, stores `ARRIVED`; refusing it, `0` where a
+//!   live block starts (a wrong size) and `ARRIVED` elsewhere (a block the pool took back at
+//!   that address while the bad free was on its way left the flag to it, below); the pool,
+//!   receiving one (a dissolved superblock's block), the same, under its lock;
 //! - the owner clears an `ARRIVED` flag, with a plain store, when it hands the block out again;
 //!   the owner's fast path thus does no read-modify-write. It never hands out a block that
 //!   would start at an `IN_TRANSIT` flag: that free is a bad one (a wrong size or an interior
@@ -40,7 +42,9 @@
 //!   `ARRIVED` (a caller's free only where it was `0`, so that a bad free's `IN_TRANSIT`
 //!   stays): when the pool lends the range again, the new arena's carve clears it at the
 //!   blocks it hands out, and until then another thread's second free of the old block is
-//!   refused at once, as it would be in the arena the block came from.
+//!   refused at once, as it would be in the arena the block came from. At an address no
+//!   superblock has covered yet (a block of the pool's first fit in a range it could not
+//!   lend), the slot's page of flags is made for it (`Registry::mark_freed_unlent`).
 //!
 //! The flags belong to addresses, not to superblock objects: a large superblock and the normal
 //! ones lent earlier or later over the same range share them (`registry.rs`).
