@@ -720,11 +720,17 @@ fn heavy_random_mix_with_injected_bad_frees() {
                     } else if r < 70 {
                         let (p, n) = mine.swap_remove((rng(&mut x) % mine.len() as u64) as usize);
                         live.remove(p);
-                        a.deallocate_per_thread(p, n).unwrap();
                         if r % 7 == 0 {
+                            // The first free may give the block's superblock back (the return
+                            // rule), and another thread's arena may borrow it and hand the block
+                            // out before the second free: as above, no allocation in between.
+                            let _no_allocations = gate.write().unwrap();
+                            a.deallocate_per_thread(p, n).unwrap();
                             let r2 = a.deallocate_per_thread(p, n);
                             bad.fetch_add(1, Ordering::Relaxed);
                             assert!(r2.is_err(), "local double free accepted: {r2:?}");
+                        } else {
+                            a.deallocate_per_thread(p, n).unwrap();
                         }
                     } else if r < 90 {
                         let (p, n) = mine.swap_remove((rng(&mut x) % mine.len() as u64) as usize);

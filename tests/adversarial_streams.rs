@@ -46,15 +46,21 @@ fn reference_a_legacy_operation_between_two_ptds_uses_orders_them() {
         let size = 1 << 20;
         let p = sim.reserve(size).unwrap().unwrap();
         let s1 = sim.clone();
-        std::thread::spawn(move || s1.hold_and_check(p, size, 0xa, HOLD, Stream::PER_THREAD).unwrap())
-            .join()
-            .unwrap();
+        // A's work stays in flight until B's is submitted (HOLD alone made that only likely).
+        let gate = std::thread::spawn(move || {
+            let gate = s1.gate(Stream::PER_THREAD).unwrap();
+            s1.hold_and_check(p, size, 0xa, HOLD, Stream::PER_THREAD).unwrap();
+            gate
+        })
+        .join()
+        .unwrap();
         if with_legacy_op {
             let e = sim.create_event().unwrap();
             sim.record_event(e, Stream::LEGACY).unwrap(); // the free's operation on legacy
         }
         let s2 = sim.clone();
         std::thread::spawn(move || s2.write_tag(p, size, 0xb, Stream::PER_THREAD).unwrap()).join().unwrap();
+        gate.open();
         sim.synchronize();
         assert_eq!(sim.violations().is_empty(), with_legacy_op, "{:?}", sim.violations());
         // SAFETY: synchronised above; the region came from `reserve`.

@@ -120,9 +120,13 @@ fn frees_are_stream_ordered() {
     let a = passthrough(&dev);
     let (s1, s2) = (dev.create_stream(), dev.create_stream());
     let p = a.allocate(4096, s1).unwrap();
+    // The gate keeps the work in flight until the checks are made (a 30 ms hold alone can end
+    // first on a loaded machine).
+    let gate = dev.gate(s1).unwrap();
     dev.hold_and_check(p.0, 4096, 1, Duration::from_millis(30), s1).unwrap();
     a.deallocate(p, 4096, s1).unwrap();
     assert_eq!(dev.reserved_bytes(), 4096, "released only when the queued work is done");
+    gate.open();
     assert_eq!(a.stats().live_bytes, 0);
     let q = a.allocate(4096, s1).unwrap();
     dev.hold_and_check(q.0, 4096, 2, Duration::from_millis(30), s1).unwrap();
@@ -134,8 +138,10 @@ fn frees_are_stream_ordered() {
     assert_all_returned(&a, Some(&dev), 0);
 
     let r = a.allocate(4096, s1).unwrap();
+    let gate = dev.gate(s1).unwrap();
     dev.hold_and_check(r.0, 4096, 3, Duration::from_millis(30), s1).unwrap();
     a.deallocate(r, 4096, s2).unwrap(); // breaks the contract: nothing orders s1 before s2
+    gate.open();
     dev.synchronize();
     assert_eq!(dev.violations().len(), 1, "{:?}", dev.violations());
 }

@@ -132,25 +132,40 @@ fn many_threads_lose_no_record_whether_they_exit_before_the_stop_or_not() {
 fn a_stop_while_threads_record_keeps_the_file_whole_and_a_second_trace_starts_clean() {
     let dev = Arc::new(common::host(0));
     let a = alloc_on(dev, common::small().build().unwrap());
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let hs: Vec<_> = (0..6)
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+    const THREADS: usize = 6;
+    let stop = Arc::new(AtomicBool::new(false));
+    // Pairs each thread has made: the window below lasts until some were made inside it (on a
+    // loaded machine a fixed sleep can pass with every thread descheduled: no record at all).
+    let pairs: Arc<Vec<AtomicU64>> = Arc::new((0..THREADS).map(|_| AtomicU64::new(0)).collect());
+    let total = |pairs: &[AtomicU64]| pairs.iter().map(|n| n.load(SeqCst)).sum::<u64>();
+    let hs: Vec<_> = (0..THREADS)
         .map(|t| {
-            let (a, stop) = (a.clone(), stop.clone());
+            let (a, stop, pairs) = (a.clone(), stop.clone(), pairs.clone());
             std::thread::spawn(move || {
-                let mut n = 0u64;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                while !stop.load(SeqCst) {
                     let p = a.allocate(256 + t * 64, Stream::PER_THREAD).unwrap();
                     a.deallocate(p, 256 + t * 64, Stream::PER_THREAD).unwrap();
-                    n += 1;
+                    pairs[t].fetch_add(1, SeqCst);
                 }
-                n
+                pairs[t].load(SeqCst)
             })
         })
         .collect();
+    // Every thread records from the first window on.
+    while pairs.iter().any(|n| n.load(SeqCst) == 0) {
+        std::thread::yield_now();
+    }
     for round in 0..3 {
         let p = path(&format!("busy{round}"));
         a.start_trace(&p).unwrap();
+        // At least 30 ms, and until some thread has made two pairs after the start (the
+        // second begun after it): the trace must hold records.
+        let at_start = total(&pairs);
         std::thread::sleep(std::time::Duration::from_millis(30));
+        while total(&pairs) < at_start + THREADS as u64 + 1 {
+            std::thread::yield_now();
+        }
         let sum = a.stop_trace().unwrap();
         let recs = trace::read(&p).unwrap();
         assert_eq!(recs.len() as u64, sum.records);
@@ -169,7 +184,7 @@ fn a_stop_while_threads_record_keeps_the_file_whole_and_a_second_trace_starts_cl
         assert_alternating(&recs);
         std::fs::remove_file(&p).unwrap();
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    stop.store(true, SeqCst);
     for h in hs {
         assert!(h.join().unwrap() > 0);
     }

@@ -55,9 +55,9 @@ fn record(path: &Path) -> (usize, usize) {
                     }
                 }
                 drop(tx);
-                // What is still coming: blocks sent before the sender's last step.
-                std::thread::sleep(Duration::from_millis(50));
-                while let Ok((q, sz)) = rx.try_recv() {
+                // What is still coming, until the sender is done (it may be far behind: a
+                // fixed wait here let this thread exit while the sender still sent to it).
+                for (q, sz) in rx {
                     a.deallocate(cuarena::DeviceAddr(q), sz, Stream::LEGACY).unwrap();
                 }
             });

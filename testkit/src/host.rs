@@ -7,6 +7,9 @@
 //!   asynchronously and out of step with the host.
 //! - **Events** complete when the work queued before their record has. `stream_wait_event`
 //!   makes later work on a stream wait for them, without blocking the host.
+//! - A [`StreamGate`] ([`HostDevice::gate`]) holds a stream's later work back until the test
+//!   opens it: work queued behind it stays in flight for as long as the test needs, where a
+//!   long hold would only make that likely (a loaded machine can outlast any hold).
 //! - Stream handles: NULL and `0x1` are one legacy stream; `0x2` is a different stream in every
 //!   host thread; handles of destroyed streams are reused, like CUDA does.
 //! - Implicit synchronisation, as CUDA's: work on the legacy stream waits for all work queued
@@ -127,6 +130,10 @@ enum OpKind {
         start: u64,
         end: u64,
     },
+    /// Waits until [`StreamGate`] `gate` is opened.
+    Gate {
+        gate: u64,
+    },
 }
 
 struct Op {
@@ -195,6 +202,9 @@ struct State {
     inflight: Vec<Inflight>,
     violations: Vec<String>,
     next_key: u64,
+    /// Gates made by [`HostDevice::gate`] and not yet opened.
+    closed_gates: std::collections::HashSet<u64>,
+    next_gate: u64,
 }
 
 const LEGACY: usize = 0;
@@ -225,6 +235,8 @@ impl HostDevice {
             inflight: Vec::new(),
             violations: Vec::new(),
             next_key: 1,
+            closed_gates: Default::default(),
+            next_gate: 1,
         };
         st.new_stream(cfg.seed);
         let sh = Arc::new(Shared {
@@ -291,6 +303,23 @@ impl HostDevice {
         stream: Stream,
     ) -> Result<()> {
         self.submit_mem(ptr, len, MemAction::HoldCheck(tag, hold), stream)
+    }
+
+    /// Queues a gate on `stream` (resolved for the calling thread, like any call): work queued
+    /// on the stream after it waits until the gate is opened ([`StreamGate::open`], or its
+    /// drop), and stays in flight until then. Open it before [`Self::synchronize`] (or
+    /// anything that synchronises the device), which would wait for it for ever.
+    pub fn gate(&self, stream: Stream) -> Result<StreamGate> {
+        let sh = self.sh();
+        let mut st = sh.lock();
+        let idx = st.resolve(stream)?;
+        let gate = st.next_gate;
+        st.next_gate += 1;
+        st.closed_gates.insert(gate);
+        st.sync_implicitly(sh, idx);
+        let seq = st.streams[idx].bump();
+        st.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::Gate { gate } });
+        Ok(StreamGate { sh: Arc::clone(sh), gate })
     }
 
     /// Blocks until every stream is idle.
@@ -372,6 +401,25 @@ impl HostDevice {
         let delay = st.streams[idx].delay(&sh.cfg);
         st.enqueue(sh, idx, Op { seq, delay, kind: OpKind::Mem { start: ptr, end, action } });
         Ok(())
+    }
+}
+
+/// A gate queued on a stream by [`HostDevice::gate`]: the stream's later work waits until it
+/// is opened. Dropping it opens it.
+pub struct StreamGate {
+    sh: Arc<Shared>,
+    gate: u64,
+}
+
+impl StreamGate {
+    /// Lets the stream's work behind the gate run.
+    pub fn open(self) {}
+}
+
+impl Drop for StreamGate {
+    fn drop(&mut self) {
+        self.sh.lock().closed_gates.remove(&self.gate);
+        self.sh.cv.notify_all();
     }
 }
 
@@ -586,6 +634,11 @@ fn worker(sh: Arc<Shared>, idx: usize) {
             }
             OpKind::Record { event, generation } => {
                 st.events[event].completed.insert(generation);
+            }
+            OpKind::Gate { gate } => {
+                while st.closed_gates.contains(&gate) {
+                    st = sh.wait(st);
+                }
             }
             OpKind::Free { start, end } => {
                 // Work ordered before the free has completed; unordered work (a race, reported
@@ -842,16 +895,28 @@ mod tests {
         })
     }
 
+    /// The first word of `[p, p+4)`, read as the device's work writes it.
+    fn word(p: u64) -> u32 {
+        // SAFETY: `p` lies in a reserved region that outlives the call; the device's work
+        // writes it atomically.
+        unsafe { (*(p as *const AtomicU32)).load(Ordering::Relaxed) }
+    }
+
     #[test]
     fn unordered_overlapping_work_is_a_violation() {
         let d = dev(2000);
         let p = d.reserve(1 << 20).unwrap().unwrap();
         let a = d.create_stream();
         let b = d.create_stream();
+        d.write_tag(p, 4096, 0, a).unwrap();
+        d.synchronize();
         // A long hold, so that a busy machine (parallel tests on two cores) cannot finish it
-        // before the unordered write is submitted.
+        // before the unordered write runs. The write is submitted once `a` has written its tag
+        // (a fixed sleep here could pass before `a`'s worker even started).
         d.hold_and_check(p, 4096, 1, Duration::from_millis(200), a).unwrap();
-        std::thread::sleep(Duration::from_millis(8)); // a has written its tag and holds it
+        while word(p) != 1 {
+            std::thread::yield_now();
+        }
         d.write_tag(p, 4096, 2, b).unwrap();
         d.synchronize();
         assert!(!d.violations().is_empty());
@@ -921,11 +986,13 @@ mod tests {
         std::thread::spawn(move || d2.write_tag(p + 4096, 4096, 4, Stream::PER_THREAD).unwrap())
             .join()
             .unwrap();
-        // A user stream is non-blocking: unordered.
+        // A user stream is non-blocking: unordered. The legacy work is held in flight by a gate
+        // until the user stream's write is submitted (a sleep made that only likely).
         let u = d.create_stream();
+        let gate = d.gate(Stream::LEGACY).unwrap();
         d.hold_and_check(p + 8192, 4096, 5, Duration::from_millis(20), Stream::LEGACY).unwrap();
-        std::thread::sleep(Duration::from_millis(5));
         d.write_tag(p + 8192, 4096, 6, u).unwrap();
+        gate.open();
         d.synchronize();
         let v = d.violations();
         assert_eq!(v.len(), 1, "only the user stream's write races: {v:?}");

@@ -24,7 +24,7 @@ use cuarena::{Allocator, Config, Result};
 
 pub use harness::*;
 pub use hooked::{HookedDevice, Hooks};
-pub use host::{HostConfig, HostDevice};
+pub use host::{HostConfig, HostDevice, StreamGate};
 
 /// An allocator over a simulated device (a clone of `device` shares its state, so keep one to
 /// ask the race checker).
