@@ -671,15 +671,19 @@ fn pending_batches_waited_for_on_both_homes() {
         let blocks: Vec<DeviceAddr> =
             owner.run(move |a| (0..n).map(|_| a.allocate(size, home).unwrap()).collect());
         let victims = blocks.clone();
-        on_thread(&a, {
+        // The freers' work stays in flight behind a gate until the owner has reused the blocks
+        // (a hold alone could end first on a loaded machine, and the reuse need not wait).
+        let gate = on_thread(&a, {
             let sim = sim.clone();
             move |a| {
                 let u = sim.create_stream();
+                let gate = sim.gate(u).unwrap();
                 for p in &victims {
                     sim.hold_and_check(p.0, size, 0xa, HOLD, u).unwrap();
                     a.deallocate(*p, size, u).unwrap(); // sent at once, fenced on `u`
                 }
                 sim.destroy_stream(u).unwrap();
+                gate
             }
         });
         let before = a.stats();
@@ -697,6 +701,7 @@ fn pending_batches_waited_for_on_both_homes() {
         assert!(again.iter().all(|p| blocks.contains(p)), "{home:?}: reused behind a wait");
         assert!(after.fence_waits > before.fence_waits, "{home:?}: the reuse waited");
         assert_eq!(after.superblocks_taken, before.superblocks_taken, "{home:?}: no growth");
+        gate.open();
         owner.run(move |a| {
             for p in again {
                 a.deallocate(p, size, home).unwrap();
