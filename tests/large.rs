@@ -79,8 +79,11 @@ fn remote_and_cross_stream_reuse(skip_fences: bool) -> Vec<String> {
     let other = Worker::new(&a);
     for remote in [true, false] {
         let sim2 = sim.clone();
-        let (p, e) = owner.run(move |a| {
+        let (p, e, gate) = owner.run(move |a| {
             let u = sim2.create_stream();
+            // The user stream's use stays in flight until the reuse below is submitted (a
+            // hold alone could end first on a loaded machine, and then nothing races).
+            let gate = sim2.gate(u).unwrap();
             let p = a.allocate(size, Stream::PER_THREAD).unwrap();
             // Ready on the per-thread stream: the user stream is ordered after it first.
             let ready = sim2.create_event().unwrap();
@@ -89,7 +92,7 @@ fn remote_and_cross_stream_reuse(skip_fences: bool) -> Vec<String> {
             sim2.hold_and_check(p.0, size, 0xa, HOLD, u).unwrap();
             let e = sim2.create_event().unwrap();
             sim2.record_event(e, u).unwrap();
-            (p, e)
+            (p, e, gate)
         });
         let sim2 = sim.clone();
         let free = move |a: &Allocator, s: Stream| {
@@ -116,6 +119,7 @@ fn remote_and_cross_stream_reuse(skip_fences: bool) -> Vec<String> {
                 a.deallocate(q, size, Stream::PER_THREAD).unwrap();
             }
         });
+        gate.open();
     }
     owner.exit();
     other.exit();
