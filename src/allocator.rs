@@ -754,6 +754,9 @@ impl Slot {
                 p
             }
             None => {
+                // CUDA graphs: the pool refuses a stream being captured, as `alloc_pool` does
+                // (a reclaimer holding the arena sends the request here before any check).
+                env.dev.refuse_capturing(home)?;
                 let p = inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences)?;
                 self.counted_alloc(g * GRANULE, AllocPath::Pool);
                 p

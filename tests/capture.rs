@@ -137,3 +137,87 @@ fn a_reclaim_skips_an_arena_whose_stream_is_capturing() {
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     assert_all_returned(&a, Some(&dev), 0);
 }
+
+/// Found by helper-25: while a reclaimer holds a thread's arena, the thread's allocation is
+/// served by the pool at once (no waiting for the arena), and that fallback skipped the check
+/// for a stream being captured that every other pool allocation makes. The reclaimer is held
+/// inside its claim here (in its identity lookup of the legacy stream, for the fence of what
+/// it gives back) while the owner, capturing its per-thread stream, allocates: refused,
+/// nothing changes, and the same allocation succeeds once the capture has ended.
+#[test]
+fn a_pool_fallback_while_a_reclaimer_holds_the_arena_refuses_a_capturing_stream() {
+    use cuarena_testkit::{HookedDevice, Hooks};
+    use std::sync::mpsc;
+    use std::sync::{Arc, Mutex};
+    use std::thread::ThreadId;
+
+    let sim = host(0);
+    let armed: Arc<Mutex<Option<ThreadId>>> = Arc::new(Mutex::new(None));
+    let (stalled_tx, stalled_rx) = mpsc::channel::<()>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let (stalled_tx, go_rx) = (Mutex::new(stalled_tx), Mutex::new(go_rx));
+    let armed_h = Arc::clone(&armed);
+    let key: cuarena_testkit::hooked::KeyHook = Box::new(move |sim, stream| {
+        let k = sim.stream_key(stream)?;
+        let mine = {
+            let mut a = armed_h.lock().unwrap();
+            let me = *a == Some(std::thread::current().id()) && stream.is_legacy();
+            if me {
+                *a = None;
+            }
+            me
+        };
+        if mine {
+            stalled_tx.lock().unwrap().send(()).unwrap();
+            go_rx.lock().unwrap().recv().unwrap();
+        }
+        Ok(k)
+    });
+    let dev = HookedDevice::new(sim.clone(), Hooks { stream_key: Some(key), ..Hooks::default() });
+    let a = cuarena::Allocator::new(dev, small().keep_empty(8).build().unwrap()).unwrap();
+    let block = 64 << 10;
+    // The owner: one superblock with live blocks, and an empty one its rule keeps.
+    let owner = common::Worker::new(&a);
+    let live = owner.run(move |a| {
+        let v: Vec<_> = (0..8).map(|_| a.allocate_per_thread(block).unwrap()).collect();
+        for p in &v[4..] {
+            a.deallocate_per_thread(*p, block).unwrap();
+        }
+        v[..4].to_vec()
+    });
+    // A trim on another thread takes the idle owner's arena and stalls inside the claim.
+    let (a2, armed2) = (a.clone(), Arc::clone(&armed));
+    let trimmer = std::thread::spawn(move || {
+        *armed2.lock().unwrap() = Some(std::thread::current().id());
+        let r = a2.trim(false);
+        a2.release_thread().unwrap();
+        r
+    });
+    stalled_rx.recv().unwrap();
+    let sim2 = sim.clone();
+    let (refused, before, after) = owner.run(move |a| {
+        sim2.begin_capture(Stream::PER_THREAD).unwrap();
+        let before = a.stats();
+        let r = a.allocate_per_thread(4096);
+        let after = a.stats();
+        sim2.end_capture(Stream::PER_THREAD).unwrap();
+        (r, before, after)
+    });
+    go_tx.send(()).unwrap();
+    trimmer.join().unwrap().unwrap();
+    match refused {
+        Err(e) => assert!(capturing(&e), "{e}"),
+        Ok(p) => panic!("a pool block {p:?} was handed out on a capturing stream"),
+    }
+    assert_eq!((after.allocations, after.live_bytes), (before.allocations, before.live_bytes));
+    let p = owner.run(|a| a.allocate_per_thread(4096).unwrap());
+    owner.run(move |a| {
+        a.deallocate_per_thread(p, 4096).unwrap();
+        for q in live {
+            a.deallocate_per_thread(q, block).unwrap();
+        }
+    });
+    drop(owner);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_all_returned(&a, Some(&sim), 0);
+}
