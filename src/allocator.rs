@@ -2,21 +2,27 @@
 //!
 //! ## Routing (the one place it is decided)
 //! - `size == 0`: a null pointer, like `cudaMallocAsync`; freeing null with size 0 is a no-op.
-//! - `size <= small_max` on the per-thread stream (`0x2`): the calling thread's per-thread
-//!   arena; on the legacy stream (NULL or `0x1`): the calling thread's legacy arena (see
-//!   [`arena_index`]). Neither asks the driver anything on the fast path: the per-thread
-//!   stream's and the legacy stream's identities are asked once per thread.
-//! - `size <= small_max` on a user stream: the calling thread's arena for that stream, found
+//! - `size <= large_max` (small blocks up to `small_max`, large ones from large superblocks
+//!   above it) on the per-thread stream (`0x2`): the calling thread's per-thread arena; on the
+//!   legacy stream (NULL or `0x1`): the calling thread's legacy arena (see [`arena_index`]).
+//!   Neither asks the driver anything on the fast path: the per-thread stream's and the legacy
+//!   stream's identities are asked once per thread.
+//! - `size <= large_max` on a user stream: the calling thread's arena for that stream, found
 //!   by the stream's identity (one `cuStreamGetId` per call, never the handle; see
-//!   [`Arenas`]), made on first use; a thread keeps [`MAX_USER_ARENAS`] of them.
-//! - anything else (large): the global pool.
-//! - A free of a small block goes to its superblock's owner: the owner's fast path if the
-//!   caller is the owner and frees on that arena's stream (the per-thread arena on `0x2`, a
-//!   user arena on a stream of its identity); otherwise, with the block's freed
-//!   flag taken, the caller's outbox, and from there, fenced, to the owner's inbox. A block
-//!   whose superblock has no owner, and every large block, goes to the pool: on the
-//!   per-thread and legacy streams accepted at once and fenced with the outbox's next batch,
-//!   on a user stream with a fence recorded at once.
+//!   [`Arenas`]), made on first use; a thread keeps at most [`MAX_USER_ARENAS`] of them.
+//! - `size > large_max`: the global pool. So is an arena's request while a reclaimer holds the
+//!   arena, or when it still finds no superblock after the out-of-memory reclaim and retry
+//!   below (the pool's first fit may find room for the request where it has none for a
+//!   superblock).
+//! - A free of a block of at most `large_max` bytes goes to its superblock's owner: the
+//!   owner's fast path if the caller is the owner and frees on that arena's stream (the
+//!   per-thread arena on `0x2`, a user arena on a stream of its identity); the legacy arena's
+//!   own free on the legacy stream is kept back in it (`Arena::free_legacy`); otherwise, with
+//!   the block's freed flag taken, the caller's outbox (on a user stream, that stream's batch),
+//!   and from there, fenced, to the owner's inbox. A block whose superblock has no owner, and
+//!   every block over `large_max`, goes to the pool: on the per-thread and legacy streams
+//!   accepted at once and fenced with the outbox's next batch, on a user stream with a fence
+//!   recorded at once.
 //! - On out-of-memory, memory held without live blocks in this thread's and idle threads'
 //!   arenas is taken back and the request tried once more (`Slot::reclaim`).
 //!
@@ -30,7 +36,7 @@
 //! names no stream, gives back everything parked (more than `ZOMBIE_BYTES` parked,
 //! out-of-memory, `trim(true)`, or the allocator's drop). Reclaim by another thread takes a
 //! user arena's memory only where it may block (out-of-memory, `trim(true)`), after a device
-//! synchronise (`Env::home_fence`). Remote frees on a user stream that cannot wait in their
+//! synchronise (`Env::reclaim_fence`). Remote frees on a user stream that cannot wait in their
 //! thread's outbox for a call on that stream are parked the same way (`outbox.rs`).
 
 use std::cell::RefCell;
@@ -119,8 +125,9 @@ struct Shells {
 /// one block), and out of memory, `trim(true)`, a parked arena past `ZOMBIE_BYTES` or the
 /// allocator's drop gives them all back.
 ///
-/// **Bound:** parked arenas hold at most `ZOMBIE_BYTES` (parked frees counted in) plus one
-/// arena's superblocks.
+/// **Bound:** parked arenas hold at most `ZOMBIE_BYTES` plus one arena's superblocks (parked
+/// frees count towards `ZOMBIE_BYTES` when an arena is parked, but have no bound of their
+/// own, above).
 /// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas when they were last
 /// counted ([`Zombies::recount`], at every park), plus the bytes of the parked frees: a
 /// reclaimer on out-of-memory may take superblocks from a parked arena meanwhile, so between

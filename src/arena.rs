@@ -16,7 +16,7 @@
 //!
 //! ## The block cache
 //! In front of the lists sits a small LIFO cache per size class, for classes up to
-//! [`CACHED_CLASSES`] (32 KiB) and [`CACHE_DEPTH`] blocks each, so at most 3 MiB per thread.
+//! [`CACHED_CLASSES`] (32 KiB) and [`CACHE_DEPTH`] blocks each, so at most 3 MiB per arena.
 //! A local free of such a block pushes it there without merging, and an allocation of its class
 //! pops it: no list is touched. A cached block's head tag reads `PENDING` (so a second free of
 //! it is refused) and it counts as free in `live`. The cache is emptied into the lists before
@@ -26,11 +26,13 @@
 //! A free by another thread, or on another stream, does not touch this arena: the freeing
 //! thread takes the block's freed flag (a byte in the superblock, see `superblock.rs`: a
 //! second free of a block already freed is refused at once), batches it (`outbox.rs`) and pushes
-//! the batch, with one fence, into this arena's [`ArenaShell`] inbox. On its slow path the owner
-//! drains the inbox, checks each block against its tags (refusing foreign frees), marks it
-//! `PENDING`, and keeps the batch aside. A pending block is never handed out as it is. A batch
-//! whose fence needs no wait (freed on the arena's own stream, as another thread's free on the
-//! legacy stream is, or seen complete) is merged into the free lists at the next slow path.
+//! the batch, with one fence, into this arena's [`ArenaShell`] inbox (a parked user-stream
+//! batch: with none, after a device synchronise). On its slow path the owner drains the inbox,
+//! checks each block against its tags (refusing foreign frees), marks it `PENDING` and its
+//! freed flag `ARRIVED`, and keeps the batch aside. A pending block is never handed out as it
+//! is. A batch whose fence needs no wait (none, freed on the arena's own stream, as another
+//! thread's free on the legacy stream is, or seen complete) is merged into the free lists at
+//! the next slow path.
 //! When nothing else fits, the owner takes pending batches back behind one `cuStreamWaitEvent`
 //! each on its home stream (no event query, no host block) before it takes a new superblock;
 //! an explicit `flush` merges those whose fence a query finds complete. Merged blocks keep
@@ -61,33 +63,39 @@
 //! inside an allocator call, drains the inbox, and gives back every superblock that holds no
 //! used block (on out-of-memory, every superblock with free or pending space, dissolving it).
 //! The free ranges go behind one fence on the legacy stream (which follows all earlier work on
-//! every per-thread stream, so the owner's local frees), pending blocks behind their own.
+//! every per-thread stream, so the owner's local frees), pending blocks behind their own. A
+//! user-stream arena's memory goes only where the reclaim may block (out of memory,
+//! `trim(true)`), after a device synchronise (`Env::reclaim_fence`); `trim(false)` leaves it.
 //!
-//! **Stranded-memory bound.** After such a reclaim, memory held by arenas beyond what their
-//! used blocks occupy is at most: for each arena whose owner was inside an allocator call at
-//! that moment, what the return rule below allows it; plus, per thread, one outbox batch
-//! (`batch_blocks` blocks or `batch_bytes` bytes) of frees not yet sent. An out-of-memory
-//! error is returned only after this reclaim and one retry.
+//! **Stranded-memory bound.** After an out-of-memory reclaim, memory held by arenas beyond what
+//! their used blocks occupy is at most: for each arena whose owner was inside an allocator call
+//! at that moment, what the return rule below allows it; plus, per other thread, one outbox
+//! batch (`batch_blocks` blocks or `batch_bytes` bytes) of frees not yet sent, and its
+//! user-stream batches (as much again, `outbox.rs`). An out-of-memory error is returned only
+//! after this reclaim and one retry, and, for an arena's request, the pool's first fit.
 
 //! ## Large superblocks
 //! Requests over `small_max` (up to `large_max`) are served by the same lists, from *large
 //! superblocks*: spans of several normal superblocks, lent by the pool when a large request
 //! finds no fit ([`large_superblock_bytes`]: the power of two at or above 4 × the request, 8 to
-//! 128 MiB, aligned to the normal superblock size). One set of free lists: small requests may
-//! be carved from a large superblock's free space, and a large request (over `small_max`, at
-//! most `S`) may be placed in a normal superblock's free space of at least its size; that is
-//! harmless (a normal superblock with a large block is given back, dissolved, like any other),
-//! and keeping the two apart would cost the O(1) fit.
+//! 128 MiB and at least one normal superblock, aligned to the normal superblock size; under a
+//! cap, halved down to the request rounded up to whole normal superblocks, `Arena::grow`).
+//! One set of free lists: small requests may be carved from a large superblock's free space,
+//! and a large request (over `small_max`, at most `S`) may be placed in a normal superblock's
+//! free space of at least its size; that is harmless (a normal superblock with a large block
+//! is given back, dissolved, like any other), and keeping the two apart would cost the O(1)
+//! fit.
 //! Large blocks are rounded to the granule, not to a class (as the pool rounds them), so a
 //! block left in the pool by a dissolved superblock is checked by the same rule. Their frees
 //! take the same paths as small blocks' (local fast path; remote and cross-stream through the
 //! outbox, one fence per batch). Host memory: a large superblock's tags (4 bytes per granule,
-//! 2 MiB for 128 MiB) are made at each lending and dropped when it goes back; its freed flags are
-//! the registry's, per address (`registry.rs`).
+//! 2 MiB for 128 MiB) are taken at each lending from the pool's stash of zeroed buffers or made,
+//! and go back to the stash (at most 8 MiB, `superblock.rs`) or are dropped when the superblock
+//! goes back; its freed flags are the registry's, per address (`registry.rs`).
 //! **Under a tight cap** a large request needs its whole size in one piece of the pool. While
 //! other threads' superblocks are still on their way back (behind fences the reclaim itself
-//! has just recorded), the out-of-memory path, which never blocks the host, may find none and
-//! return out-of-memory where `trim(true)` and a retry would succeed.
+//! has just recorded), the out-of-memory path, which does not wait for those fences, may find
+//! none and return out-of-memory where `trim(true)` and a retry would succeed.
 
 //! ## Superblock return rule (Hoard's emptiness rule, with learnt slack)
 //! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
@@ -121,16 +129,17 @@
 //! hold a live block but are not given back for it: **an arena holding large superblocks
 //! strands at most `max(K·S + L + E, f/(1-f)·û)` beyond its recent peak (at most
 //! `K·S + 512 MiB` or `f/(1-f)·û`), plus its non-empty large superblocks**, each at most
-//! `max(8 MiB, 8 × its largest request)` and 128 MiB. Without the owner, `trim` takes back
+//! `max(8 MiB, 8 × its largest request, S)` and 128 MiB. Without the owner, `trim` takes back
 //! every superblock that holds no used block and out of memory everything free (`reclaim`,
 //! dissolving superblocks, large ones too), whatever `E` was.
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
-//! fence, **then** closes the inbox. Frees waiting for their fences (pending batches, those
-//! drained at exit included) go to the pool under their own fences: the exit fence may have
-//! been recorded before some of them were made. A free that finds the inbox closed, or a superblock with
-//! no owner, goes to the pool, which by then knows the block.
+//! fence, **then** closes the inbox. It completes no pending batch: frees waiting for their
+//! fences (pending batches, those drained at exit included) go to the pool under their own
+//! fences, since the exit fence may have been recorded before some of them were made. A free
+//! that finds the inbox closed, or a superblock with no owner, goes to the pool, which by then
+//! knows the block.
 
 use std::collections::VecDeque;
 
@@ -208,7 +217,8 @@ pub(crate) const LARGE_SUPERBLOCK_MAX: usize = 128 << 20;
 /// [`LARGE_SUPERBLOCK_MIN`] ..= [`LARGE_SUPERBLOCK_MAX`], and at least one normal superblock
 /// `superblock` (a power of two, so the result is a multiple of it). So one request pins at
 /// most `max(8 MiB, 8 × requested)` and at most 128 MiB, and the superblock holds the request
-/// with room for three more of its size (two at 64 MiB) before the arena borrows again.
+/// with room for three more of its size (fewer above 32 MiB: one at 64 MiB) before the arena
+/// borrows again.
 pub(crate) fn large_superblock_bytes(requested: usize, superblock: usize) -> usize {
     requested
         .saturating_mul(4)

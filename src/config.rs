@@ -174,11 +174,12 @@ impl Config {
     /// or, in `PYTORCH_CUDA_ALLOC_CONF`'s form, `max:80%,small_max:1MiB`.
     ///
     /// Items are `key=value` or `key:value`, separated by commas; a later item overrides an
-    /// earlier one. Keys (exact, lowercase): `small_max`, `superblock`, `chunk`, `max` (alias
-    /// `max_bytes`), `keep_empty`, `sparse` (alias `sparse_fraction`), `batch` (alias
-    /// `batch_blocks`), `batch_bytes`, `stats` (`exact` or `sampled`), `passthrough` (a bare
-    /// key, or `true|false|1|0`) and `trace` (a path: an allocation trace is recorded there;
-    /// see `trace.rs`).
+    /// earlier one. Keys (exact, lowercase): `small_max`, `large_max`, `superblock`, `chunk`,
+    /// `max` (alias `max_bytes`), `keep_empty`, `sparse` (alias `sparse_fraction`), `batch`
+    /// (alias `batch_blocks`), `batch_bytes`, `legacy_batch` (alias `legacy_batch_blocks`),
+    /// `legacy_batch_bytes`, `stats` (`exact` or `sampled`), `passthrough` (a bare key, or
+    /// `true|false|1|0`) and `trace` (a path: an allocation trace is recorded there; see
+    /// `trace.rs`).
     ///
     /// Sizes are a number and a unit in any case: `4096B`, `64 KiB`, `2M`, `1g`, `512mb`,
     /// `1.5GiB` (binary units: `K`/`Ki`/`KiB` … `T`/`Ti`/`TiB`; decimal: `KB` … `TB`). A fraction
@@ -251,7 +252,8 @@ impl Config {
         b.build()
     }
 
-    /// Largest request served by the per-thread arenas.
+    /// Largest small request (class-rounded; larger ones up to `large_max` come from large
+    /// superblocks).
     pub fn small_max(&self) -> usize {
         self.small_max
     }
@@ -440,7 +442,8 @@ fn size_of(v: &str) -> Result<usize, String> {
 pub struct ConfigBuilder(Config);
 
 impl ConfigBuilder {
-    /// Largest request served by the arenas (at most the superblock size).
+    /// Largest small request (class-rounded; at most the superblock size). Larger ones up to
+    /// `large_max` come from large superblocks.
     pub fn small_max(mut self, bytes: usize) -> Self {
         self.0.small_max = bytes;
         self

@@ -60,7 +60,7 @@ impl Env<'_> {
     /// call that passed that very stream (`live`: the user vouches for it then); otherwise
     /// the stream is [`HomeFence::Gone`] as far as cuarena can know, and only a device
     /// synchronise, which touches no stream, can follow its work (see `allocator.rs`, "Arenas
-    /// of destroyed streams").
+    /// of user streams that may be gone").
     pub(crate) fn home_fence(&self, home: Stream, key: StreamKey, live: bool) -> Result<HomeFence> {
         if self.skip_fences {
             return Ok(HomeFence::Fence(None));

@@ -5,10 +5,16 @@
 //! - the fence's event has completed (seen by `cuEventQuery`), or
 //! - `N` has been made to wait on the event (`cuStreamWaitEvent`) before the block is returned.
 //!
-//! [`Fence::order_before`] applies the rule; every hand-out of a fenced block goes through it.
-//! Arenas never touch a fence on their fast path: they keep fenced blocks aside, and their slow
-//! path takes them back behind a stream wait ([`Fence::wait_for`], no event query; see
-//! `arena.rs`).
+//! [`Fence::order_before`] applies the rule for the pool ([`FenceSet::order_before`]). Arenas
+//! never touch a fence on their fast path: they keep fenced blocks aside, and their slow path
+//! takes them back once a fence is on their stream or seen complete, or behind a stream wait
+//! ([`Fence::wait_for`], no event query); only an explicit `flush` queries ([`Fence::poll`];
+//! see `arena.rs`).
+//!
+//! Three kinds of free carry no event: an arena's own frees on the legacy stream, reused after
+//! a [`LegacyAction`]; pool frees on the legacy stream, whose event is recorded only at reuse
+//! (a lazy legacy fence, [`FenceSet`]); and remote frees parked from user streams, delivered
+//! after a device synchronise (`allocator.rs`, `Zombies`).
 //!
 //! Fences are shared (`Arc`) between the blocks of one batch and the pieces of a split extent.
 //! The event goes back to the [`EventPool`] when the last reference drops; recording it again

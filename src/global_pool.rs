@@ -1,9 +1,10 @@
 //! The global pool: address-ordered first fit with coalescing over memory reserved from the
 //! device in chunks, shared by all threads under one mutex.
 //!
-//! It serves requests over `large_max` (and smaller ones on streams without an arena), lends
-//! superblocks to arenas (normal ones, and large ones of several normal superblocks' size,
-//! aligned to the normal size) and takes them back.
+//! It serves requests over `large_max` (and, by first fit too, an arena's request while a
+//! reclaimer holds the arena, or that still finds no superblock after an out-of-memory reclaim
+//! and retry: `allocator.rs`), lends superblocks to arenas (normal ones, and large ones of
+//! several normal superblocks' size, aligned to the normal size) and takes them back.
 //!
 //! ## State and invariants (under `state`'s lock)
 //! - `free`: free extents keyed by address ([`AddressTree`]); each lies inside one chunk, no two
@@ -12,15 +13,19 @@
 //! - Every byte of every chunk is in exactly one extent of `free` or one entry of `used`.
 //! - `reserved` is the sum of the chunks, `in_use` the sum of `used`; growth never takes
 //!   `reserved` above `limit` (lowering the limit later releases nothing by itself).
-//! - A free extent carries the fences of every free that produced it; a range is handed out
+//! - A free extent carries the fences of every free that produced it (those not known
+//!   complete, the latest per stream and recording thread: [`FenceSet`]); a range is handed out
 //!   only after [`FenceSet::order_before`] for the receiving stream.
 //! - Superblock `owner` fields are written only here, under the lock.
 //!
 //! ## Lock layering
-//! The pool lock is the innermost lock of the allocator, except for the event pool's lock
-//! (taken when a fence is dropped). No callback runs under it. Driver calls made under it are
-//! growth (`reserve`), `trim`, and fence queries in `trim`; stream waits are issued after the
-//! lock is dropped.
+//! The pool lock is the innermost lock of the allocator, except for the registry's object store
+//! (taken when a superblock is lent, or a freed block's flag page made) and the event pool's
+//! lock (taken when a fence is recorded or dropped). No callback runs under it. Driver calls
+//! made under it are growth (`reserve`, and the non-blocking `trim` it runs when the cap or the
+//! device is full) and `trim`: event records for lazy legacy fences, event queries, with
+//! `blocking` host waits on events, and releases. Stream waits are issued after the lock is
+//! dropped.
 
 use std::collections::BTreeMap;
 
@@ -351,8 +356,8 @@ impl GlobalPool {
     }
 
     /// Frees a block handed out by [`GlobalPool::alloc`] or left by a dissolved superblock.
-    /// `fence` guards its reuse. A refused free changes nothing, except that a refused free
-    /// in transit clears its freed flag (it set it).
+    /// `fence` guards its reuse. A refused free changes nothing, except the freed flag of a
+    /// refused free in transit (it set it): cleared where a live block starts, else `ARRIVED`.
     pub(crate) fn free(
         &self,
         ptr: u64,

@@ -1,16 +1,17 @@
 //! A thread's outbox: remote frees gathered into batches, one fence per batch.
 //!
-//! A free of a small block that is not the calling thread's own block on that arena's stream
-//! lands here. Frees on the per-thread or the legacy stream, which cannot be destroyed, gather
-//! per destination arena until the outbox holds `batch_blocks` blocks or `batch_bytes` bytes,
-//! the free stream changes, or the thread flushes, reclaims memory (out of memory, `trim`) or
-//! exits, and, if frees of pool blocks wait, when the thread's arena reaches its slow path
-//! (they keep superblock ranges from coalescing). (Not at every slow path otherwise: a thread
-//! that both allocates and frees others' blocks would then send batches of a few blocks, one
-//! event each.) A flush
-//! records **one** event on the free stream and pushes one batch per destination. So at most
-//! one batch's worth of freed memory per thread waits unsent: the bound on memory a thread
-//! strands this way.
+//! A free of an arena's block (up to `large_max`) that is not the calling thread's own block on
+//! that arena's stream lands here (the legacy arena's own frees on the legacy stream excepted:
+//! `arena.rs` keeps them back). Frees on the per-thread or the legacy stream, which cannot be
+//! destroyed, gather per destination arena until the outbox holds `batch_blocks` blocks or
+//! `batch_bytes` bytes, the free stream changes, or the thread flushes, reclaims memory (out of
+//! memory, `trim`) or exits, and, if frees of pool blocks wait, when the thread's arena reaches
+//! its slow path (they keep superblock ranges from coalescing). (Not at every slow path
+//! otherwise: a thread that both allocates and frees others' blocks would then send batches of
+//! a few blocks, one event each.) A flush records **one** event on the free stream (none if
+//! every free in it is a pool block's on the legacy stream: the pool keeps a lazy legacy fence,
+//! `FenceSet::lazy_legacy`) and pushes one batch per destination. So at most one batch's worth
+//! of freed memory per thread waits unsent: the bound on memory a thread strands this way.
 //!
 //! Frees of pool blocks on those streams gather here too, under a null destination: the pool
 //! accepted each already (`GlobalPool::begin_free`), and the flush frees them under the
@@ -24,11 +25,11 @@
 //! and are sent under **one** event recorded inside a later call on that same stream: the free
 //! after which the thread's user-stream batches together hold `batch_blocks` blocks or
 //! `batch_bytes` bytes (its stream's batch is sent), or the thread's [`STALE_ALLOCS`]-th
-//! allocation on that stream since the batch began. Every free in the batch
-//! was made on that stream before the event, so the event follows all their earlier uses (the
-//! free's contract). A free on a stream being captured into a graph is refused before it joins
-//! a batch (one `cuStreamIsCapturing`), so a batch never holds a free whose uses a graph still
-//! to be launched may make.
+//! allocation of at most `large_max` bytes on that stream since the batch began. Every free in
+//! the batch was made on that stream before the event, so the event follows all their earlier
+//! uses (the free's contract). A free on a stream being captured into a graph is refused before
+//! it joins a batch (one `cuStreamIsCapturing`), so a batch never holds a free whose uses a
+//! graph still to be launched may make.
 //!
 //! A batch that cannot wait for a call on its stream (thread exit, `flush`, a reclaim, a
 //! fifth stream's free evicting the batch least recently added to, or an event that cannot be

@@ -27,8 +27,8 @@
 //! A page is also made for a slot never lent when the pool takes back a block that started
 //! there (`Registry::mark_freed_unlent`). Host memory for the flags is thus one byte per
 //! granule of address space ever lent (0.4%), whatever the layouts, plus a page per other slot
-//! a freed pool block started in; the owner-only boundary tags are sized per lending
-//! (`superblock.rs`).
+//! a freed pool block started in. The owner-only boundary tags are not per address: a normal
+//! superblock object keeps its own, and a large one gets them at each lending (`superblock.rs`).
 //! Loom model: `loom-tests/tests/registry.rs`.
 
 use crate::superblock::{ARRIVED, Superblock};
@@ -102,9 +102,10 @@ impl Registry {
 
     /// Marks the freed flag of the granule at `addr` [`ARRIVED`] (where it is `0`) in a slot
     /// no superblock has been entered in yet, making the slot's page of flags now: the pool took
-    /// back a block it had handed out there (its first fit serves small requests in ranges it
-    /// cannot lend as a superblock), and once the slot is lent, the page the superblock gets
-    /// (`get_or_insert`) says so, so that a second free of the block is refused at once.
+    /// back a block it had handed out there (a request over `large_max`, or one its first fit
+    /// served after an arena's out-of-memory retry), and once the slot is lent, the page the
+    /// superblock gets (`get_or_insert`) says so, so that a second free of the block is refused
+    /// at once.
     ///
     /// Must be called with the global pool's lock held (it orders this store before the
     /// superblock that publishes the page is entered). Does nothing for an address the

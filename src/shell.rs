@@ -20,7 +20,9 @@ pub(crate) struct Freed {
     pub(crate) size: usize,
 }
 
-/// Remote frees sent together under one fence (`None` only when fencing is off for a test).
+/// Remote frees sent together under one fence (`None`: fencing is off for a test, the frees were
+/// parked and a device synchronise followed them, or they are an arena's own legacy-stream
+/// frees after a legacy action).
 pub(crate) struct Batch {
     pub(crate) fence: Option<Arc<Fence>>,
     pub(crate) blocks: Vec<Freed>,

@@ -17,8 +17,8 @@
 //! One byte per granule, read and written by every thread: at the first granule of a block
 //! handed out by the owner, it says whether a free of that block has been **accepted** since,
 //! and where that free is: `0` none, [`IN_TRANSIT`] (on its way to the owner or the pool), or
-//! [`ARRIVED`] (taken in by the owner). The tags, being owner-only, cannot tell another thread
-//! so; the flag can:
+//! [`ARRIVED`] (taken in by the owner, or applied by the pool). The tags, being owner-only,
+//! cannot tell another thread so; the flag can:
 //! - a free away from the owner's fast path (by another thread, or on another stream) takes
 //!   the flag with one `compare_exchange(0, IN_TRANSIT)`: if it was set, the block was freed
 //!   already (the first free may still be in an outbox, an inbox, waiting for its fence, or
@@ -43,8 +43,9 @@
 //!   stays): when the pool lends the range again, the new arena's carve clears it at the
 //!   blocks it hands out, and until then another thread's second free of the old block is
 //!   refused at once, as it would be in the arena the block came from. At an address no
-//!   superblock has covered yet (a block of the pool's first fit in a range it could not
-//!   lend), the slot's page of flags is made for it (`Registry::mark_freed_unlent`).
+//!   superblock has covered yet (a pool block over `large_max`, or one its first fit served
+//!   after an arena's out-of-memory retry, in a range never lent), the slot's page of flags is
+//!   made for it (`Registry::mark_freed_unlent`).
 //!
 //! The flags belong to addresses, not to superblock objects: a large superblock and the normal
 //! ones lent earlier or later over the same range share them (`registry.rs`).
@@ -72,12 +73,15 @@ use crate::sync::{AtomicPtr, AtomicU8, Mutex, Ordering, UnsafeCell, lock};
 use std::sync::Arc;
 
 /// Freed flag: a free of the block that starts here was accepted by its owner (its local free,
-/// or a remote free its drain took in), or the flag is stale (the block was merged away since).
+/// or a remote free its drain took in) or applied by the pool, a bad free on its way arrived
+/// here and was refused where no live block starts, or the flag is stale (the block was merged
+/// away since).
 pub(crate) const ARRIVED: u8 = 1;
 /// Freed flag: a free away from the owner's fast path took the flag and is on its way to the
-/// owner (an outbox, an inbox) or to the pool. Never stale: it is cleared (refused) or becomes
-/// [`ARRIVED`] when the free arrives (or stays, if the free is dropped on a driver error), so the owner never hands out a block starting here
-/// meanwhile (`Arena::carve`): a bad free on its way would otherwise be taken as a free of it.
+/// owner (an outbox, an inbox) or to the pool. Never stale: it becomes [`ARRIVED`] when the
+/// free arrives (or `0`, if it is refused where a live block starts; or it stays, if the free
+/// is dropped on a driver error), so the owner never hands out a block starting here meanwhile
+/// (`Arena::carve`): a bad free on its way would otherwise be taken as a free of it.
 pub(crate) const IN_TRANSIT: u8 = 2;
 
 /// Tag state: a live block; payload is its length in granules.
@@ -327,9 +331,9 @@ impl Superblock {
     }
 
     /// The block at granule `g` is handed out again (by its owner), or a free that set the
-    /// flag was refused or, in a dissolved superblock, arrived. `Release`: a free that reads
-    /// the cleared flag was ordered after it (the pointer reached that thread by the caller's
-    /// own synchronisation, or by the pool's lock).
+    /// flag was refused where a live block starts, or was not taken after all. `Release`: a
+    /// free that reads the cleared flag was ordered after it (the pointer reached that thread
+    /// by the caller's own synchronisation, or by the pool's lock).
     #[inline]
     pub(crate) fn unfree(&self, g: usize) {
         self.flag(g).store(0, Ordering::Release);
