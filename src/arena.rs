@@ -858,16 +858,9 @@ impl Arena {
                             Ok(()) => mine.push(fr),
                             Err(reason) => {
                                 // This free set the flag (see `superblock.rs`); it is dropped.
-                                // Cleared where a live block starts (a wrong size: its own
-                                // free must be taken); elsewhere `ARRIVED`, as the pool does
-                                // (`GlobalPool::free`): a block the pool took back at this
-                                // address while this free was on its way left the flag to it.
+                                // A live block starts there only if the size was wrong.
                                 if let Some(g) = sb.granule_of(fr.ptr) {
-                                    if matches!(reason, InvalidFree::SizeMismatch { .. }) {
-                                        sb.unfree(g);
-                                    } else {
-                                        sb.mark_arrived(g);
-                                    }
+                                    sb.refuse_transit(g, matches!(reason, InvalidFree::SizeMismatch { .. }));
                                 }
                                 env.refuse_remote(
                                     Error::InvalidFree { ptr: fr.ptr, size: fr.size, reason },

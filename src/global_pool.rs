@@ -372,16 +372,8 @@ impl GlobalPool {
                 if origin == Origin::Transit
                     && let Some((sb, g)) = self.flag_of(ptr)
                 {
-                    // Refused now, under the lock: the flag was this free's. Cleared where a
-                    // live block starts (its own free must be taken); elsewhere `ARRIVED`: a
-                    // block the pool took back there meanwhile left the flag to this free
-                    // (`mark_pool_freed`), and a second free of it must still be refused once
-                    // the range is lent again (a stale `ARRIVED` is harmless, `superblock.rs`).
-                    if st.used.get(&ptr).is_some_and(|u| u.kind == UsedKind::Block) {
-                        sb.unfree(g);
-                    } else {
-                        sb.mark_arrived(g);
-                    }
+                    // Refused now, under the lock: the flag was this free's.
+                    sb.refuse_transit(g, st.used.get(&ptr).is_some_and(|u| u.kind == UsedKind::Block));
                 }
                 return Err(e);
             }

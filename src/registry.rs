@@ -100,6 +100,11 @@ impl Registry {
         (!sb.is_null()).then(|| unsafe { &*sb })
     }
 
+    /// The page of freed flags of the slot at `base` (`per_slot` granules), made if new.
+    fn page(pages: &mut HashMap<u64, Arc<[AtomicU8]>>, base: u64, per_slot: usize) -> Arc<[AtomicU8]> {
+        Arc::clone(pages.entry(base).or_insert_with(|| (0..per_slot).map(|_| AtomicU8::new(0)).collect()))
+    }
+
     /// Marks the freed flag of the granule at `addr` [`ARRIVED`] (where it is `0`) in a slot
     /// no superblock has been entered in yet, making the slot's page of flags now: the pool took
     /// back a block it had handed out there (a request over `large_max`, or one its first fit
@@ -120,9 +125,7 @@ impl Registry {
         if !off.is_multiple_of(granule) {
             return;
         }
-        let per_slot = (slot_bytes / granule) as usize;
-        let mut st = lock(&self.store);
-        let page = st.pages.entry(base).or_insert_with(|| (0..per_slot).map(|_| AtomicU8::new(0)).collect());
+        let page = Self::page(&mut lock(&self.store).pages, base, (slot_bytes / granule) as usize);
         let _ =
             page[(off / granule) as usize].compare_exchange(0, ARRIVED, Ordering::AcqRel, Ordering::Acquire);
     }
@@ -141,14 +144,8 @@ impl Registry {
             let mut st = lock(&self.store);
             let Store { units, pages } = &mut *st;
             let unit = units.entry((base, granules)).or_insert_with(|| {
-                let pages = (0..slots as u64)
-                    .map(|i| {
-                        let page = pages
-                            .entry(base + i * slot_bytes)
-                            .or_insert_with(|| (0..per_slot).map(|_| AtomicU8::new(0)).collect());
-                        Arc::clone(page)
-                    })
-                    .collect();
+                let pages =
+                    (0..slots as u64).map(|i| Self::page(pages, base + i * slot_bytes, per_slot)).collect();
                 Arc::new(Superblock::new(base, granules, pages, per_slot))
             });
             Arc::as_ptr(unit)

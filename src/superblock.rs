@@ -312,6 +312,16 @@ impl Superblock {
         self.flag(g).store(ARRIVED, Ordering::Release);
     }
 
+    /// A free on its way, which took the flag at `g`, was refused on arrival (by the owner's
+    /// drain or by the pool). Where a live block starts at `g` (a wrong-size free), the flag is
+    /// cleared, so that the block's own free is taken; elsewhere it says `ARRIVED`: a block
+    /// the pool took back at that address while the bad free was on its way left the flag to
+    /// it, and a second free of that block must still be refused once the range is lent again
+    /// (a stale `ARRIVED` is harmless, see the module comment).
+    pub(crate) fn refuse_transit(&self, g: usize, live_block_here: bool) {
+        if live_block_here { self.unfree(g) } else { self.mark_arrived(g) }
+    }
+
     /// The pool applied a caller's free of the block at granule `g` (a pool block in a range a
     /// superblock once covered): `ARRIVED`, unless a bad free on its way holds the flag (it
     /// stays `IN_TRANSIT` until that free arrives). Under the pool's lock, off the fast path.
