@@ -146,31 +146,15 @@ fn a_reclaim_skips_an_arena_whose_stream_is_capturing() {
 /// nothing changes, and the same allocation succeeds once the capture has ended.
 #[test]
 fn a_pool_fallback_while_a_reclaimer_holds_the_arena_refuses_a_capturing_stream() {
-    use cuarena_testkit::{HookedDevice, Hooks};
-    use std::sync::mpsc;
-    use std::sync::{Arc, Mutex};
-    use std::thread::ThreadId;
+    use cuarena_testkit::{HookedDevice, Hooks, Stall};
+    use std::sync::Arc;
 
     let sim = host(0);
-    let armed: Arc<Mutex<Option<ThreadId>>> = Arc::new(Mutex::new(None));
-    let (stalled_tx, stalled_rx) = mpsc::channel::<()>();
-    let (go_tx, go_rx) = mpsc::channel::<()>();
-    let (stalled_tx, go_rx) = (Mutex::new(stalled_tx), Mutex::new(go_rx));
-    let armed_h = Arc::clone(&armed);
+    let stall = Stall::new();
+    let stall_h = Arc::clone(&stall);
     let key: cuarena_testkit::hooked::KeyHook = Box::new(move |sim, stream| {
         let k = sim.stream_key(stream)?;
-        let mine = {
-            let mut a = armed_h.lock().unwrap();
-            let me = *a == Some(std::thread::current().id()) && stream.is_legacy();
-            if me {
-                *a = None;
-            }
-            me
-        };
-        if mine {
-            stalled_tx.lock().unwrap().send(()).unwrap();
-            go_rx.lock().unwrap().recv().unwrap();
-        }
+        stall_h.here(stream.is_legacy());
         Ok(k)
     });
     let dev = HookedDevice::new(sim.clone(), Hooks { stream_key: Some(key), ..Hooks::default() });
@@ -186,14 +170,14 @@ fn a_pool_fallback_while_a_reclaimer_holds_the_arena_refuses_a_capturing_stream(
         v[..4].to_vec()
     });
     // A trim on another thread takes the idle owner's arena and stalls inside the claim.
-    let (a2, armed2) = (a.clone(), Arc::clone(&armed));
+    let (a2, stall2) = (a.clone(), Arc::clone(&stall));
     let trimmer = std::thread::spawn(move || {
-        *armed2.lock().unwrap() = Some(std::thread::current().id());
+        stall2.arm();
         let r = a2.trim(false);
         a2.release_thread().unwrap();
         r
     });
-    stalled_rx.recv().unwrap();
+    stall.wait_stalled();
     let sim2 = sim.clone();
     let (refused, before, after) = owner.run(move |a| {
         sim2.begin_capture(Stream::PER_THREAD).unwrap();
@@ -203,7 +187,7 @@ fn a_pool_fallback_while_a_reclaimer_holds_the_arena_refuses_a_capturing_stream(
         sim2.end_capture(Stream::PER_THREAD).unwrap();
         (r, before, after)
     });
-    go_tx.send(()).unwrap();
+    stall.release();
     trimmer.join().unwrap().unwrap();
     match refused {
         Err(e) => assert!(capturing(&e), "{e}"),

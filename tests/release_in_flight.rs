@@ -16,13 +16,12 @@
 //! The window (between the flush's record and the drain) is made wide here by a hook that
 //! holds the exiting thread right after its flush's record.
 
+use std::sync::Arc;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::thread::ThreadId;
 use std::time::Duration;
 
 use cuarena::{Allocator, Config, Device, DeviceAddr, Stream};
-use cuarena_testkit::{HookedDevice, Hooks, HostConfig, HostDevice};
+use cuarena_testkit::{HookedDevice, Hooks, HostConfig, HostDevice, Stall};
 
 /// Runs the sequence up to the exiting thread's end: returns the simulated device and the
 /// allocator, with thread T's 128 MiB superblock back in the pool under T's flush fence only,
@@ -34,27 +33,13 @@ fn exit_after_a_late_legacy_free() -> (HostDevice, Allocator) {
         max_delay: Duration::ZERO,
         ..HostConfig::default()
     });
-    // The thread named here stalls right after its next record on the legacy stream (its
+    // The thread armed here stalls right after its next record on the legacy stream (its
     // exit's outbox flush), until the test lets it go on.
-    let armed: Arc<Mutex<Option<ThreadId>>> = Arc::new(Mutex::new(None));
-    let (rec_tx, rec_rx) = mpsc::channel::<()>();
-    let (go_tx, go_rx) = mpsc::channel::<()>();
-    let (rec_tx, go_rx) = (Mutex::new(rec_tx), Mutex::new(go_rx));
-    let armed_h = Arc::clone(&armed);
+    let stall = Stall::new();
+    let stall_h = Arc::clone(&stall);
     let record: cuarena_testkit::hooked::EventHook = Box::new(move |sim, event, stream| {
         sim.record_event(event, stream)?;
-        let mine = {
-            let mut a = armed_h.lock().unwrap();
-            let me = *a == Some(std::thread::current().id()) && stream.is_legacy();
-            if me {
-                *a = None;
-            }
-            me
-        };
-        if mine {
-            rec_tx.lock().unwrap().send(()).unwrap();
-            go_rx.lock().unwrap().recv().unwrap();
-        }
+        stall_h.here(stream.is_legacy());
         Ok(())
     });
     let dev = HookedDevice::new(sim.clone(), Hooks { record_event: Some(record), ..Hooks::default() });
@@ -69,26 +54,26 @@ fn exit_after_a_late_legacy_free() -> (HostDevice, Allocator) {
     // under `batch_bytes`), hands its own block to U and exits.
     let (to_t, t_rx) = mpsc::channel::<DeviceAddr>();
     let (to_main, main_rx) = mpsc::channel::<DeviceAddr>();
-    let (a_t, armed_t) = (a.clone(), Arc::clone(&armed));
+    let (a_t, stall_t) = (a.clone(), Arc::clone(&stall));
     let t = std::thread::spawn(move || {
         let b = a_t.allocate(64 << 20, legacy).unwrap();
         let u = t_rx.recv().unwrap();
         a_t.deallocate(u, 4096, legacy).unwrap();
         to_main.send(b).unwrap();
-        *armed_t.lock().unwrap() = Some(std::thread::current().id());
+        stall_t.arm();
         // Flush: records F_T on the legacy stream (stalls here), then exit's drain, poll,
         // and give-back under F_T.
         a_t.release_thread().unwrap();
     });
     to_t.send(u).unwrap();
     let b = main_rx.recv().unwrap();
-    rec_rx.recv().unwrap(); // T's flush has recorded F_T
+    stall.wait_stalled(); // T's flush has recorded F_T
 
     // U uses T's block on the legacy stream (queued after F_T) and frees it there: a batch of
     // 64 MiB is sent at once, under an event recorded after the use, into T's inbox.
     sim.hold_and_check(b.0, 4096, 0x5a5a_5a5a, Duration::from_millis(400), legacy).unwrap();
     a.deallocate(b, 64 << 20, legacy).unwrap();
-    go_tx.send(()).unwrap();
+    stall.release();
     t.join().unwrap();
     (sim, a)
 }

@@ -98,3 +98,59 @@ impl Device for HookedDevice {
         self.sim.stream_capturing(stream)
     }
 }
+
+/// A one-shot pause for a hook: the thread that called [`Stall::arm`] stops in its next hooked
+/// call for which the hook passes `true` to [`Stall::here`], until the test calls
+/// [`Stall::release`]; meanwhile [`Stall::wait_stalled`] returns in the test's thread. Other
+/// threads, and later calls, pass through.
+#[derive(Default)]
+pub struct Stall {
+    state: std::sync::Mutex<StallState>,
+    cv: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct StallState {
+    armed: Option<std::thread::ThreadId>,
+    stalled: bool,
+    released: bool,
+}
+
+impl Stall {
+    pub fn new() -> Arc<Stall> {
+        Arc::default()
+    }
+
+    /// The calling thread stops in its next hooked call that matches.
+    pub fn arm(&self) {
+        self.state.lock().unwrap().armed = Some(std::thread::current().id());
+    }
+
+    /// Called by a hook: stops here if the calling thread is armed and `matches`.
+    pub fn here(&self, matches: bool) {
+        let mut st = self.state.lock().unwrap();
+        if !matches || st.armed != Some(std::thread::current().id()) {
+            return;
+        }
+        st.armed = None;
+        st.stalled = true;
+        self.cv.notify_all();
+        while !st.released {
+            st = self.cv.wait(st).unwrap();
+        }
+    }
+
+    /// Waits until the armed thread has stopped.
+    pub fn wait_stalled(&self) {
+        let mut st = self.state.lock().unwrap();
+        while !st.stalled {
+            st = self.cv.wait(st).unwrap();
+        }
+    }
+
+    /// Lets the stopped thread (or the next one to stop) go on.
+    pub fn release(&self) {
+        self.state.lock().unwrap().released = true;
+        self.cv.notify_all();
+    }
+}

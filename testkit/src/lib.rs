@@ -23,7 +23,7 @@ use std::sync::Arc;
 use cuarena::{Allocator, Config, Result};
 
 pub use harness::*;
-pub use hooked::{HookedDevice, Hooks};
+pub use hooked::{HookedDevice, Hooks, Stall};
 pub use host::{HostConfig, HostDevice, StreamGate};
 
 /// An allocator over a simulated device (a clone of `device` shares its state, so keep one to
