@@ -6,11 +6,36 @@
 mod common;
 
 use common::*;
-use cuarena::Stream;
-use cuarena_testkit::{assert_all_returned, host_allocator};
+use cuarena::{Allocator, DeviceAddr, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 const KIB: usize = 1 << 10;
 const SB: u64 = 256 << 10;
+
+/// Another thread frees the 4 KiB block `p` again on `s2` (what that returned is returned);
+/// then the lender frees its block `b` and exits, the 768 KiB pool block `hold` is freed, and
+/// every byte must come back, with `bad` frees refused.
+#[allow(clippy::too_many_arguments)]
+fn free_again_and_clean_up(
+    a: &Allocator,
+    sim: &HostDevice,
+    lender: Worker,
+    b: DeviceAddr,
+    hold: DeviceAddr,
+    p: DeviceAddr,
+    s2: Stream,
+    bad: u64,
+) -> cuarena::Result<()> {
+    let r = on_thread(a, move |a| a.deallocate(p, 4096, s2));
+    lender.run(move |a| a.deallocate_per_thread(b, 256).unwrap());
+    lender.exit();
+    a.deallocate(hold, 768 * KIB, Stream::PER_THREAD).unwrap();
+    a.flush().unwrap();
+    a.trim(true).unwrap();
+    let _ = a.take_deferred_error();
+    assert_all_returned(a, Some(sim), bad);
+    r
+}
 
 /// Under a cap of one chunk, a pool block (over `large_max`) takes all but 128 KiB of it, so a
 /// small request finds no superblock to borrow and is served by the pool's first fit
@@ -49,18 +74,10 @@ fn a_double_free_of_a_first_fit_block_in_a_slot_never_lent_is_refused_at_once() 
             let lender = Worker::new(&a);
             let b = lender.run(|a| a.allocate_per_thread(256).unwrap());
             assert_eq!(b.0, base + 3 * SB, "the last slot was lent ({first}, {second})");
-            let s2 = streams[second];
-            let r = on_thread(&a, move |a| a.deallocate(p, 4096, s2));
+            let r = free_again_and_clean_up(&a, &sim, lender, b, hold, p, streams[second], 1);
             if !is_double(&r) {
                 failures.push(format!("first free on {first}, second on {second}: {r:?}"));
             }
-            lender.run(move |a| a.deallocate_per_thread(b, 256).unwrap());
-            lender.exit();
-            a.deallocate(hold, 768 * KIB, Stream::PER_THREAD).unwrap();
-            a.flush().unwrap();
-            a.trim(true).unwrap();
-            let _ = a.take_deferred_error();
-            assert_all_returned(&a, Some(&sim), 1);
             sim.destroy_stream(user).unwrap();
         }
     }
@@ -130,18 +147,10 @@ fn a_double_free_after_a_bad_free_on_its_way_at_the_same_address_is_refused_at_o
             lender.run(|a| a.flush().unwrap()); // its drain takes the bad free in
             assert_eq!(a.stats().invalid_frees, refused + 1, "the lender's drain refused the bad free");
         }
-        let s2 = streams[second];
-        let r = on_thread(&a, move |a| a.deallocate(p, 4096, s2));
+        let r = free_again_and_clean_up(&a, &sim, lender, b, big, p, streams[second], 2);
         if !is_double(&r) {
             failures.push(format!("bad free late {late}, first free on {first}, second on {second}: {r:?}"));
         }
-        lender.run(move |a| a.deallocate_per_thread(b, 256).unwrap());
-        lender.exit();
-        a.deallocate(big, 768 * KIB, Stream::PER_THREAD).unwrap();
-        a.flush().unwrap();
-        a.trim(true).unwrap();
-        let _ = a.take_deferred_error();
-        assert_all_returned(&a, Some(&sim), 2);
         sim.destroy_stream(user).unwrap();
     }
     assert!(failures.is_empty(), "double frees accepted: {failures:#?}");
