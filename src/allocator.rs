@@ -761,9 +761,6 @@ impl Slot {
                 p
             }
             None => {
-                // CUDA graphs: the pool refuses a stream being captured, as `alloc_pool` does
-                // (a reclaimer holding the arena sends the request here before any check).
-                env.dev.refuse_capturing(home)?;
                 let p = inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences)?;
                 self.counted_alloc(g * GRANULE, AllocPath::Pool);
                 p
@@ -787,8 +784,7 @@ impl Slot {
     #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
         let env = inner.env(&self.counters);
-        // CUDA graphs: a slow path refuses a stream being captured (see README).
-        env.dev.refuse_capturing(stream)?;
+        // CUDA graphs: the pool refuses a stream being captured (`GlobalPool::alloc`).
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
             Err(Error::OutOfMemory { .. }) => {

@@ -235,7 +235,8 @@ impl GlobalPool {
         st.free.insert(start, size, FreeExt { chunk, fences });
     }
 
-    /// Allocates `bytes` (already rounded) for `stream`.
+    /// Allocates `bytes` (already rounded) for `stream`. A stream being captured into a CUDA
+    /// graph is refused first (the block's fences would need a wait on it; see README).
     pub(crate) fn alloc(
         &self,
         dev: &Counted<'_>,
@@ -244,6 +245,7 @@ impl GlobalPool {
         key: StreamKey,
         skip_fences: bool,
     ) -> Result<u64> {
+        dev.refuse_capturing(stream)?;
         let (addr, fences) = {
             let mut st = lock(&self.state);
             let addr = match st.free.first_fit(bytes as u64) {
