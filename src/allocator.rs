@@ -178,9 +178,9 @@ const HOMES: [Stream; 2] = [Stream::PER_THREAD, Stream::LEGACY];
 /// is fixed). `None` for a user stream: its arena is found by the stream's identity (see
 /// [`Arenas`]).
 ///
-/// Only the per-thread arena frees on its fast path. The thread's free of its own legacy-arena
-/// block on the legacy stream is kept back in that arena until one *legacy action* per batch
-/// (`Arena::free_legacy`): without one, a block freed on the legacy stream after use on one
+/// Both free on their fast path ([`free_fast`]), the per-thread arena at once, the legacy arena
+/// differently: the thread's free of its own legacy-arena block on the legacy stream is kept
+/// back in that arena until one *legacy action* per batch (`Arena::free_legacy`): without one, a block freed on the legacy stream after use on one
 /// per-thread stream and handed out again could be used on another per-thread stream with
 /// nothing ordering the two (per-thread streams wait for earlier legacy *actions*). Another
 /// thread's free on the legacy stream goes the batched way with one event per batch, which is
@@ -878,9 +878,10 @@ impl Slot {
         Ok(())
     }
 
-    /// Frees a small block of an arena's superblock (`owner` is that arena's shell): on the
-    /// owner's fast path if this thread owns it and frees on its per-thread stream, otherwise
-    /// its freed flag taken (see `superblock.rs`) and sent, fenced, towards the owner.
+    /// Frees a block of an arena's superblock (`owner` is that arena's shell): by the owner's
+    /// local free if this thread owns it and frees on its stream (what [`free_fast`] did not
+    /// take: a user arena's, or one the fast path found its claim taken for), otherwise its
+    /// freed flag taken (see `superblock.rs`) and sent, fenced, towards the owner.
     #[inline]
     fn free_arena_block(
         &mut self,
@@ -1031,6 +1032,17 @@ fn arena_path(large: bool) -> AllocPath {
     if large { AllocPath::Large } else { AllocPath::Arena }
 }
 
+/// An arena request for `size` (at least 1 and at most `large_max`): its size class, its
+/// granules and whether it is large. Small blocks are class-rounded, large ones
+/// granule-rounded (`block_bytes`).
+#[inline(always)]
+fn arena_request(size: usize, small_max: usize) -> (usize, usize, bool) {
+    let g = granules_for(size).expect("sizes up to large_max do not overflow");
+    let class = class_ceil(g);
+    let large = size > small_max;
+    (class, if large { g } else { class_granules(class) }, large)
+}
+
 /// The fast path of a small allocation on the per-thread or the legacy stream (arena `i`):
 /// the calling thread's arena serves it from its block cache or free lists, with no CUDA call,
 /// no lock and no atomic read-modify-write. `None` sends the request to the slow path
@@ -1049,14 +1061,17 @@ fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize, large: bool)
         .flatten()
 }
 
-/// The fast path of a free on the per-thread stream of a block of the calling thread's
-/// per-thread arena: merged back at once (`Arena::free_local`). False sends the free to the
-/// slow path ([`Allocator::deallocate_cold`]), which also reports an invalid free: the fast
-/// path changes nothing when it finds one.
+/// The fast path of a free, on the per-thread or the legacy stream (arena `i`, see
+/// [`arena_index`]), of a block of the calling thread's arena for that stream: on the
+/// per-thread stream merged back at once (`Arena::free_local`), on the legacy stream kept back
+/// until the batch's legacy action (`Arena::free_legacy`). No CUDA call, no lock, no atomic
+/// read-modify-write (the legacy action, once per batch, is the cold exception). False sends
+/// the free to the slow path ([`Allocator::deallocate_cold`]), which also reports an invalid
+/// free: the fast path changes nothing when it finds one.
 #[inline]
-fn free_fast(inner: &Arc<Inner>, ptr: u64, size: usize) -> bool {
+fn free_fast(inner: &Arc<Inner>, i: usize, ptr: u64, size: usize) -> bool {
     let small_max = inner.cfg.small_max;
-    if size == 0 || size > small_max {
+    if size == 0 || size > inner.cfg.large_max {
         return false;
     }
     let Some(sb) = inner.pool.registry.lookup(ptr) else { return false };
@@ -1067,12 +1082,21 @@ fn free_fast(inner: &Arc<Inner>, ptr: u64, size: usize) -> bool {
             let slot = slots.iter_mut().find(|s| s.id == inner.id)?;
             let bytes = block_bytes(size, small_max)?;
             let env = inner.env(&slot.counters);
-            let a = slot.arenas.fixed[0].as_mut()?;
+            let a = slot.arenas.fixed[i].as_mut()?;
             if !std::ptr::eq(Arc::as_ptr(&a.shell), owner) {
                 return None;
             }
             // Inside the claim the superblock stays ours, so ownership is checked again there.
-            a.with(|a| a.owns(sb).then(|| a.free_local(&env, sb, ptr, size, bytes)))??.ok()?;
+            a.with(|a| {
+                a.owns(sb).then(|| {
+                    if i == 0 {
+                        a.free_local(&env, sb, ptr, size, bytes)
+                    } else {
+                        a.free_legacy(&env, sb, ptr, size, bytes)
+                    }
+                })
+            })??
+            .ok()?;
             slot.counted_free(bytes);
             Some(())
         })
@@ -1160,7 +1184,46 @@ impl Allocator {
     /// times; then [`Error::OutOfMemory`].
     #[inline]
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
-        // Whether a trace runs is asked after the allocation (trace.rs).
+        // The fast path gives a bare address, kept in registers: the 48-byte `Result` is made
+        // once, here, not copied out of a callee's frame (that copy, read back wider than it
+        // was written, stalled store forwarding and cost a third of a cache-hit allocation).
+        // Whether a trace runs is asked after the allocation (trace.rs), on either path.
+        let fast = crate::trace::allocation(
+            &self.inner.trace,
+            || self.allocate_fast(size, stream),
+            |p| {
+                if let Some(p) = p {
+                    // A block in hand stays `Ok`: recording does not change the result.
+                    let _ = self.trace_allocation(size, stream, Ok(DeviceAddr(p)));
+                }
+                p
+            },
+        );
+        match fast {
+            Some(p) => Ok(DeviceAddr(p)),
+            None => self.allocate_slow(size, stream),
+        }
+    }
+
+    /// The fast path of [`Allocator::allocate`]: a request up to `large_max` on the per-thread
+    /// or the legacy stream, served by the calling thread's arena without a CUDA call, a lock or
+    /// an atomic read-modify-write (`alloc_fast`). `None` changes nothing and sends the request
+    /// to [`Allocator::allocate_slow`].
+    #[inline(always)]
+    fn allocate_fast(&self, size: usize, stream: Stream) -> Option<u64> {
+        let inner = &self.inner;
+        if inner.passthrough.is_some() || size == 0 || size > inner.cfg.large_max {
+            return None;
+        }
+        let i = arena_index(stream)?;
+        let (class, gc, large) = arena_request(size, inner.cfg.small_max);
+        alloc_fast(inner, i, class, gc, large)
+    }
+
+    /// Every allocation the fast path did not serve, with the trace's rule and the OOM hook.
+    #[cold]
+    #[inline(never)]
+    fn allocate_slow(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         crate::trace::allocation(
             &self.inner.trace,
             || self.allocate_untraced(size, stream),
@@ -1188,11 +1251,7 @@ impl Allocator {
         }
         let inner = &self.inner;
         if size <= inner.cfg.large_max {
-            let g = granules_for(size).expect("sizes up to large_max do not overflow");
-            let class = class_ceil(g);
-            // Small blocks are class-rounded; large ones granule-rounded (`block_bytes`).
-            let large = size > inner.cfg.small_max;
-            let gc = if large { g } else { class_granules(class) };
+            let (class, gc, large) = arena_request(size, inner.cfg.small_max);
             match arena_index(stream) {
                 Some(i) => {
                     if let Some(p) = alloc_fast(inner, i, class, gc, large) {
@@ -1251,7 +1310,9 @@ impl Allocator {
         if ptr.is_null() && size == 0 {
             return Ok(());
         }
-        if stream.is_per_thread() && free_fast(&self.inner, ptr.0, size) {
+        if let Some(i) = arena_index(stream)
+            && free_fast(&self.inner, i, ptr.0, size)
+        {
             return Ok(());
         }
         self.deallocate_cold(ptr, size, stream)
