@@ -967,10 +967,6 @@ const MSG_PREFILL: usize = 8;
 
 struct Rng(u64);
 
-const LN_4096: f64 = 8.317_766_166_719_343;
-const LN_64: f64 = 4.158_883_083_359_672;
-const LN_256: f64 = 5.545_177_444_479_562;
-
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
@@ -978,17 +974,42 @@ impl Rng {
         self.0 ^= self.0 << 17;
         self.0
     }
-    /// Log-uniform in `[lo, hi)`: `lo · (hi/lo)^u`, one `exp` per draw.
+    /// Log-uniform in `[lo, hi)`: `lo · (hi/lo)^u`. For the workloads' ranges (`hi / lo` a
+    /// power of two, `2^L`) it is `lo · 2^k · 2^f` with `k + f = u·L`, `2^f` from a polynomial
+    /// ([`exp2_frac`], a table): libm's `exp` was a tenth of a one-thread churn pair's time, the
+    /// harness's cost, not the allocator's.
     fn log_uniform(&mut self, lo: usize, hi: usize) -> usize {
         let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        let ratio_ln = match (lo, hi) {
-            (256, 0x10_0000) => LN_4096,
-            (0x10_0000, 0x400_0000) => LN_64,
-            (256, 0x1_0000) => LN_256,
-            _ => (hi as f64 / lo as f64).ln(),
-        };
-        (lo as f64 * (u * ratio_ln).exp()) as usize
+        if lo.is_power_of_two() && hi.is_power_of_two() && hi > lo {
+            let x = u * f64::from(hi.trailing_zeros() - lo.trailing_zeros());
+            let k = x as u32; // floor: x >= 0
+            return ((lo << k) as f64 * exp2_frac(x - f64::from(k))) as usize;
+        }
+        (lo as f64 * (u * (hi as f64 / lo as f64).ln()).exp()) as usize
     }
+}
+
+/// `2^(j/256)` for `j` in `0..=256`, by repeated multiplication (error a few ulps).
+const EXP2_TABLE: [f64; 257] = {
+    const STEP: f64 = 1.002_711_275_050_202_5; // 2^(1/256)
+    let mut t = [1.0; 257];
+    let mut j = 1;
+    while j < 257 {
+        t[j] = t[j - 1] * STEP;
+        j += 1;
+    }
+    t
+};
+
+/// `2^f` for `f` in `[0, 1)`: [`EXP2_TABLE`] with linear interpolation between its entries
+/// (relative error under 10^-6; a chord lies above the convex curve, and at most at the next
+/// entry, so the result stays under 2 and a draw under `hi`). Two loads, a multiply and an add.
+#[inline]
+fn exp2_frac(f: f64) -> f64 {
+    let x = f * 256.0;
+    let j = (x as usize).min(255);
+    let (a, b) = (EXP2_TABLE[j], EXP2_TABLE[j + 1]);
+    a + (b - a) * (x - j as f64)
 }
 
 impl Run<'_> {
@@ -1241,6 +1262,39 @@ mod tests {
             HostConfig { capacity: 1 << 36, min_delay: Duration::ZERO, max_delay, ..HostConfig::default() },
             "test".into(),
         )
+    }
+
+    #[test]
+    fn exp2_frac_is_two_to_the_f_and_stays_under_two() {
+        let mut worst: f64 = 0.0;
+        for i in 0..=100_000 {
+            let f = f64::from(i) / 100_001.0;
+            let (got, want) = (exp2_frac(f), f.exp2());
+            assert!((1.0..2.0).contains(&got), "2^{f} = {got}");
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 1e-6, "relative error {worst}");
+    }
+
+    #[test]
+    fn log_uniform_draws_stay_in_range_and_spread_evenly_over_octaves() {
+        for (lo, hi) in [(256usize, 1usize << 20), (1 << 20, 64 << 20), (256, 64 << 10), (1000, 3000)] {
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+            let octaves = (hi as f64 / lo as f64).log2();
+            let buckets = octaves.ceil() as usize;
+            let mut count = vec![0u32; buckets];
+            let n = 200_000;
+            for _ in 0..n {
+                let s = rng.log_uniform(lo, hi);
+                assert!((lo..hi).contains(&s), "{s} outside [{lo}, {hi})");
+                count[((s as f64 / lo as f64).log2() as usize).min(buckets - 1)] += 1;
+            }
+            // Each whole octave holds 1/octaves of the draws (within 3%).
+            for (b, &c) in count.iter().enumerate().take(octaves.floor() as usize) {
+                let share = f64::from(c) / f64::from(n) * octaves;
+                assert!((share - 1.0).abs() < 0.03, "[{lo}, {hi}) octave {b}: {share}");
+            }
+        }
     }
 
     #[test]
