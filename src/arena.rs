@@ -298,7 +298,12 @@ impl Arena {
     /// Fast path: a block of `g` granules (class `class`), or `None` if no free block fits.
     #[inline]
     pub(crate) fn alloc(&mut self, class: usize, g: usize) -> Option<u64> {
-        if let Some((sbp, first)) = self.cache.get_mut(class).and_then(Vec::pop) {
+        // The cache holds whole blocks of its class only: a large request of `g` granules
+        // rounded up to a class must not take a bigger cached block (its free, with its own
+        // size, would be refused as a size mismatch).
+        if let Some((sbp, first)) =
+            self.cache.get_mut(class).filter(|_| class_granules(class) == g).and_then(Vec::pop)
+        {
             // SAFETY: cached blocks lie in superblocks we own (the cache is emptied before any
             // superblock leaves), and superblocks live as long as the registry.
             let sb = unsafe { &*sbp };
@@ -506,7 +511,9 @@ impl Arena {
         let g = bytes >> GRANULE_SHIFT;
         let lists = &mut self.lists;
         let class = class_floor(g);
-        let cache = self.cache.get_mut(class).filter(|c| c.len() < CACHE_DEPTH);
+        // Only a block of exactly its class's size is cached (a large block, granule-rounded,
+        // may lie between two classes: `alloc` would hand it out as its class's size).
+        let cache = self.cache.get_mut(class).filter(|c| c.len() < CACHE_DEPTH && class_granules(class) == g);
         // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
         let r = unsafe {
             sb.with_local(|l| {
