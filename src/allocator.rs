@@ -880,8 +880,9 @@ impl Slot {
 
     /// Frees a block of an arena's superblock (`owner` is that arena's shell): by the owner's
     /// local free if this thread owns it and frees on its stream (what [`free_fast`] did not
-    /// take: a user arena's, or one the fast path found its claim taken for), otherwise its
-    /// freed flag taken (see `superblock.rs`) and sent, fenced, towards the owner.
+    /// take: an invalid free, to be reported, or one whose arena a reclaimer held a moment
+    /// ago), otherwise its freed flag taken (see `superblock.rs`) and sent, fenced, towards the
+    /// owner.
     #[inline]
     fn free_arena_block(
         &mut self,
@@ -896,9 +897,9 @@ impl Slot {
         let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
         let mine = self.arenas.find(owner);
         if let Some(w) = mine {
-            // The fast path frees on the arena's own stream: the per-thread arena's on `0x2`, a
-            // user arena's on a stream with its identity (one `cuStreamGetId`). The legacy
-            // arena frees the batched way (see `arena_index`).
+            // The owner's local free is on the arena's own stream: the per-thread arena's on
+            // `0x2`, a user arena's on a stream with its identity (one `cuStreamGetId`); the
+            // same rule as `free_fast`'s. The legacy arena keeps its frees back (below).
             let home = match w {
                 Which::Fixed(i) => i == 0 && stream.is_per_thread(),
                 Which::User(j) => {
@@ -1061,38 +1062,49 @@ fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize, large: bool)
         .flatten()
 }
 
-/// The fast path of a free, on the per-thread or the legacy stream (arena `i`, see
-/// [`arena_index`]), of a block of the calling thread's arena for that stream: on the
-/// per-thread stream merged back at once (`Arena::free_local`), on the legacy stream kept back
-/// until the batch's legacy action (`Arena::free_legacy`). No CUDA call, no lock, no atomic
-/// read-modify-write (the legacy action, once per batch, is the cold exception). False sends
-/// the free to the slow path ([`Allocator::deallocate_cold`]), which also reports an invalid
-/// free: the fast path changes nothing when it finds one.
+/// The fast path of a free by the owner, on its arena's own stream, of a block of the calling
+/// thread's arena for that stream: on the per-thread stream merged back at once
+/// (`Arena::free_local`), on the legacy stream kept back until the batch's legacy action
+/// (`Arena::free_legacy`), on a user stream merged back at once once the stream's identity
+/// (one `cuStreamGetId`, the only driver call here) is the arena's. No lock and no atomic
+/// read-modify-write; no CUDA call on the per-thread and legacy streams (the legacy action,
+/// once per batch, and a give-back by the return rule are the cold exceptions). False sends the
+/// free to the slow path ([`Allocator::deallocate_cold`]), which also reports an invalid free:
+/// the fast path changes nothing when it finds one.
 #[inline]
-fn free_fast(inner: &Arc<Inner>, i: usize, ptr: u64, size: usize) -> bool {
+fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize) -> bool {
     let small_max = inner.cfg.small_max;
     if size == 0 || size > inner.cfg.large_max {
         return false;
     }
     let Some(sb) = inner.pool.registry.lookup(ptr) else { return false };
     let owner = sb.owner.load(Ordering::Acquire);
+    let mine = |a: &OwnedArena| std::ptr::eq(Arc::as_ptr(&a.shell), owner);
     SLOTS
         .try_with(|cell| {
             let mut slots = cell.try_borrow_mut().ok()?;
             let slot = slots.iter_mut().find(|s| s.id == inner.id)?;
             let bytes = block_bytes(size, small_max)?;
             let env = inner.env(&slot.counters);
-            let a = slot.arenas.fixed[i].as_mut()?;
-            if !std::ptr::eq(Arc::as_ptr(&a.shell), owner) {
-                return None;
-            }
+            let a = match arena_index(stream) {
+                Some(i) => slot.arenas.fixed[i].as_mut().filter(|a| mine(a))?,
+                None => {
+                    let u = slot.arenas.users.iter_mut().find(|u| mine(&u.arena))?;
+                    // A handle names the arena's stream only if its identity says so now.
+                    if env.dev.stream_key(stream).ok()? != u.key {
+                        return None;
+                    }
+                    &mut u.arena
+                }
+            };
+            let legacy = stream.is_legacy();
             // Inside the claim the superblock stays ours, so ownership is checked again there.
             a.with(|a| {
                 a.owns(sb).then(|| {
-                    if i == 0 {
-                        a.free_local(&env, sb, ptr, size, bytes)
-                    } else {
+                    if legacy {
                         a.free_legacy(&env, sb, ptr, size, bytes)
+                    } else {
+                        a.free_local(&env, sb, ptr, size, bytes)
                     }
                 })
             })??
@@ -1311,9 +1323,7 @@ impl Allocator {
         if ptr.is_null() && size == 0 {
             return Ok(());
         }
-        if let Some(i) = arena_index(stream)
-            && free_fast(&self.inner, i, ptr.0, size)
-        {
+        if free_fast(&self.inner, stream, ptr.0, size) {
             return Ok(());
         }
         self.deallocate_cold(ptr, size, stream)

@@ -220,6 +220,10 @@ pub(crate) struct Superblock {
     /// Freed flags (see the module comment), one page per registry slot covered: shared with
     /// every superblock object that covers the same slot, since a flag belongs to its address.
     pages: Box<[Arc<[AtomicU8]>]>,
+    /// `pages[0]` again, read without the double indexing: every flag of a normal superblock,
+    /// and the first page's of a large one (each flag read or written on the fast path, four
+    /// times a pair).
+    first_page: Arc<[AtomicU8]>,
     /// `log2` of the granules per page.
     page_shift: u32,
     local: UnsafeCell<SbLocal>,
@@ -244,6 +248,7 @@ impl Superblock {
         per_page: usize,
     ) -> Superblock {
         debug_assert!(per_page.is_power_of_two() && pages.len() * per_page >= granules);
+        debug_assert!(pages.iter().all(|p| p.len() == per_page), "every page holds per_page flags");
         let mut local = SbLocal { tags: Vec::new(), live: 0 };
         if pages.len() == 1 {
             local.tags.reserve_exact(granules);
@@ -252,6 +257,7 @@ impl Superblock {
             base,
             granules,
             owner: AtomicPtr::new(std::ptr::null_mut()),
+            first_page: Arc::clone(&pages[0]),
             pages,
             page_shift: per_page.trailing_zeros(),
             local: UnsafeCell::new(local),
@@ -261,7 +267,10 @@ impl Superblock {
     /// The freed flag of granule `g`.
     #[inline]
     fn flag(&self, g: usize) -> &AtomicU8 {
-        &self.pages[g >> self.page_shift][g & ((1 << self.page_shift) - 1)]
+        match self.first_page.get(g) {
+            Some(f) => f, // g < per_page: page 0, entry g
+            None => &self.pages[g >> self.page_shift][g & ((1 << self.page_shift) - 1)],
+        }
     }
 
     /// The granule of `ptr` in this superblock, if `ptr` lies in it on a granule boundary.
