@@ -837,7 +837,16 @@ impl Slot {
         bytes + inner.reclaim_others(env, &arenas.shells(), dissolve, may_block)
     }
 
-    fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
+    /// `asked`: the stream's identity if [`free_fast`] asked it in this call (not asked again:
+    /// a destroyed stream's handle reaches the driver once).
+    fn free(
+        &mut self,
+        inner: &Inner,
+        ptr: u64,
+        size: usize,
+        stream: Stream,
+        asked: Option<Result<StreamKey>>,
+    ) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = if size == 0 { None } else { block_bytes(size, inner.cfg.small_max) };
         if size > 0
@@ -846,7 +855,7 @@ impl Slot {
         {
             let owner = sb.owner.load(Ordering::Acquire);
             if !owner.is_null() {
-                return self.free_arena_block(inner, sb, owner, ptr, size, stream);
+                return self.free_arena_block(inner, sb, owner, (ptr, size, stream), asked);
             }
         }
         let Some(bytes) = bytes else {
@@ -889,9 +898,8 @@ impl Slot {
         inner: &Inner,
         sb: &Superblock,
         owner: *mut ArenaShell,
-        ptr: u64,
-        size: usize,
-        stream: Stream,
+        (ptr, size, stream): (u64, usize, Stream),
+        mut asked: Option<Result<StreamKey>>,
     ) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
@@ -903,8 +911,13 @@ impl Slot {
             let home = match w {
                 Which::Fixed(i) => i == 0 && stream.is_per_thread(),
                 Which::User(j) => {
-                    stream.is_user()
-                        && inner.env(&self.counters).dev.stream_key(stream)? == self.arenas.users[j].key
+                    stream.is_user() && {
+                        let key = match asked.take() {
+                            Some(k) => k?,
+                            None => inner.env(&self.counters).dev.stream_key(stream)?,
+                        };
+                        key == self.arenas.users[j].key
+                    }
                 }
             };
             // The legacy arena's own free on the legacy stream: kept back in the arena until
@@ -935,7 +948,7 @@ impl Slot {
                     return Ok(());
                 }
                 // A reclaimer gave the superblock back meanwhile: route the free afresh.
-                Some(Local::NotOurs) => return self.free(inner, ptr, size, stream),
+                Some(Local::NotOurs) => return self.free(inner, ptr, size, stream, None),
                 Some(Local::Checked(r)) => r?,
                 // A reclaimer holds our arena right now: the free goes the remote way, and
                 // the drain checks it.
@@ -1071,8 +1084,16 @@ fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize, large: bool)
 /// once per batch, and a give-back by the return rule are the cold exceptions). False sends the
 /// free to the slow path ([`Allocator::deallocate_cold`]), which also reports an invalid free:
 /// the fast path changes nothing when it finds one.
+///
+/// `asked` gets the stream's identity (or the error) where it was asked, for the slow path.
 #[inline]
-fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize) -> bool {
+fn free_fast(
+    inner: &Arc<Inner>,
+    stream: Stream,
+    ptr: u64,
+    size: usize,
+    asked: &mut Option<Result<StreamKey>>,
+) -> bool {
     let small_max = inner.cfg.small_max;
     if size == 0 || size > inner.cfg.large_max {
         return false;
@@ -1091,7 +1112,11 @@ fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize) -> bool 
                 None => {
                     let u = slot.arenas.users.iter_mut().find(|u| mine(&u.arena))?;
                     // A handle names the arena's stream only if its identity says so now.
-                    if env.dev.stream_key(stream).ok()? != u.key {
+                    let key = env.dev.stream_key(stream);
+                    let home = matches!(key, Ok(k) if k == u.key);
+                    // Kept for the slow path: a stale handle reaches the driver once a call.
+                    *asked = Some(key);
+                    if !home {
                         return None;
                     }
                     &mut u.arena
@@ -1323,21 +1348,28 @@ impl Allocator {
         if ptr.is_null() && size == 0 {
             return Ok(());
         }
-        if free_fast(&self.inner, stream, ptr.0, size) {
+        let mut asked = None;
+        if free_fast(&self.inner, stream, ptr.0, size, &mut asked) {
             return Ok(());
         }
-        self.deallocate_cold(ptr, size, stream)
+        self.deallocate_cold(ptr, size, stream, asked)
     }
 
     /// Every free the fast path did not take, and every invalid one.
     #[cold]
     #[inline(never)]
-    fn deallocate_cold(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+    fn deallocate_cold(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        asked: Option<Result<StreamKey>>,
+    ) -> Result<()> {
         with_slot(&self.inner, |slot, inner| {
             let r = if ptr.is_null() {
                 Err(Error::InvalidFree { ptr: 0, size, reason: InvalidFree::UnknownPointer })
             } else {
-                slot.free(inner, ptr.0, size, stream)
+                slot.free(inner, ptr.0, size, stream, asked)
             };
             if let Err(Error::InvalidFree { .. }) = r {
                 slot.counters.bump(&slot.counters.invalid_frees, 1);

@@ -1,0 +1,394 @@
+//! Attacks on the user-stream free fast path of commit 49507b4: `free_fast` takes the owner's
+//! free of its user arena's block on a user stream once the stream's identity
+//! (`cuStreamGetId`) is the arena's, and sends everything else to the slow path (a free on
+//! another stream, on a reused handle, on a destroyed handle, an invalid free, a retired
+//! arena's block). Every test is timing-independent: work that must stay in flight is held
+//! behind a [`cuarena_testkit::StreamGate`].
+
+mod common;
+
+use common::{host, on_thread, small};
+use cuarena::{Allocator, Device, DeviceAddr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+
+/// Small blocks up to 64 KiB, large ones (from large superblocks) up to 128 KiB.
+fn alloc_on(sim: &HostDevice) -> Allocator {
+    host_allocator(sim.clone(), small().large_max(128 << 10).build().unwrap()).unwrap()
+}
+
+/// A small block and a large one (over `small_max`, up to `large_max`); whole classes or
+/// granules, so `live_bytes` counts them exactly.
+const SIZES: [usize; 2] = [4 << 10, 96 << 10];
+
+/// Makes later work on `to` wait for the work queued on `from` so far.
+fn order(sim: &HostDevice, from: Stream, to: Stream) {
+    let ev = sim.create_event().unwrap();
+    sim.record_event(ev, from).unwrap();
+    sim.stream_wait_event(to, ev).unwrap();
+}
+
+fn refused(r: cuarena::Result<()>) -> InvalidFree {
+    match r {
+        Err(Error::InvalidFree { reason, .. }) => reason,
+        r => panic!("not refused as an invalid free: {r:?}"),
+    }
+}
+
+/// The owner frees its user arena's block on another user stream `C` (legal: the block's work
+/// on `A` was ordered before `C`, and `C` uses it behind a closed gate). That free is not the
+/// arena's own: the block must not come back on `A` before a fence after `C`'s work. With the
+/// identity comparison skipped, the arena would take it locally, and the next allocation on
+/// `A` would hand it out (LIFO cache) while `C`'s work on it is still in flight: the race
+/// checker catches the write on `A`. The thread has an arena for `C` too.
+#[test]
+fn owner_free_on_another_user_stream_is_not_reused_before_its_fence() {
+    for size in SIZES {
+        let sim = host(0);
+        let a = alloc_on(&sim);
+        let (sa, sc) = (sim.create_stream(), sim.create_stream());
+        // An arena for C as well, so that a lookup by the freeing stream finds one.
+        let other = a.allocate(size, sc).unwrap();
+        let p = a.allocate(size, sa).unwrap();
+        let keep = a.allocate(size, sa).unwrap(); // no return rule on the free below
+        sim.write_tag(p.0, 256, 1, sa).unwrap();
+        order(&sim, sa, sc);
+        let gate = sim.gate(sc).unwrap();
+        sim.write_tag(p.0, 256, 2, sc).unwrap(); // in flight until the gate opens
+        let s0 = a.stats();
+        a.deallocate(p, size, sc).unwrap();
+        let s1 = a.stats();
+        let q = a.allocate(size, sa).unwrap();
+        sim.write_tag(q.0, 256, 3, sa).unwrap();
+        let v = sim.violations();
+        assert!(v.is_empty(), "{size}: {} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
+        assert_ne!(q, p, "{size}: the block came back on A at once, unfenced");
+        assert_eq!(
+            s1.cross_stream_frees,
+            s0.cross_stream_frees + 1,
+            "{size}: not the arena's own stream: {s1:?}"
+        );
+        assert_eq!(s1.live_bytes, s0.live_bytes - size as u64, "{size}: {s1:?}");
+        // A second free of the block, on either stream, is refused.
+        assert_eq!(refused(a.deallocate(p, size, sa)), InvalidFree::DoubleFree, "{size}");
+        assert_eq!(refused(a.deallocate(p, size, sc)), InvalidFree::DoubleFree, "{size}");
+        gate.open();
+        for (b, s) in [(q, sa), (keep, sa), (other, sc)] {
+            a.deallocate(b, size, s).unwrap();
+        }
+        assert_all_returned(&a, Some(&sim), 2);
+    }
+}
+
+/// Stream `A` destroyed (its work done), its handle given to a new stream `B`: a free of `A`'s
+/// block on that handle is a free on `B`, another stream than the arena's, not the arena's own
+/// (the handle names another stream now). A free on the destroyed handle before the reuse is
+/// refused by the driver and changes nothing.
+#[test]
+fn free_on_a_reused_handle_is_not_the_arenas_own() {
+    for size in SIZES {
+        let sim = host(0);
+        let a = alloc_on(&sim);
+        let sa = sim.create_stream();
+        let p = a.allocate(size, sa).unwrap();
+        let keep = a.allocate(size, sa).unwrap();
+        sim.write_tag(p.0, 256, 1, sa).unwrap();
+        sim.synchronize();
+        sim.destroy_stream(sa).unwrap();
+        let s0 = a.stats();
+        let r = a.deallocate(p, size, sa);
+        assert!(matches!(r, Err(Error::Driver { .. })), "{size}: free on a destroyed handle: {r:?}");
+        assert!(sim.take_stale_handle_calls() > 0, "the caller passed a stale handle");
+        let s1 = a.stats();
+        assert_eq!((s1.live_bytes, s1.deallocations, s1.invalid_frees), (s0.live_bytes, s0.deallocations, 0));
+        let sb = sim.create_stream();
+        assert_eq!(sb, sa, "the simulator gives the handle to the next stream");
+        a.deallocate(p, size, sb).unwrap();
+        let s2 = a.stats();
+        assert_eq!(
+            s2.cross_stream_frees,
+            s1.cross_stream_frees + 1,
+            "{size}: the handle names B now: {s2:?}"
+        );
+        assert_eq!(s2.live_bytes, s1.live_bytes - size as u64, "{size}: {s2:?}");
+        assert_eq!(refused(a.deallocate(p, size, sb)), InvalidFree::DoubleFree, "{size}");
+        // B gets its own arena: its blocks are not A's.
+        let q = a.allocate(size, sb).unwrap();
+        assert!(q != p && q != keep, "{size}");
+        sim.write_tag(q.0, 256, 2, sb).unwrap();
+        a.deallocate(q, size, sb).unwrap();
+        // `keep` freed on B too (A's work is done, so this is legal): remote as well.
+        a.deallocate(keep, size, sb).unwrap();
+        assert_eq!(a.stats().cross_stream_frees, s2.cross_stream_frees + 1, "{size}");
+        assert_all_returned(&a, Some(&sim), 1);
+        sim.destroy_stream(sb).unwrap();
+    }
+}
+
+/// Invalid frees of a user arena's blocks by their owner on the arena's own stream (the fast
+/// path finds the arena and the identity, then `free_local` refuses): wrong sizes, interior
+/// and foreign pointers, size 0, huge sizes; then double frees on the same stream, another user
+/// stream, the per-thread and legacy streams and from another thread. Each is refused and
+/// counted once and changes nothing; the valid free costs one `cuStreamGetId` and nothing else.
+#[test]
+fn invalid_frees_on_the_user_stream_fast_path() {
+    let sim = host(0);
+    let a = alloc_on(&sim);
+    let (s, t) = (sim.create_stream(), sim.create_stream());
+    let mut bad = 0u64;
+    for size in SIZES {
+        let p = a.allocate(size, s).unwrap();
+        let keep = a.allocate(size, s).unwrap(); // the free below fires no return rule
+        let s0 = a.stats();
+        let wrong = [
+            (p, size + 4096),
+            (p, size - 4096),
+            (p, 0),
+            (p, usize::MAX),
+            (p, 1 << 40),
+            (DeviceAddr(p.0 + 256), size - 256),
+            (DeviceAddr(p.0 + 256), size),
+            (DeviceAddr(p.0 + 1), size),
+            (DeviceAddr(0x10_0000), size),
+        ];
+        for (q, n) in wrong {
+            assert!(a.deallocate(q, n, s).is_err(), "{size}: free of {q:?} size {n} accepted");
+            bad += 1;
+        }
+        let s1 = a.stats();
+        assert_eq!(s1.invalid_frees, bad, "{size}: {s1:?}");
+        assert_eq!((s1.live_bytes, s1.deallocations), (s0.live_bytes, s0.deallocations), "{size}");
+        a.deallocate(p, size, s).unwrap();
+        let s2 = a.stats();
+        assert_eq!(s2.driver_calls - s1.driver_calls, 1, "{size}: one cuStreamGetId: {s2:?}");
+        assert_eq!(s2.cross_stream_frees, s1.cross_stream_frees, "{size}: the arena's own free: {s2:?}");
+        assert_eq!(s2.live_bytes, s1.live_bytes - size as u64, "{size}: {s2:?}");
+        for st in [s, t, Stream::PER_THREAD, Stream::LEGACY, Stream::NULL] {
+            assert_eq!(refused(a.deallocate(p, size, st)), InvalidFree::DoubleFree, "{size} {st:?}");
+            bad += 1;
+        }
+        let r = on_thread(&a, move |a| [a.deallocate(p, size, s), a.deallocate(p, size, Stream::PER_THREAD)]);
+        for r in r {
+            assert_eq!(refused(r), InvalidFree::DoubleFree, "{size}: another thread");
+            bad += 1;
+        }
+        let s3 = a.stats();
+        assert_eq!(s3.invalid_frees, bad, "{size}: {s3:?}");
+        assert_eq!((s3.live_bytes, s3.deallocations), (s2.live_bytes, s2.deallocations), "{size}: {s3:?}");
+        a.deallocate(keep, size, s).unwrap();
+    }
+    assert!(a.take_deferred_error().is_none());
+    assert_all_returned(&a, Some(&sim), bad);
+}
+
+/// Another thread frees the owner's user-arena block on the owner's stream (a remote free),
+/// then the owner frees it on that stream: the fast path must refuse it (the freed flag is
+/// taken), not merge the block a second time. Then a block freed by the owner on its stream
+/// and freed again by another thread on the same stream is refused there too.
+#[test]
+fn cross_thread_and_owner_double_frees_on_one_user_stream() {
+    for size in SIZES {
+        let sim = host(0);
+        let a = alloc_on(&sim);
+        let s = sim.create_stream();
+        let p = a.allocate(size, s).unwrap();
+        let q = a.allocate(size, s).unwrap();
+        let keep = a.allocate(size, s).unwrap();
+        assert!(on_thread(&a, move |a| a.deallocate(p, size, s)).is_ok());
+        assert_eq!(refused(a.deallocate(p, size, s)), InvalidFree::DoubleFree, "{size}");
+        a.deallocate(q, size, s).unwrap();
+        let r = on_thread(&a, move |a| a.deallocate(q, size, s));
+        assert_eq!(refused(r), InvalidFree::DoubleFree, "{size}: another thread");
+        let st = a.stats();
+        assert_eq!((st.live_bytes, st.invalid_frees), (size as u64, 2), "{size}: {st:?}");
+        // A new allocation on the stream never gets a block twice.
+        let x = a.allocate(size, s).unwrap();
+        let y = a.allocate(size, s).unwrap();
+        assert!(x != y && x != keep && y != keep, "{size}");
+        for b in [x, y, keep] {
+            a.deallocate(b, size, s).unwrap();
+        }
+        assert_all_returned(&a, Some(&sim), 2);
+        sim.destroy_stream(s).unwrap();
+    }
+}
+
+/// Five user streams on one thread: the first one's arena is retired (least recently used)
+/// while it holds a live block, and parked. The owner's free of that block on its (live)
+/// stream finds no arena of the thread: it goes the remote way, once; a second free is
+/// refused; the other arenas' frees take the fast path. After the arena for the first stream
+/// is made again, the old block is not its own.
+#[test]
+fn frees_after_the_arena_was_retired_by_lru() {
+    for size in SIZES {
+        let sim = host(0);
+        let a = alloc_on(&sim);
+        let streams: Vec<Stream> = (0..5).map(|_| sim.create_stream()).collect();
+        let ps: Vec<DeviceAddr> = streams.iter().map(|&s| a.allocate(size, s).unwrap()).collect();
+        for (i, (&p, &s)) in ps.iter().zip(&streams).enumerate() {
+            sim.write_tag(p.0, 256, i as u32 + 1, s).unwrap();
+        }
+        let s0 = a.stats();
+        assert_eq!(s0.arenas, 4, "{size}: at most four user arenas: {s0:?}");
+        assert!(a.parked_bytes() > 0, "{size}: the first stream's arena is parked");
+        a.deallocate(ps[0], size, streams[0]).unwrap();
+        let s1 = a.stats();
+        assert_eq!(s1.cross_thread_frees + s1.cross_stream_frees, 1, "{size}: the remote way: {s1:?}");
+        assert_eq!(refused(a.deallocate(ps[0], size, streams[0])), InvalidFree::DoubleFree, "{size}");
+        for i in 1..5 {
+            let before = a.stats();
+            a.deallocate(ps[i], size, streams[i]).unwrap();
+            let after = a.stats();
+            assert_eq!(after.driver_calls - before.driver_calls, 1, "{size}: fast path: {after:?}");
+            assert_eq!(refused(a.deallocate(ps[i], size, streams[i])), InvalidFree::DoubleFree, "{size}");
+        }
+        // Stream 0's arena again (retiring the least recently used one): the old block is
+        // freed already, and a new one of the same stream is its own.
+        let q = a.allocate(size, streams[0]).unwrap();
+        sim.write_tag(q.0, 256, 9, streams[0]).unwrap();
+        assert_eq!(refused(a.deallocate(ps[0], size, streams[0])), InvalidFree::DoubleFree, "{size}");
+        let before = a.stats();
+        a.deallocate(q, size, streams[0]).unwrap();
+        let after = a.stats();
+        assert_eq!(after.cross_stream_frees, before.cross_stream_frees, "{size}: {after:?}");
+        assert_eq!(after.live_bytes, 0, "{size}: {after:?}");
+        assert_all_returned(&a, Some(&sim), 6);
+    }
+}
+
+/// The return rule on a user stream's fast-path free: with `keep_empty = 0` the free that
+/// empties the arena gives its superblock back under a fence on the arena's stream, recorded
+/// inside this very call. Work on the block still runs behind a gate; the range then lent to
+/// the per-thread stream must wait for that fence. (A small block: an arena holding a large
+/// superblock keeps up to 128 MiB more by the rule.)
+#[test]
+fn return_rule_on_the_user_stream_fast_path_fences_the_give_back() {
+    {
+        let size = SIZES[0];
+        let sim = host(0);
+        let cfg = small().large_max(128 << 10).keep_empty(0);
+        let a = host_allocator(sim.clone(), cfg.build().unwrap()).unwrap();
+        let s = sim.create_stream();
+        let p = a.allocate(size, s).unwrap();
+        let gate = sim.gate(s).unwrap();
+        sim.write_tag(p.0, 256, 1, s).unwrap();
+        let s0 = a.stats();
+        a.deallocate(p, size, s).unwrap();
+        let s1 = a.stats();
+        assert!(s1.superblocks_returned > s0.superblocks_returned, "{size}: the return rule fired: {s1:?}");
+        assert!(s1.fences_recorded > s0.fences_recorded, "{size}: under a fence: {s1:?}");
+        // Per-thread allocations over the range just given back.
+        let qs: Vec<DeviceAddr> = (0..8).map(|_| a.allocate(size, Stream::PER_THREAD).unwrap()).collect();
+        for &q in &qs {
+            sim.write_tag(q.0, 256, 2, Stream::PER_THREAD).unwrap();
+        }
+        let v = sim.violations();
+        assert!(v.is_empty(), "{size}: {} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
+        gate.open();
+        for q in qs {
+            a.deallocate(q, size, Stream::PER_THREAD).unwrap();
+        }
+        assert_all_returned(&a, Some(&sim), 0);
+        sim.destroy_stream(s).unwrap();
+    }
+}
+
+/// A reclaimer (another thread's `trim(true)`) holds the owner's user arena: it found an empty
+/// superblock there and, the arena's stream being a user stream it cannot vouch for, waits in
+/// a device synchronise, which a closed gate on another stream holds back (deterministically:
+/// the test sees the synchronise counted before it acts). Meanwhile the owner's free on its
+/// own stream cannot take the fast path (the claim is taken): it goes the remote way, once; a
+/// second free is refused; an allocation on the stream is served by the pool. Once the
+/// reclaimer is done, everything comes back and the race checker is clean.
+#[test]
+fn owner_frees_on_its_user_stream_while_a_reclaimer_holds_the_arena() {
+    let sim = host(0);
+    let a = alloc_on(&sim);
+    let sb_bytes = 256u64 << 10;
+    on_thread(&a, {
+        let sim = sim.clone();
+        move |a| {
+            let s = sim.create_stream();
+            let size = 60 << 10;
+            let ps: Vec<DeviceAddr> = (0..8).map(|_| a.allocate(size, s).unwrap()).collect();
+            let home = ps[0].0 & !(sb_bytes - 1);
+            let (mine, rest): (Vec<DeviceAddr>, Vec<DeviceAddr>) =
+                ps.iter().partition(|p| p.0 & !(sb_bytes - 1) == home);
+            assert!(mine.len() >= 2 && !rest.is_empty(), "two superblocks at least");
+            for &p in &ps {
+                sim.write_tag(p.0, 256, 7, s).unwrap();
+            }
+            for &p in &rest {
+                a.deallocate(p, size, s).unwrap(); // an empty superblock, kept by the rule
+            }
+            let (p, keep) = (mine[0], mine[1]);
+            let g = sim.create_stream();
+            let gate = sim.gate(g).unwrap();
+            let syncs = a.stats().host_syncs;
+            let r = std::thread::spawn({
+                let a = a.clone();
+                move || {
+                    let r = a.trim(true);
+                    a.release_thread().unwrap();
+                    r
+                }
+            });
+            let t0 = std::time::Instant::now();
+            while a.stats().host_syncs == syncs {
+                assert!(
+                    t0.elapsed() < std::time::Duration::from_secs(20),
+                    "the reclaimer never synchronised"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            // The reclaimer holds the arena's claim until the gate opens.
+            let s0 = a.stats();
+            a.deallocate(p, size, s).unwrap();
+            let s1 = a.stats();
+            assert_eq!(s1.cross_stream_frees, s0.cross_stream_frees + 1, "the remote way: {s1:?}");
+            assert_eq!(s1.live_bytes, s0.live_bytes - size as u64, "{s1:?}");
+            assert_eq!(refused(a.deallocate(p, size, s)), InvalidFree::DoubleFree);
+            let q = a.allocate(size, s).unwrap();
+            assert_ne!(q, p);
+            assert_eq!(a.stats().pool_allocations, s0.pool_allocations + 1, "the arena is held");
+            sim.write_tag(q.0, 256, 8, s).unwrap();
+            gate.open();
+            r.join().unwrap().unwrap();
+            for b in [q, keep].into_iter().chain(mine[2..].iter().copied()) {
+                a.deallocate(b, size, s).unwrap();
+            }
+            assert_eq!(refused(a.deallocate(p, size, s)), InvalidFree::DoubleFree);
+            let st = a.stats();
+            assert_eq!((st.live_bytes, st.invalid_frees), (0, 2), "{st:?}");
+            a.release_thread().unwrap();
+            sim.destroy_stream(s).unwrap();
+            sim.destroy_stream(g).unwrap();
+        }
+    });
+    assert_all_returned(&a, Some(&sim), 2);
+}
+
+/// The fast path asks the stream's identity; the slow path it falls back to must not ask
+/// again: a free of a user arena's block on its destroyed stream's handle passes that stale
+/// handle to the driver once (on CUDA such a call may crash the driver), and an invalid free
+/// on the arena's own stream costs one `cuStreamGetId`, as before the fast path took them.
+#[test]
+fn a_free_on_a_stale_handle_reaches_the_driver_once() {
+    for size in SIZES {
+        let sim = host(0);
+        let a = alloc_on(&sim);
+        let s = sim.create_stream();
+        let p = a.allocate(size, s).unwrap();
+        let keep = a.allocate(size, s).unwrap();
+        let s0 = a.stats();
+        assert!(a.deallocate(p, size + 4096, s).is_err());
+        assert_eq!(a.stats().driver_calls - s0.driver_calls, 1, "{size}: an invalid free, one identity");
+        sim.synchronize();
+        sim.destroy_stream(s).unwrap();
+        assert!(matches!(a.deallocate(p, size, s), Err(Error::Driver { .. })), "{size}");
+        assert_eq!(sim.take_stale_handle_calls(), 1, "{size}: the caller's stale handle, once");
+        for b in [p, keep] {
+            a.deallocate(b, size, Stream::PER_THREAD).unwrap();
+        }
+        assert_all_returned(&a, Some(&sim), 1);
+    }
+}
