@@ -2,6 +2,9 @@
 # Builds everything the GPU machine needs into gpu-bundle/ (ignored by git): the release test
 # binaries, the main binary, libcuarena.so and run.sh. Carry `gpu-bundle` with the device tool and
 # run `bash gpu-bundle/run.sh` there (it has no Rust toolchain).
+# The device tool carries at most 64 MiB, and every test binary is about 2 MiB: set
+# GPU_BUNDLE_TESTS to the tests to bundle (names without `test-`, space-separated, for example
+# GPU_BUNDLE_TESTS="gpu ffi user_streams"); unset, every test binary is bundled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf gpu-bundle && mkdir -p gpu-bundle
@@ -13,7 +16,8 @@ cargo build --release -p cuarena-bench --example rayon_pool
 # tests as test-PACKAGE (test-cuarena: the allocator's; test-cuarena-bench also holds the binary's).
 cargo test --release --no-run --message-format=json 2>/dev/null |
   python3 -c '
-import json, sys, shutil
+import json, os, sys, shutil
+wanted = set(os.environ.get("GPU_BUNDLE_TESTS", "").split())
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
@@ -26,6 +30,8 @@ for line in sys.stdin:
             out = name
         else:
             out = pkg if kind != ["bin"] else pkg + "-bin"
+        if wanted and out not in wanted:
+            continue
         shutil.copy(m["executable"], f"gpu-bundle/test-{out}")
         print("bundled test", out)
 '
@@ -59,3 +65,6 @@ RUN
 chmod +x gpu-bundle/run.sh
 for f in gpu-bundle/test-* gpu-bundle/cuarena gpu-bundle/libcuarena.so gpu-bundle/rayon_pool; do [ -f "$f" ] && strip --strip-debug "$f"; done
 du -sh gpu-bundle
+if [ "$(du -sm gpu-bundle | cut -f1)" -gt 60 ]; then
+  echo "gpu-bundle: over 60 MiB, more than the device tool carries with the tree: set GPU_BUNDLE_TESTS" >&2
+fi
