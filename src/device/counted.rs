@@ -97,7 +97,7 @@ impl<'a> Counted<'a> {
     }
 
     pub(crate) fn stream_key(&self, s: Stream) -> Result<StreamKey> {
-        self.call();
+        self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s));
         self.device.stream_key(s)
     }
 }

@@ -275,6 +275,10 @@ impl Device for CudaDevice {
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
+    fn stream_key_calls(&self, stream: Stream) -> u64 {
+        if stream.is_legacy() { 1 } else { 2 } // `cuStreamIsCapturing` first, below
+    }
+
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
         let _g = self.enter_light()?;
         if !stream.is_legacy() {

@@ -87,8 +87,16 @@ pub trait Device: Send + Sync + 'static {
     fn synchronize(&self) -> Result<()>;
     /// Makes later work on `stream` wait for `event`. Never blocks the host.
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
-    /// The identity of `stream` as seen from the calling thread.
+    /// The identity of `stream` as seen from the calling thread. A stream being captured may
+    /// be refused (`Error::StreamCapturing`), as CUDA's is.
     fn stream_key(&self, stream: Stream) -> Result<StreamKey>;
+    /// The driver calls one [`Device::stream_key`] of `stream` makes, for the statistics'
+    /// `driver_calls`: 1 unless a device says otherwise (CUDA asks `cuStreamIsCapturing`
+    /// before `cuStreamGetId` on every stream but the legacy one: 2).
+    fn stream_key_calls(&self, stream: Stream) -> u64 {
+        let _ = stream;
+        1
+    }
     /// True while `stream` is being captured into a CUDA graph (`cuStreamIsCapturing`): an
     /// event recorded or waited on it would become a graph node instead of a fence. The
     /// default, for devices without graphs, is `false`.

@@ -858,9 +858,14 @@ impl Device for HostDevice {
         Ok(())
     }
 
+    /// Refused on a stream being captured, as CUDA's (whose `cuStreamGetId` would invalidate
+    /// the capture: `CudaDevice` asks `cuStreamIsCapturing` first and refuses).
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
         let mut st = self.sh().lock();
         let idx = st.resolve(stream)?;
+        if st.streams[idx].capturing {
+            return Err(Error::StreamCapturing { stream: stream.as_raw() });
+        }
         Ok(StreamKey((self.sh().id << 32) | st.streams[idx].key))
     }
 
