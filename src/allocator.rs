@@ -8,7 +8,7 @@
 //!   Neither asks the driver anything on the fast path: the per-thread stream's and the legacy
 //!   stream's identities are asked once per thread.
 //! - `size <= large_max` on a user stream: the calling thread's arena for that stream, found
-//!   by the stream's identity (one `cuStreamGetId` per call, never the handle; see
+//!   by the stream's identity (one `cuStreamGetId` per allocation, never the handle; see
 //!   [`Arenas`]), made on first use; a thread keeps at most [`MAX_USER_ARENAS`] of them.
 //! - `size > large_max`: the global pool. So is an arena's request while a reclaimer holds the
 //!   arena, or when it still finds no superblock after the out-of-memory reclaim and retry
@@ -16,7 +16,7 @@
 //!   superblock).
 //! - A free of a block of at most `large_max` bytes goes to its superblock's owner: the
 //!   owner's fast path if the caller is the owner and frees on that arena's stream (the
-//!   per-thread arena on `0x2`, a user arena on a stream of its identity); the legacy arena's
+//!   per-thread arena on `0x2`, a user arena on its stream's handle, below); the legacy arena's
 //!   own free on the legacy stream is kept back in it (`Arena::free_legacy`); otherwise, with
 //!   the block's freed flag taken, the caller's outbox (on a user stream, that stream's batch),
 //!   and from there, fenced, to the owner's inbox. A block whose superblock has no owner, and
@@ -25,6 +25,30 @@
 //!   recorded at once.
 //! - On out-of-memory, memory held without live blocks in this thread's and idle threads'
 //!   arenas is taken back and the request tried once more (`Slot::reclaim`).
+//!
+//! ## A user arena's own frees
+//! The owner's free of its user arena's block, given the handle of the arena's stream, is
+//! taken on the fast path without asking the stream's identity. It cannot be handed to
+//! another stream unfenced, for two facts about CUDA: a stream has one handle for its life, and
+//! an identity (`cuStreamGetId`) is never given to another stream. Every allocation from the
+//! arena asks the identity of its handle and finds the arena by it. If the handle `h` named the
+//! arena's stream `X` at one allocation and names `X` at the next, `X` existed all along and `h`
+//! was its handle, so every free on `h` in between was a free on `X`: the arena's own. If `h`
+//! names another stream `Y` by then (`X` was destroyed and CUDA gave `h` to `Y`), the frees
+//! on `h` since `X` was destroyed were frees on `Y` (or on a destroyed handle, which the
+//! contract does not allow), and their blocks lie in `X`'s free lists. They stay out of use
+//! until a device synchronise, for the ways memory leaves a user arena are these:
+//! - an allocation, whose identity is then `X`'s: never again, since `X` is gone;
+//! - the return rule's give-back inside a free on `h`, which asks `h`'s identity first
+//!   (`Arena::free_local`) and keeps the superblock unless it is `X`'s;
+//! - the arena given up (least recently used, thread exit) or reclaimed: parked until a device
+//!   synchronise, or taken only after one (below).
+//!
+//! So a user stream costs one `cuStreamGetId` per allocation (after a `cuStreamIsCapturing`:
+//! `Device::stream_key`) and, per free of the arena's own blocks on its handle, only the
+//! `cuStreamIsCapturing` (a block freed into a graph capture must not be handed out after it).
+//! A free on any other handle asks the identity: it may be a free on another stream (a
+//! cross-stream free, fenced) or on a reused handle.
 //!
 //! ## Arenas of user streams that may be gone
 //! A user-stream arena's local frees record no event, and its stream may be destroyed at any
@@ -209,6 +233,10 @@ struct UserArena {
     /// stream's handle to the next new stream, which then has another identity and so another
     /// arena.
     key: StreamKey,
+    /// The stream's handle, the one it has for its life; once the stream is destroyed, CUDA
+    /// may give it to a new stream. The owner's frees on it take the fast path without asking
+    /// the identity (see "A user arena's own frees" above).
+    handle: Stream,
     arena: OwnedArena,
     /// `Arenas::tick` at its last allocation, for least-recently-used replacement.
     last_use: u64,
@@ -230,9 +258,10 @@ enum Which {
 struct Arenas {
     /// By [`arena_index`]: the per-thread stream's arena, and the legacy stream's.
     fixed: [Option<OwnedArena>; 2],
-    /// Arenas of user streams. A user stream's identity costs one `cuStreamGetId` per call (a
-    /// cached handle could name a new stream by then); it scales across threads, unlike the
-    /// same call on `0x2`, which is why the per-thread stream's identity is asked once.
+    /// Arenas of user streams. A user stream's identity costs one `cuStreamGetId` per
+    /// allocation (a cached handle could name a new stream by then; frees on the arena's
+    /// handle need none: "A user arena's own frees" above); it scales across threads, unlike
+    /// the same call on `0x2`, which is why the per-thread stream's identity is asked once.
     users: Vec<UserArena>,
     /// Counts user-stream allocations, for `UserArena::last_use`.
     tick: u64,
@@ -697,7 +726,12 @@ impl Slot {
         let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
         let arena = Arena::new(inner.take_shell(), stream, key, sb, k, f);
         let tick = self.arenas.tick;
-        self.arenas.users.push(UserArena { key, arena: OwnedArena::new(arena), last_use: tick });
+        self.arenas.users.push(UserArena {
+            key,
+            handle: stream,
+            arena: OwnedArena::new(arena),
+            last_use: tick,
+        });
         Ok(())
     }
 
@@ -837,16 +871,7 @@ impl Slot {
         bytes + inner.reclaim_others(env, &arenas.shells(), dissolve, may_block)
     }
 
-    /// `asked`: the stream's identity if [`free_fast`] asked it in this call (not asked again:
-    /// a destroyed stream's handle reaches the driver once).
-    fn free(
-        &mut self,
-        inner: &Inner,
-        ptr: u64,
-        size: usize,
-        stream: Stream,
-        asked: Option<Result<StreamKey>>,
-    ) -> Result<()> {
+    fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = if size == 0 { None } else { block_bytes(size, inner.cfg.small_max) };
         if size > 0
@@ -855,7 +880,7 @@ impl Slot {
         {
             let owner = sb.owner.load(Ordering::Acquire);
             if !owner.is_null() {
-                return self.free_arena_block(inner, sb, owner, (ptr, size, stream), asked);
+                return self.free_arena_block(inner, sb, owner, (ptr, size, stream));
             }
         }
         let Some(bytes) = bytes else {
@@ -899,25 +924,21 @@ impl Slot {
         sb: &Superblock,
         owner: *mut ArenaShell,
         (ptr, size, stream): (u64, usize, Stream),
-        mut asked: Option<Result<StreamKey>>,
     ) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
         let mine = self.arenas.find(owner);
         if let Some(w) = mine {
             // The owner's local free is on the arena's own stream: the per-thread arena's on
-            // `0x2`, a user arena's on a stream with its identity (one `cuStreamGetId`); the
-            // same rule as `free_fast`'s. The legacy arena keeps its frees back (below).
+            // `0x2`, a user arena's on a stream with its identity (one `cuStreamGetId`: the fast
+            // path, which takes a free on the arena's handle without asking, sent this one here
+            // for another handle, an invalid free or a reclaimer holding the arena). The legacy
+            // arena keeps its frees back (below).
             let home = match w {
                 Which::Fixed(i) => i == 0 && stream.is_per_thread(),
                 Which::User(j) => {
-                    stream.is_user() && {
-                        let key = match asked.take() {
-                            Some(k) => k?,
-                            None => inner.env(&self.counters).dev.stream_key(stream)?,
-                        };
-                        key == self.arenas.users[j].key
-                    }
+                    stream.is_user()
+                        && inner.env(&self.counters).dev.stream_key(stream)? == self.arenas.users[j].key
                 }
             };
             // The legacy arena's own free on the legacy stream: kept back in the arena until
@@ -932,7 +953,7 @@ impl Slot {
                         if !a.owns(sb) {
                             Local::NotOurs
                         } else if home {
-                            Local::Freed(a.free_local(&env, sb, ptr, size, bytes))
+                            Local::Freed(a.free_local(&env, sb, ptr, size, bytes, true))
                         } else if legacy {
                             Local::Freed(a.free_legacy(&env, sb, ptr, size, bytes))
                         } else {
@@ -948,7 +969,7 @@ impl Slot {
                     return Ok(());
                 }
                 // A reclaimer gave the superblock back meanwhile: route the free afresh.
-                Some(Local::NotOurs) => return self.free(inner, ptr, size, stream, None),
+                Some(Local::NotOurs) => return self.free(inner, ptr, size, stream),
                 Some(Local::Checked(r)) => r?,
                 // A reclaimer holds our arena right now: the free goes the remote way, and
                 // the drain checks it.
@@ -1078,22 +1099,18 @@ fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize, large: bool)
 /// The fast path of a free by the owner, on its arena's own stream, of a block of the calling
 /// thread's arena for that stream: on the per-thread stream merged back at once
 /// (`Arena::free_local`), on the legacy stream kept back until the batch's legacy action
-/// (`Arena::free_legacy`), on a user stream merged back at once once the stream's identity
-/// (one `cuStreamGetId`, the only driver call here) is the arena's. No lock and no atomic
+/// (`Arena::free_legacy`), on a user stream, given as the arena's handle, merged back at once
+/// without asking the stream's identity (see "A user arena's own frees" above), once one
+/// `cuStreamIsCapturing` says the stream is not being captured. No lock and no atomic
 /// read-modify-write; no CUDA call on the per-thread and legacy streams (the legacy action,
 /// once per batch, and a give-back by the return rule are the cold exceptions). False sends the
 /// free to the slow path ([`Allocator::deallocate_cold`]), which also reports an invalid free:
 /// the fast path changes nothing when it finds one.
 ///
-/// `asked` gets the stream's identity (or the error) where it was asked, for the slow path.
+/// `refused` gets the error of the capture query (a stream being captured, or a handle the
+/// driver refuses), which is this free's answer: the slow path would ask the same stream.
 #[inline]
-fn free_fast(
-    inner: &Arc<Inner>,
-    stream: Stream,
-    ptr: u64,
-    size: usize,
-    asked: &mut Option<Result<StreamKey>>,
-) -> bool {
+fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize, refused: &mut Option<Error>) -> bool {
     let small_max = inner.cfg.small_max;
     if size == 0 || size > inner.cfg.large_max {
         return false;
@@ -1109,27 +1126,42 @@ fn free_fast(
             let env = inner.env(&slot.counters);
             let a = match arena_index(stream) {
                 Some(i) => slot.arenas.fixed[i].as_mut().filter(|a| mine(a))?,
+                // Only on the handle the arena's stream has: any other handle may name the same
+                // stream only if it is the arena's identity's, and it never is (one stream, one
+                // handle), so the slow path asks the identity of any other.
                 None => {
-                    let u = slot.arenas.users.iter_mut().find(|u| mine(&u.arena))?;
-                    // A handle names the arena's stream only if its identity says so now.
-                    let key = env.dev.stream_key(stream);
-                    let home = matches!(key, Ok(k) if k == u.key);
-                    // Kept for the slow path: a stale handle reaches the driver once a call.
-                    *asked = Some(key);
-                    if !home {
+                    // The mutation `fast_free_any_handle` takes any handle: the test
+                    // `owner_free_on_another_user_stream_is_not_reused_before_its_fence` must
+                    // then fail.
+                    let any = cfg!(cuarena_mutant = "fast_free_any_handle");
+                    let u = slot
+                        .arenas
+                        .users
+                        .iter_mut()
+                        .find(|u| (any || u.handle == stream) && mine(&u.arena))?;
+                    // A free on a stream being captured is refused, as on the slow path (whose
+                    // identity lookup refuses one): a block freed into a capture and handed out
+                    // after it could be overwritten by the graph's replays. The mutation
+                    // `fast_free_while_capturing` skips this; `tests/capture.rs` must then fail.
+                    if !cfg!(cuarena_mutant = "fast_free_while_capturing")
+                        && let Err(e) = env.dev.refuse_capturing(stream)
+                    {
+                        *refused = Some(e);
                         return None;
                     }
                     &mut u.arena
                 }
             };
             let legacy = stream.is_legacy();
+            // A user stream's identity was not asked: the return rule asks it before a give-back.
+            let asked = !stream.is_user();
             // Inside the claim the superblock stays ours, so ownership is checked again there.
             a.with(|a| {
                 a.owns(sb).then(|| {
                     if legacy {
                         a.free_legacy(&env, sb, ptr, size, bytes)
                     } else {
-                        a.free_local(&env, sb, ptr, size, bytes)
+                        a.free_local(&env, sb, ptr, size, bytes, asked)
                     }
                 })
             })??
@@ -1348,28 +1380,25 @@ impl Allocator {
         if ptr.is_null() && size == 0 {
             return Ok(());
         }
-        let mut asked = None;
-        if free_fast(&self.inner, stream, ptr.0, size, &mut asked) {
+        let mut refused = None;
+        if free_fast(&self.inner, stream, ptr.0, size, &mut refused) {
             return Ok(());
         }
-        self.deallocate_cold(ptr, size, stream, asked)
+        if let Some(e) = refused {
+            return Err(e); // the stream is being captured, or its handle is refused
+        }
+        self.deallocate_cold(ptr, size, stream)
     }
 
     /// Every free the fast path did not take, and every invalid one.
     #[cold]
     #[inline(never)]
-    fn deallocate_cold(
-        &self,
-        ptr: DeviceAddr,
-        size: usize,
-        stream: Stream,
-        asked: Option<Result<StreamKey>>,
-    ) -> Result<()> {
+    fn deallocate_cold(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
         with_slot(&self.inner, |slot, inner| {
             let r = if ptr.is_null() {
                 Err(Error::InvalidFree { ptr: 0, size, reason: InvalidFree::UnknownPointer })
             } else {
-                slot.free(inner, ptr.0, size, stream, asked)
+                slot.free(inner, ptr.0, size, stream)
             };
             if let Err(Error::InvalidFree { .. }) = r {
                 slot.counters.bump(&slot.counters.invalid_frees, 1);

@@ -1,9 +1,11 @@
-//! Attacks on the user-stream free fast path of commit 49507b4: `free_fast` takes the owner's
-//! free of its user arena's block on a user stream once the stream's identity
-//! (`cuStreamGetId`) is the arena's, and sends everything else to the slow path (a free on
-//! another stream, on a reused handle, on a destroyed handle, an invalid free, a retired
-//! arena's block). Every test is timing-independent: work that must stay in flight is held
-//! behind a [`cuarena_testkit::StreamGate`].
+//! Attacks on the user-stream free fast path: `free_fast` takes the owner's free of its user
+//! arena's block on the arena's stream's handle without asking the stream's identity
+//! (`allocator.rs`, "A user arena's own frees"), and sends everything else to the slow path (a
+//! free on another stream, an invalid free, a retired arena's block). A free on that handle
+//! after the stream was destroyed, or after CUDA gave the handle to a new stream, is taken by
+//! the old arena, and its block must stay out of use until a device synchronise. Every test
+//! is timing-independent: work that must stay in flight is held behind a
+//! [`cuarena_testkit::StreamGate`].
 
 mod common;
 
@@ -79,48 +81,89 @@ fn owner_free_on_another_user_stream_is_not_reused_before_its_fence() {
     }
 }
 
-/// Stream `A` destroyed (its work done), its handle given to a new stream `B`: a free of `A`'s
-/// block on that handle is a free on `B`, another stream than the arena's, not the arena's own
-/// (the handle names another stream now). A free on the destroyed handle before the reuse is
-/// refused by the driver and changes nothing.
+/// Stream `A` destroyed while work on its blocks is still in flight (behind a gate), and its
+/// handle given to a new stream `B`. The owner's frees of `A`'s blocks on that handle are taken
+/// by `A`'s arena without asking the identity (a free before the reuse, on the destroyed
+/// handle, is refused by the capture query's driver error and changes nothing). The second
+/// empties the arena (`keep_empty = 0`), so the return rule asks for the superblock back (for
+/// the small size; an arena with a large superblock keeps 128 MiB more). It must ask the
+/// handle's identity first and keep the superblock: a give-back under a fence on the handle
+/// (now `B`'s, with no work) would let `B`'s new arena borrow the range while `A`'s work on it
+/// still runs. Under the mutation `give_back_unasked` (the handle trusted) this test fails: the
+/// give-back records its event on the handle. After the gate opens, `trim(true)` gives everything back.
 #[test]
-fn free_on_a_reused_handle_is_not_the_arenas_own() {
+fn frees_on_a_reused_handle_stay_out_of_use_until_a_synchronise() {
     for size in SIZES {
         let sim = host(0);
-        let a = alloc_on(&sim);
-        let sa = sim.create_stream();
-        let p = a.allocate(size, sa).unwrap();
-        let keep = a.allocate(size, sa).unwrap();
-        sim.write_tag(p.0, 256, 1, sa).unwrap();
-        sim.synchronize();
-        sim.destroy_stream(sa).unwrap();
-        let s0 = a.stats();
-        let r = a.deallocate(p, size, sa);
-        assert!(matches!(r, Err(Error::Driver { .. })), "{size}: free on a destroyed handle: {r:?}");
-        assert!(sim.take_stale_handle_calls() > 0, "the caller passed a stale handle");
-        let s1 = a.stats();
-        assert_eq!((s1.live_bytes, s1.deallocations, s1.invalid_frees), (s0.live_bytes, s0.deallocations, 0));
-        let sb = sim.create_stream();
-        assert_eq!(sb, sa, "the simulator gives the handle to the next stream");
-        a.deallocate(p, size, sb).unwrap();
-        let s2 = a.stats();
-        assert_eq!(
-            s2.cross_stream_frees,
-            s1.cross_stream_frees + 1,
-            "{size}: the handle names B now: {s2:?}"
-        );
-        assert_eq!(s2.live_bytes, s1.live_bytes - size as u64, "{size}: {s2:?}");
-        assert_eq!(refused(a.deallocate(p, size, sb)), InvalidFree::DoubleFree, "{size}");
-        // B gets its own arena: its blocks are not A's.
-        let q = a.allocate(size, sb).unwrap();
-        assert!(q != p && q != keep, "{size}");
-        sim.write_tag(q.0, 256, 2, sb).unwrap();
-        a.deallocate(q, size, sb).unwrap();
-        // `keep` freed on B too (A's work is done, so this is legal): remote as well.
-        a.deallocate(keep, size, sb).unwrap();
-        assert_eq!(a.stats().cross_stream_frees, s2.cross_stream_frees + 1, "{size}");
-        assert_all_returned(&a, Some(&sim), 1);
-        sim.destroy_stream(sb).unwrap();
+        let a =
+            host_allocator(sim.clone(), small().large_max(128 << 10).keep_empty(0).build().unwrap()).unwrap();
+        on_thread(&a, {
+            let sim = sim.clone();
+            move |a| {
+                let sa = sim.create_stream();
+                let p = a.allocate(size, sa).unwrap();
+                let keep = a.allocate(size, sa).unwrap();
+                let gate = sim.gate(sa).unwrap();
+                sim.write_tag(p.0, size, 1, sa).unwrap(); // in flight until the gate opens
+                sim.write_tag(keep.0, size, 1, sa).unwrap();
+                sim.destroy_stream(sa).unwrap(); // queued work still completes
+                let s0 = a.stats();
+                let r = a.deallocate(p, size, sa);
+                assert!(matches!(r, Err(Error::Driver { .. })), "{size}: free on a destroyed handle: {r:?}");
+                assert_eq!(sim.take_stale_handle_calls(), 1, "{size}: the caller's stale handle, once");
+                let s1 = a.stats();
+                assert_eq!(
+                    (s1.live_bytes, s1.deallocations, s1.invalid_frees),
+                    (s0.live_bytes, s0.deallocations, 0)
+                );
+                let sb = sim.create_stream();
+                assert_eq!(sb, sa, "the simulator gives the handle to the next stream");
+                // Each free: the capture query, and for the small size the return rule's identity
+                // lookup (it fires at each: `keep_empty = 0`).
+                let rule = if size == SIZES[0] { 1 } else { 0 };
+                a.deallocate(p, size, sb).unwrap();
+                let s2 = a.stats();
+                assert_eq!(s2.driver_calls - s1.driver_calls, 1 + rule, "{size}: {s2:?}");
+                assert_eq!(
+                    s2.cross_stream_frees, s1.cross_stream_frees,
+                    "{size}: taken by A's arena: {s2:?}"
+                );
+                a.deallocate(keep, size, sb).unwrap();
+                let s3 = a.stats();
+                assert_eq!(s3.driver_calls - s2.driver_calls, 1 + rule, "{size}: {s3:?}");
+                assert_eq!(sim.stale_handle_calls(), 0, "{size}");
+                // Second frees are refused (merged with its neighbour, a block's address may be
+                // inside a free range: an unknown pointer then).
+                for b in [keep, p] {
+                    let r = refused(a.deallocate(b, size, sb));
+                    assert!(
+                        matches!(r, InvalidFree::DoubleFree | InvalidFree::UnknownPointer),
+                        "{size}: {r:?}"
+                    );
+                }
+                // B's arena, and per-thread allocations, never reach A's blocks unfenced.
+                let mut qs = Vec::new();
+                for _ in 0..8 {
+                    for s in [sb, Stream::PER_THREAD] {
+                        let q = a.allocate(size, s).unwrap();
+                        sim.write_tag(q.0, size, 2, s).unwrap();
+                        qs.push((q, s));
+                    }
+                }
+                let v = sim.violations();
+                assert!(v.is_empty(), "{size}: {} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
+                assert!(qs.iter().all(|&(q, _)| q != p && q != keep), "{size}: A's block handed out again");
+                assert_eq!(s3.superblocks_returned, s0.superblocks_returned, "{size}: kept: {s3:?}");
+                gate.open();
+                for (q, s) in qs {
+                    a.deallocate(q, size, s).unwrap();
+                }
+                a.release_thread().unwrap();
+                sim.destroy_stream(sb).unwrap();
+            }
+        });
+        assert_all_returned(&a, Some(&sim), 2);
+        assert!(sim.violations().is_empty(), "{size}");
     }
 }
 
@@ -128,7 +171,7 @@ fn free_on_a_reused_handle_is_not_the_arenas_own() {
 /// path finds the arena and the identity, then `free_local` refuses): wrong sizes, interior
 /// and foreign pointers, size 0, huge sizes; then double frees on the same stream, another user
 /// stream, the per-thread and legacy streams and from another thread. Each is refused and
-/// counted once and changes nothing; the valid free costs one `cuStreamGetId` and nothing else.
+/// counted once and changes nothing; the valid free makes one driver call, the capture query.
 #[test]
 fn invalid_frees_on_the_user_stream_fast_path() {
     let sim = host(0);
@@ -159,7 +202,7 @@ fn invalid_frees_on_the_user_stream_fast_path() {
         assert_eq!((s1.live_bytes, s1.deallocations), (s0.live_bytes, s0.deallocations), "{size}");
         a.deallocate(p, size, s).unwrap();
         let s2 = a.stats();
-        assert_eq!(s2.driver_calls - s1.driver_calls, 1, "{size}: one cuStreamGetId: {s2:?}");
+        assert_eq!(s2.driver_calls - s1.driver_calls, 1, "{size}: the capture query only: {s2:?}");
         assert_eq!(s2.cross_stream_frees, s1.cross_stream_frees, "{size}: the arena's own free: {s2:?}");
         assert_eq!(s2.live_bytes, s1.live_bytes - size as u64, "{size}: {s2:?}");
         for st in [s, t, Stream::PER_THREAD, Stream::LEGACY, Stream::NULL] {
@@ -367,10 +410,11 @@ fn owner_frees_on_its_user_stream_while_a_reclaimer_holds_the_arena() {
     assert_all_returned(&a, Some(&sim), 2);
 }
 
-/// The fast path asks the stream's identity; the slow path it falls back to must not ask
-/// again: a free of a user arena's block on its destroyed stream's handle passes that stale
-/// handle to the driver once (on CUDA such a call may crash the driver), and an invalid free
-/// on the arena's own stream costs one `cuStreamGetId`, as before the fast path took them.
+/// A free of a user arena's block on its destroyed stream's handle (which the contract does not
+/// allow) passes that stale handle to the driver once, in the fast path's capture query (on
+/// CUDA such a call may crash the driver): its error is the free's answer, and the slow path
+/// does not ask again. An invalid free on the arena's own stream costs the fast path's capture
+/// query and the slow path's identity lookup, which reports it.
 #[test]
 fn a_free_on_a_stale_handle_reaches_the_driver_once() {
     for size in SIZES {
@@ -381,7 +425,7 @@ fn a_free_on_a_stale_handle_reaches_the_driver_once() {
         let keep = a.allocate(size, s).unwrap();
         let s0 = a.stats();
         assert!(a.deallocate(p, size + 4096, s).is_err());
-        assert_eq!(a.stats().driver_calls - s0.driver_calls, 1, "{size}: an invalid free, one identity");
+        assert_eq!(a.stats().driver_calls - s0.driver_calls, 2, "{size}: an invalid free: capture, identity");
         sim.synchronize();
         sim.destroy_stream(s).unwrap();
         assert!(matches!(a.deallocate(p, size, s), Err(Error::Driver { .. })), "{size}");

@@ -205,3 +205,38 @@ fn a_pool_fallback_while_a_reclaimer_holds_the_arena_refuses_a_capturing_stream(
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// The owner's free of its user arena's block on that stream's handle (the fast path, which
+/// asks no identity) while the stream is being captured: refused, changing nothing, as on
+/// CUDA, where the slow path's identity lookup refuses it. A block freed into a capture and
+/// handed out after it could be overwritten when the graph replays. Without the fast path's
+/// capture query (the mutation `fast_free_while_capturing`) this test fails. After the capture
+/// the same free succeeds.
+#[test]
+fn an_owner_free_on_its_capturing_user_stream_is_refused() {
+    let dev = host(0);
+    let s = dev.create_stream();
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    for size in [4096, 48 << 10] {
+        let p = a.allocate(size, s).unwrap();
+        let keep = a.allocate(size, s).unwrap(); // no return rule on the free below
+        dev.begin_capture(s).unwrap();
+        let before = a.stats();
+        let e = a.deallocate(p, size, s).unwrap_err();
+        assert!(capturing(&e), "{size}: {e}");
+        let after = a.stats();
+        assert_eq!(
+            (after.deallocations, after.live_bytes),
+            (before.deallocations, before.live_bytes),
+            "{size}"
+        );
+        assert!(capturing(&a.allocate(size, s).unwrap_err()), "{size}: allocations are refused too");
+        dev.end_capture(s).unwrap();
+        a.deallocate(p, size, s).unwrap();
+        a.deallocate(keep, size, s).unwrap();
+    }
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    a.release_thread().unwrap();
+    dev.destroy_stream(s).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
