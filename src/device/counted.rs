@@ -1,7 +1,10 @@
 //! Device calls made on behalf of one thread, counted in that thread's statistics.
 //!
-//! Every driver call the allocator makes goes through [`Counted`], so `driver_calls`,
-//! `fences_recorded`, `fence_waits`, `fence_polls` and `host_syncs` are exact.
+//! Every driver operation the allocator makes goes through [`Counted`], so `driver_calls`,
+//! `fences_recorded`, `fence_waits`, `fence_polls` and `host_syncs` are exact. `driver_calls`
+//! counts the calls that do the work (a stream identity lookup on CUDA is two:
+//! `Device::stream_key_calls`), not the bookkeeping around each on CUDA (`cuCtxGetCurrent`,
+//! and the capture-mode switch around calls CUDA restricts during a capture: `CudaDevice::enter`).
 
 use super::{Device, Event};
 use crate::error::Result;

@@ -120,9 +120,10 @@ impl CudaDevice {
         self.enter_context(g)
     }
 
-    /// [`CudaDevice::enter`] without the capture-mode switch: for the identity of a stream
-    /// (`cuStreamIsCapturing`, then `cuStreamGetId` if it is not being captured), which the
-    /// user-stream fast path asks on every operation.
+    /// [`CudaDevice::enter`] without the capture-mode switch (two more calls): for the queries
+    /// CUDA allows in every capture mode, which the user-stream fast path makes on every
+    /// operation: `cuStreamIsCapturing` (alone, for a free; `Device::stream_capturing`) and
+    /// then `cuStreamGetId` if the stream is not being captured (`Device::stream_key`).
     fn enter_light(&self) -> Result<CtxGuard> {
         self.enter_context(CtxGuard { pushed: false, mode: None })
     }
@@ -267,7 +268,8 @@ impl Device for CudaDevice {
     }
 
     fn stream_capturing(&self, stream: Stream) -> Result<bool> {
-        let _g = self.enter()?;
+        // The one query CUDA allows during any capture: no capture-mode switch needed.
+        let _g = self.enter_light()?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: `status` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
         check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(raw_stream(stream), &mut status) })?;
