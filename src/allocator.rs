@@ -40,15 +40,18 @@
 //! until a device synchronise, for the ways memory leaves a user arena are these:
 //! - an allocation, whose identity is then `X`'s: never again, since `X` is gone;
 //! - the return rule's give-back inside a free on `h`, which asks `h`'s identity first
-//!   (`Arena::free_local`) and keeps the superblock unless it is `X`'s;
+//!   (`Arena::free_local`) and keeps the superblock unless it is `X`'s (having once found
+//!   another, the arena asks no more and keeps everything);
 //! - the arena given up (least recently used, thread exit) or reclaimed: parked until a device
-//!   synchronise, or taken only after one (below).
+//!   synchronise, or taken only after one (below; with fencing switched off for a test, given
+//!   back at once).
 //!
 //! So a user stream costs one `cuStreamGetId` per allocation (after a `cuStreamIsCapturing`:
-//! `Device::stream_key`) and, per free of the arena's own blocks on its handle, only the
-//! `cuStreamIsCapturing` (a block freed into a graph capture must not be handed out after it).
-//! A free on any other handle asks the identity: it may be a free on another stream (a
-//! cross-stream free, fenced) or on a reused handle.
+//! `Device::stream_key`) and, per free of the arena's own blocks on its handle, the
+//! `cuStreamIsCapturing` alone (a block freed into a graph capture must not be handed out
+//! after it), plus the identity when the return rule fires (about once per 10^4 frees in
+//! steady churn). A free on any other handle asks the identity: it may be a free on another
+//! stream (a cross-stream free, fenced) or on a reused handle.
 //!
 //! ## Arenas of user streams that may be gone
 //! A user-stream arena's local frees record no event, and its stream may be destroyed at any
@@ -932,7 +935,8 @@ impl Slot {
             // The owner's local free is on the arena's own stream: the per-thread arena's on
             // `0x2`, a user arena's on a stream with its identity (one `cuStreamGetId`: the fast
             // path, which takes a free on the arena's handle without asking, sent this one here
-            // for another handle, an invalid free or a reclaimer holding the arena). The legacy
+            // for another handle, an invalid free, a reclaimer holding the arena, a superblock
+            // that changed owner meanwhile, or no slot to use: a late destructor). The legacy
             // arena keeps its frees back (below).
             let home = match w {
                 Which::Fixed(i) => i == 0 && stream.is_per_thread(),

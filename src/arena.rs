@@ -163,6 +163,10 @@ pub(crate) struct Arena {
     pub(crate) home: Stream,
     /// Identity of `home` (for the legacy stream, the same in every thread).
     pub(crate) key: StreamKey,
+    /// A user arena's handle was found naming another stream, or none, inside a free on it
+    /// (`handle_names_home`): the arena's stream is destroyed, and stays so (identities are
+    /// never reused), so the identity is not asked again.
+    home_gone: bool,
     /// Granules of a normal superblock (`S` of the return rule).
     granules: usize,
     /// Granules of every superblock held, normal and large (`a` of the return rule).
@@ -264,6 +268,7 @@ impl Arena {
             shell,
             home,
             key,
+            home_gone: false,
             granules,
             held: 0,
             large_held: 0,
@@ -502,7 +507,8 @@ impl Arena {
     /// call's stream is known to be the home stream (the per-thread stream, or a user stream
     /// whose identity the caller asked); false for a user arena's handle whose identity was not
     /// asked (`allocator.rs`, "A user arena's own frees"), which the return rule then asks
-    /// before it passes the handle to the driver for a fence.
+    /// (once it finds another stream there, never again) before it passes the handle to the
+    /// driver for a fence.
     #[inline]
     pub(crate) fn free_local(
         &mut self,
@@ -546,16 +552,21 @@ impl Arena {
     }
 
     /// True if the handle `home` names this arena's stream (identity `key`) now: asked of the
-    /// driver, inside a call that passed that handle (the caller vouches for it then).
+    /// driver, inside a call that passed that handle (the caller vouches for it then), until
+    /// the answer is another stream or an error once (`home_gone`).
     #[cold]
     #[inline(never)]
-    fn handle_names_home(&self, env: &Env<'_>) -> bool {
-        // The mutation `give_back_unasked` trusts the handle: the test
-        // `frees_on_a_reused_handle_stay_out_of_use_until_a_synchronise` must then fail.
+    fn handle_names_home(&mut self, env: &Env<'_>) -> bool {
+        // The mutation `give_back_unasked` trusts the handle: the tests
+        // `frees_on_a_reused_handle_stay_out_of_use_until_a_synchronise` and
+        // `a_give_back_after_the_handle_is_reused_is_refused_for_legal_frees` must then fail.
         if cfg!(cuarena_mutant = "give_back_unasked") {
             return true;
         }
-        matches!(env.dev.stream_key(self.home), Ok(k) if k == self.key)
+        if !self.home_gone {
+            self.home_gone = !matches!(env.dev.stream_key(self.home), Ok(k) if k == self.key);
+        }
+        !self.home_gone
     }
 
     /// The owner's free, on the legacy stream, of a block of this arena (the legacy stream's):
