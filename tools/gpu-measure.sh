@@ -4,11 +4,12 @@
 # new rounds, an older build of the benchmark copied to gpu-bundle/cuarena-old. Writes to OUTDIR:
 #   tests.log      every bundled test binary, the GPU required (gpu-bundle/run.sh)
 #   python.log     the Python package's tests against gpu-bundle/libcuarena.so
-#   ovn.jsonl      two interleaved rounds of the new and the old build, cuarena only, every
-#                  workload and stream mode at 1 and 16 threads (rows tagged "round")
-#   table.jsonl    one run of cuarena and cuMemAllocAsync side by side
-#   train.jsonl    examples/torch_train.py, native and cuarena interleaved, 3 runs each
-# Usage: bash tools/gpu-measure.sh OUTDIR
+#   ovn.jsonl      interleaved rounds of the new and the old build, cuarena only, at 1 and 16
+#                  threads (rows tagged "round"): AB_ROUNDS rounds (2) of AB_WORKLOADS (every
+#                  workload below) on AB_STREAMS (ptds,legacy,own)
+#   table.jsonl    one run of cuarena and cuMemAllocAsync side by side, every workload and mode
+#   train.jsonl    examples/torch_train.py, native and cuarena interleaved, TRAIN_RUNS each (3)
+# Usage: [AB_ROUNDS=N AB_WORKLOADS=W,.. AB_STREAMS=S,.. TRAIN_RUNS=N] bash tools/gpu-measure.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu-measure.sh OUTDIR}
@@ -20,11 +21,13 @@ echo "tests exit $?"
 grep -E '^== |test result|FAILED|panicked' "$out/tests.log"
 bash tools/python-check.sh gpu-bundle/libcuarena.so > "$out/python.log" 2>&1
 echo "python exit $?: $(tail -1 "$out/python.log")"
-bench='--json --secs 0.5 --threads 1,16 --workloads churn,large,mixed,handoff,handoff_msg --streams ptds,legacy,own --no-touch'
+all=churn,large,mixed,handoff,handoff_msg
+bench="--json --secs 0.5 --threads 1,16 --workloads $all --streams ptds,legacy,own --no-touch"
+ab="--json --secs 0.5 --threads 1,16 --workloads ${AB_WORKLOADS:-$all} --streams ${AB_STREAMS:-ptds,legacy,own} --no-touch"
 if [ -x gpu-bundle/cuarena-old ]; then
-  for i in 1 2; do
+  for i in $(seq "${AB_ROUNDS:-2}"); do
     for b in cuarena cuarena-old; do
-      ./gpu-bundle/$b $bench --allocators cuarena 2>/dev/null |
+      ./gpu-bundle/$b $ab --allocators cuarena 2>/dev/null |
         sed "s/\"allocator\":\"cuarena\"/\"allocator\":\"$b\",\"round\":$i/" >> "$out/ovn.jsonl"
     done
   done
@@ -33,7 +36,7 @@ fi
 ./gpu-bundle/cuarena $bench --allocators cuarena,cuMemAllocAsync > "$out/table.jsonl" 2>/dev/null
 echo "table: $(wc -l < "$out/table.jsonl") rows"
 export CUARENA_LIB="$PWD/gpu-bundle/libcuarena.so"
-for i in 1 2 3; do
+for i in $(seq "${TRAIN_RUNS:-3}"); do
   for a in native cuarena; do
     python3 examples/torch_train.py --allocator $a 2>>"$out/train.err" | tail -1 >> "$out/train.jsonl"
   done
