@@ -1255,13 +1255,25 @@ impl Allocator {
     /// the request tried once more; then, if an OOM hook is set ([`Allocator::set_oom_hook`]),
     /// it is called and the request retried while it asks to, at most [`MAX_OOM_RETRIES`]
     /// times; then [`Error::OutOfMemory`].
-    #[inline]
+    #[inline(always)]
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         // The fast path gives a bare address, kept in registers: the 48-byte `Result` is made
-        // once, here, not copied out of a callee's frame (that copy, read back wider than it
-        // was written, stalled store forwarding and cost a third of a cache-hit allocation).
-        // Whether a trace runs is asked after the allocation (trace.rs), on either path.
-        let fast = crate::trace::allocation(
+        // once, here, in the caller, not copied out of a callee's frame (that copy, read back
+        // wider than it was written, stalled store forwarding and cost a third of a cache-hit
+        // allocation). So this wrapper is always inlined, whatever the compiler makes of the
+        // fast path behind it (when it stopped inlining the whole of `allocate` into the
+        // benchmark, one-thread churn lost a tenth on the host and a fifth on the H200).
+        match self.allocate_fast_traced(size, stream) {
+            Some(p) => Ok(DeviceAddr(p)),
+            None => self.allocate_slow(size, stream),
+        }
+    }
+
+    /// [`Allocator::allocate_fast`] with the trace's rule: whether a trace runs is asked after
+    /// the allocation (trace.rs).
+    #[inline]
+    fn allocate_fast_traced(&self, size: usize, stream: Stream) -> Option<u64> {
+        crate::trace::allocation(
             &self.inner.trace,
             || self.allocate_fast(size, stream),
             |p| {
@@ -1271,11 +1283,7 @@ impl Allocator {
                 }
                 p
             },
-        );
-        match fast {
-            Some(p) => Ok(DeviceAddr(p)),
-            None => self.allocate_slow(size, stream),
-        }
+        )
     }
 
     /// The fast path of [`Allocator::allocate`]: a request up to `large_max` on the per-thread
@@ -1369,11 +1377,54 @@ impl Allocator {
     /// refused with [`Error::InvalidFree`] and changes nothing. A free of a block owned by
     /// another thread is checked by that thread later; if found invalid it is counted in
     /// [`Stats::invalid_frees`] and reported by [`Allocator::take_deferred_error`].
+    #[inline(always)]
     pub fn deallocate(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+        // As in `allocate`: the fast path answers in a register and the `Result` is made here,
+        // in the caller; every other free goes out of line.
+        let mut refused = None;
+        if self.deallocate_fast(ptr, size, stream, &mut refused) {
+            return Ok(());
+        }
+        self.deallocate_slow(ptr, size, stream, refused)
+    }
+
+    /// [`free_fast`] when no trace runs and not in pass-through mode: true if it took the free.
+    #[inline]
+    fn deallocate_fast(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        refused: &mut Option<Error>,
+    ) -> bool {
+        let inner = &self.inner;
+        !inner.trace.on() && inner.passthrough.is_none() && free_fast(inner, stream, ptr.0, size, refused)
+    }
+
+    /// Every free [`Allocator::deallocate_fast`] did not take: its refusal (`refused`), a trace
+    /// running, pass-through mode, the free of null, and the slow path.
+    #[cold]
+    #[inline(never)]
+    fn deallocate_slow(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        refused: Option<Error>,
+    ) -> Result<()> {
+        if let Some(e) = refused {
+            return Err(e); // the stream is being captured, or its handle is refused
+        }
         if self.inner.trace.on() {
             return self.deallocate_traced(ptr, size, stream); // a trace records (trace.rs)
         }
-        self.deallocate_untraced(ptr, size, stream)
+        if let Some(p) = &self.inner.passthrough {
+            return p.deallocate(ptr, size, stream); // pass-through mode
+        }
+        if ptr.is_null() && size == 0 {
+            return Ok(());
+        }
+        self.deallocate_cold(ptr, size, stream)
     }
 
     #[inline(always)]
