@@ -11,7 +11,7 @@ mod common;
 
 use common::{host, on_thread, small};
 use cuarena::{Allocator, Device, DeviceAddr, Error, InvalidFree, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena_testkit::{HostDevice, StreamGate, assert_all_returned, host_allocator};
 
 /// Small blocks up to 64 KiB, large ones (from large superblocks) up to 128 KiB.
 fn alloc_on(sim: &HostDevice) -> Allocator {
@@ -27,6 +27,24 @@ fn order(sim: &HostDevice, from: Stream, to: Stream) {
     let ev = sim.create_event().unwrap();
     sim.record_event(ev, from).unwrap();
     sim.stream_wait_event(to, ev).unwrap();
+}
+
+/// The end of a test with work held behind `gate`: opens it, frees `blocks` (of `size` bytes)
+/// on their streams, gives the thread's arenas back and destroys the user stream `s`.
+fn finish(
+    a: &Allocator,
+    sim: &HostDevice,
+    gate: StreamGate,
+    blocks: &[(DeviceAddr, Stream)],
+    size: usize,
+    s: Stream,
+) {
+    gate.open();
+    for &(q, on) in blocks {
+        a.deallocate(q, size, on).unwrap();
+    }
+    a.release_thread().unwrap();
+    sim.destroy_stream(s).unwrap();
 }
 
 fn refused(r: cuarena::Result<()>) -> InvalidFree {
@@ -155,12 +173,7 @@ fn frees_on_a_reused_handle_stay_out_of_use_until_a_synchronise() {
                 assert!(v.is_empty(), "{size}: {} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
                 assert!(qs.iter().all(|&(q, _)| q != p && q != keep), "{size}: A's block handed out again");
                 assert_eq!(s3.superblocks_returned, s0.superblocks_returned, "{size}: kept: {s3:?}");
-                gate.open();
-                for (q, s) in qs {
-                    a.deallocate(q, size, s).unwrap();
-                }
-                a.release_thread().unwrap();
-                sim.destroy_stream(sb).unwrap();
+                finish(a, &sim, gate, &qs, size, sb);
             }
         });
         assert_all_returned(&a, Some(&sim), 2);
@@ -221,12 +234,7 @@ fn a_give_back_after_the_handle_is_reused_is_refused_for_legal_frees() {
             assert_eq!(s1.driver_calls - s0.driver_calls, frees + 1, "capture queries, one identity: {s1:?}");
             let s2 = a.stats();
             assert_eq!(s2.superblocks_returned + s2.superblocks_dissolved, 0, "X's superblock kept: {s2:?}");
-            gate.open();
-            for (q, s) in got {
-                a.deallocate(q, size, s).unwrap();
-            }
-            a.release_thread().unwrap();
-            sim.destroy_stream(sy).unwrap();
+            finish(a, &sim, gate, &got, size, sy);
         }
     });
     assert_all_returned(&a, Some(&sim), 0);
