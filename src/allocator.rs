@@ -1388,7 +1388,7 @@ impl Allocator {
         self.deallocate_slow(ptr, size, stream, refused)
     }
 
-    /// [`free_fast`] when no trace runs and not in pass-through mode: true if it took the free.
+    /// [`free_fast`] when no trace runs: true if it took the free.
     #[inline]
     fn deallocate_fast(
         &self,
@@ -1397,12 +1397,24 @@ impl Allocator {
         stream: Stream,
         refused: &mut Option<Error>,
     ) -> bool {
-        let inner = &self.inner;
-        !inner.trace.on() && inner.passthrough.is_none() && free_fast(inner, stream, ptr.0, size, refused)
+        !self.inner.trace.on() && self.deallocate_fast_untraced(ptr, size, stream, refused)
     }
 
-    /// Every free [`Allocator::deallocate_fast`] did not take: its refusal (`refused`), a trace
-    /// running, pass-through mode, the free of null, and the slow path.
+    /// [`free_fast`], not in pass-through mode: true if it took the free.
+    #[inline(always)]
+    fn deallocate_fast_untraced(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        refused: &mut Option<Error>,
+    ) -> bool {
+        let inner = &self.inner;
+        inner.passthrough.is_none() && free_fast(inner, stream, ptr.0, size, refused)
+    }
+
+    /// Every free [`Allocator::deallocate_fast`] did not take: a trace running, then as
+    /// [`Allocator::deallocate_rest`].
     #[cold]
     #[inline(never)]
     fn deallocate_slow(
@@ -1412,35 +1424,40 @@ impl Allocator {
         stream: Stream,
         refused: Option<Error>,
     ) -> Result<()> {
-        if let Some(e) = refused {
-            return Err(e); // the stream is being captured, or its handle is refused
-        }
-        if self.inner.trace.on() {
+        if refused.is_none() && self.inner.trace.on() {
             return self.deallocate_traced(ptr, size, stream); // a trace records (trace.rs)
         }
-        if let Some(p) = &self.inner.passthrough {
-            return p.deallocate(ptr, size, stream); // pass-through mode
-        }
-        if ptr.is_null() && size == 0 {
-            return Ok(());
-        }
-        self.deallocate_cold(ptr, size, stream)
+        self.deallocate_rest(ptr, size, stream, refused)
     }
 
-    #[inline(always)]
+    /// [`Allocator::deallocate`] without the trace (what a traced free runs).
     fn deallocate_untraced(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+        let mut refused = None;
+        if self.deallocate_fast_untraced(ptr, size, stream, &mut refused) {
+            return Ok(());
+        }
+        self.deallocate_rest(ptr, size, stream, refused)
+    }
+
+    /// A free the fast path did not take, without the trace: its refusal (`refused`: the
+    /// stream is being captured, or its handle is refused), pass-through mode, the free of
+    /// null, and the slow path.
+    #[inline(always)]
+    fn deallocate_rest(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        refused: Option<Error>,
+    ) -> Result<()> {
+        if let Some(e) = refused {
+            return Err(e);
+        }
         if let Some(p) = &self.inner.passthrough {
             return p.deallocate(ptr, size, stream); // pass-through mode
         }
         if ptr.is_null() && size == 0 {
             return Ok(());
-        }
-        let mut refused = None;
-        if free_fast(&self.inner, stream, ptr.0, size, &mut refused) {
-            return Ok(());
-        }
-        if let Some(e) = refused {
-            return Err(e); // the stream is being captured, or its handle is refused
         }
         self.deallocate_cold(ptr, size, stream)
     }
