@@ -9,6 +9,9 @@
 #                  workload below) on AB_STREAMS (ptds,legacy,own)
 #   table.jsonl    one run of cuarena and cuMemAllocAsync side by side, every workload and mode
 #   train.jsonl    examples/torch_train.py, native and cuarena interleaved, TRAIN_RUNS each (3)
+# It replaces tools/gpu-bench.sh, which the measurements of 2026-11-30 and 2026-12-01 in
+# BENCHMARKS.md ran (in git history at the commits named there): the same table, old-against-new
+# rounds and PyTorch runs, now after the tests, with the rounds' workloads chosen.
 # Usage: [AB_ROUNDS=N AB_WORKLOADS=W,.. AB_STREAMS=S,.. TRAIN_RUNS=N] bash tools/gpu-measure.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
