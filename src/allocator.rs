@@ -1388,7 +1388,7 @@ impl Allocator {
         self.deallocate_slow(ptr, size, stream, refused)
     }
 
-    /// [`free_fast`] when no trace runs: true if it took the free.
+    /// [`free_fast`] when no trace runs and not in pass-through mode: true if it took the free.
     #[inline]
     fn deallocate_fast(
         &self,
@@ -1397,20 +1397,8 @@ impl Allocator {
         stream: Stream,
         refused: &mut Option<Error>,
     ) -> bool {
-        !self.inner.trace.on() && self.deallocate_fast_untraced(ptr, size, stream, refused)
-    }
-
-    /// [`free_fast`], not in pass-through mode: true if it took the free.
-    #[inline(always)]
-    fn deallocate_fast_untraced(
-        &self,
-        ptr: DeviceAddr,
-        size: usize,
-        stream: Stream,
-        refused: &mut Option<Error>,
-    ) -> bool {
         let inner = &self.inner;
-        inner.passthrough.is_none() && free_fast(inner, stream, ptr.0, size, refused)
+        !inner.trace.on() && inner.passthrough.is_none() && free_fast(inner, stream, ptr.0, size, refused)
     }
 
     /// Every free [`Allocator::deallocate_fast`] did not take: a trace running, then as
@@ -1433,7 +1421,7 @@ impl Allocator {
     /// [`Allocator::deallocate`] without the trace (what a traced free runs).
     fn deallocate_untraced(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
         let mut refused = None;
-        if self.deallocate_fast_untraced(ptr, size, stream, &mut refused) {
+        if self.inner.passthrough.is_none() && free_fast(&self.inner, stream, ptr.0, size, &mut refused) {
             return Ok(());
         }
         self.deallocate_rest(ptr, size, stream, refused)
