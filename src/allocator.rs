@@ -41,7 +41,8 @@
 //! - an allocation, whose identity is then `X`'s: never again, since `X` is gone;
 //! - the return rule's give-back inside a free on `h`, which asks `h`'s identity first
 //!   (`Arena::free_local`) and keeps the superblock unless it is `X`'s (having once found
-//!   another, the arena asks no more and keeps everything);
+//!   another, the arena asks no more and keeps everything; after an error, which says nothing
+//!   about the stream, it keeps the superblock this time and asks again 64 such frees later);
 //! - the arena given up (least recently used, thread exit) or reclaimed: parked until a device
 //!   synchronise, or taken only after one (below; with fencing switched off for a test, given
 //!   back at once).

@@ -46,15 +46,20 @@
 //! per-thread stream, and a per-thread stream orders its work only after earlier legacy-stream
 //! *actions*, of which the free is none; its earlier uses may have been on another thread's
 //! per-thread stream (which the free's contract orders before later legacy work only). So
-//! `free_legacy` checks the block, marks it `PENDING` and keeps it back; once `legacy_batch`
-//! blocks or `legacy_batch_bytes` bytes are kept back (`config.rs`), or when the slow path finds
-//! no other fit, or at a flush, one *legacy action* (`fence.rs`: a `cuStreamWaitEvent` on the legacy stream, which
-//! CUDA orders after all earlier per-thread-stream work and before all later) is queued, and
-//! the kept-back blocks merge into the free lists. No event, no outbox, no lock. A superblock
-//! that leaves the arena takes its kept-back blocks to the pool as free ranges with a lazy
-//! legacy fence. Memory kept back this way is, per thread, fewer than `legacy_batch` blocks and
-//! `legacy_batch_bytes` bytes plus one block, and it is not stranded: the owner's slow path
-//! releases it before it borrows more, and a reclaim without the owner takes it (below).
+//! `free_legacy` checks the block, marks it `PENDING` and keeps it back until a *legacy
+//! action* (`fence.rs`: a `cuStreamWaitEvent` on the legacy stream, which CUDA orders after
+//! all earlier per-thread-stream work and before all later) issued after the free has been
+//! queued, by this thread or any other. The kept-back frees go in halves (`legacy_kept.rs`):
+//! once half of `legacy_batch` blocks or of `legacy_batch_bytes` bytes (`config.rs`) are kept
+//! back, they are published under a ticket; once a whole batch is, the published half is
+//! merged into the free lists if another thread's action covered its ticket (no driver call)
+//! and the rest published in its place, and otherwise one action of this arena covers them
+//! all. The slow path, finding no other fit, first takes a covered half, then issues an action
+//! for all; a flush issues one. No event, no outbox, no lock. A superblock that leaves the
+//! arena takes its kept-back blocks to the pool as free ranges with a lazy legacy fence. Memory
+//! kept back this way is, per thread, fewer than `legacy_batch` blocks and `legacy_batch_bytes`
+//! bytes plus one block, and it is not stranded: the owner's slow path releases it before it
+//! borrows more, and a reclaim without the owner takes it (below).
 //!
 //! ## Reclaim without the owner ([`Arena::reclaim`])
 //! An owner that is idle (blocked elsewhere, parked in a thread pool) never drains its inbox,
@@ -147,6 +152,7 @@ use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{Fence, FenceSet};
 use crate::free_lists::{FreeBlock, FreeLists};
+use crate::legacy_kept::{LegacyKept, Next};
 use crate::shell::{ArenaShell, Batch, Freed};
 use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
 use crate::stream::{Stream, StreamKey};
@@ -163,10 +169,16 @@ pub(crate) struct Arena {
     pub(crate) home: Stream,
     /// Identity of `home` (for the legacy stream, the same in every thread).
     pub(crate) key: StreamKey,
-    /// A user arena's handle was found naming another stream, or none, inside a free on it
+    /// A user arena's handle was found naming another stream inside a free on it
     /// (`handle_names_home`): the arena's stream is destroyed, and stays so (identities are
     /// never reused), so the identity is not asked again.
     home_gone: bool,
+    /// Return-rule frees on a user arena's handle still to pass without asking its identity,
+    /// after the driver answered that question with an error (`handle_names_home`): an error
+    /// says nothing about the stream (the handle is vouched for by the free that passes it),
+    /// so the question is asked again later, not never; at most one failing call per
+    /// [`HOME_RETRY`] + 1 such frees.
+    home_retry: u16,
     /// Granules of a normal superblock (`S` of the return rule).
     granules: usize,
     /// Granules of every superblock held, normal and large (`a` of the return rule).
@@ -199,11 +211,10 @@ pub(crate) struct Arena {
     /// Per-class LIFO of freed blocks not yet merged: `(superblock, first granule)`.
     cache: [Vec<(*const Superblock, u32)>; CACHED_CLASSES],
     /// The owner's own frees on the legacy stream, in the legacy stream's arena: marked
-    /// `PENDING` (counted in `live`) until one legacy action lets them be reused (see
-    /// "Frees on the legacy stream" above). Fewer than `legacy_batch` blocks, and fewer than
-    /// `legacy_batch_bytes` bytes (`legacy_freed_bytes`) plus the last block.
-    legacy_freed: Vec<Freed>,
-    legacy_freed_bytes: usize,
+    /// `PENDING` (counted in `live`) until a legacy action issued after them lets them be
+    /// reused (see "Frees on the legacy stream" above; `legacy_kept.rs`). Fewer than
+    /// `legacy_batch` blocks and `legacy_batch_bytes` bytes, plus the last block.
+    legacy_kept: LegacyKept,
     /// Free ranges kept out of the lists because a bad free of the address they start at is
     /// on its way (an `IN_TRANSIT` flag; see `superblock.rs`): tagged `PENDING`, not in `live`,
     /// merged back once that free has arrived and been refused. Empty unless a program frees
@@ -248,6 +259,11 @@ const REGRET_WINDOW: u32 = 8192;
 /// With `E` that fell to 11-13 (host device, 2026-12-01).
 const EXTRA_MAX: usize = (3 * LARGE_SUPERBLOCK_MAX) >> GRANULE_SHIFT;
 
+/// After an identity query of a user arena's handle fails, the return-rule frees that pass
+/// before it is asked again (`Arena::home_retry`): a driver that keeps failing costs one call
+/// per 65 such frees, and memory the rule would give back waits that long.
+const HOME_RETRY: u16 = 64;
+
 /// Pending batches polled per slow path at most (one event query each).
 const MAX_POLLS: usize = 16;
 /// Size classes served by the block cache: classes up to 32 KiB.
@@ -269,6 +285,7 @@ impl Arena {
             home,
             key,
             home_gone: false,
+            home_retry: 0,
             granules,
             held: 0,
             large_held: 0,
@@ -284,8 +301,7 @@ impl Arena {
             live: 0,
             pending: VecDeque::new(),
             cache: std::array::from_fn(|_| Vec::with_capacity(CACHE_DEPTH)),
-            legacy_freed: Vec::new(),
-            legacy_freed_bytes: 0,
+            legacy_kept: LegacyKept::default(),
             quarantined: Vec::new(),
         }
     }
@@ -415,6 +431,10 @@ impl Arena {
             sb.with_local(|l| {
                 if b.len > g {
                     let rest = FreeBlock { sb: b.sb, first: b.first + g, len: b.len - g };
+                    // The carve that takes `rest` reads its head's freed flag, a line nothing
+                    // touched since `rest.first` last started a block (a split point is new
+                    // each time): fetched now, the read finds it in the cache.
+                    sb.prefetch_flag(rest.first);
                     let id = lists.insert(rest);
                     l.mark(rest.first, rest.len, FREE, id);
                 }
@@ -552,8 +572,10 @@ impl Arena {
     }
 
     /// True if the handle `home` names this arena's stream (identity `key`) now: asked of the
-    /// driver, inside a call that passed that handle (the caller vouches for it then), until
-    /// the answer is another stream or an error once (`home_gone`).
+    /// driver, inside a call that passed that handle (the caller vouches for it then). Once the
+    /// answer is another stream, false for good (`home_gone`); after an error (a transient
+    /// driver failure, or a capture begun by another thread since this free's capture query),
+    /// false without asking for the next [`HOME_RETRY`] calls (`home_retry`), then asked again.
     #[cold]
     #[inline(never)]
     fn handle_names_home(&mut self, env: &Env<'_>) -> bool {
@@ -563,10 +585,30 @@ impl Arena {
         if cfg!(cuarena_mutant = "give_back_unasked") {
             return true;
         }
-        if !self.home_gone {
-            self.home_gone = !matches!(env.dev.stream_key(self.home), Ok(k) if k == self.key);
+        if self.home_gone {
+            return false;
         }
-        !self.home_gone
+        if self.home_retry > 0 {
+            self.home_retry -= 1;
+            return false;
+        }
+        match env.dev.stream_key(self.home) {
+            Ok(k) if k == self.key => true,
+            Ok(_) => {
+                self.home_gone = true;
+                false
+            }
+            // The mutation `home_error_latches` treats an error as another stream: the test
+            // `a_failed_identity_query_does_not_stop_the_return_rule` must then fail.
+            Err(_) if cfg!(cuarena_mutant = "home_error_latches") => {
+                self.home_gone = true;
+                false
+            }
+            Err(_) => {
+                self.home_retry = HOME_RETRY;
+                false
+            }
+        }
     }
 
     /// The owner's free, on the legacy stream, of a block of this arena (the legacy stream's):
@@ -592,34 +634,72 @@ impl Arena {
             })
         };
         r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
-        self.legacy_freed.push(Freed { ptr, size });
-        self.legacy_freed_bytes += bytes;
-        if self.legacy_freed.len() >= env.legacy_blocks || self.legacy_freed_bytes >= env.legacy_bytes {
-            self.release_legacy(env);
+        match self.legacy_kept.push(Freed { ptr, size }, bytes, env.legacy_blocks, env.legacy_bytes) {
+            Next::Keep => {}
+            Next::Seal => self.legacy_kept.seal(env.legacy_request()),
+            Next::Settle(t) => self.settle_legacy(env, t),
+            Next::Act => {
+                self.release_legacy(env);
+            }
         }
         Ok(())
     }
 
-    /// Queues one legacy action, then merges the frees kept back before it into the free
+    /// A whole batch of legacy frees is kept back, half of it sealed under ticket `t`: if
+    /// another thread's legacy action covered that half, it is merged back with no driver call
+    /// and the rest sealed in its place; otherwise one action of this arena covers them all.
+    #[cold]
+    #[inline(never)]
+    fn settle_legacy(&mut self, env: &Env<'_>, t: u64) {
+        // The mutation `legacy_covered_unchecked` takes the sealed batch as covered: the test
+        // `a_sealed_batch_waits_for_an_action_issued_after_it` must then fail.
+        if !(cfg!(cuarena_mutant = "legacy_covered_unchecked") || env.legacy_covers(t)) {
+            self.release_legacy(env);
+            return;
+        }
+        let blocks = self.legacy_kept.take_sealed();
+        self.legacy_kept.seal(env.legacy_request());
+        self.merge_legacy(env, blocks);
+    }
+
+    /// Merges back the sealed legacy frees if a legacy action has covered them (no driver
+    /// call); true if any were.
+    fn release_covered_legacy(&mut self, env: &Env<'_>) -> bool {
+        match self.legacy_kept.sealed_ticket() {
+            Some(t) if env.legacy_covers(t) => {
+                let blocks = self.legacy_kept.take_sealed();
+                self.merge_legacy(env, blocks);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Queues one legacy action, then merges every frees kept back before it into the free
     /// lists; true if any were. If the action cannot be queued they stay kept back (never
     /// reused unordered) and the error is kept for the caller of `take_deferred_error`.
     #[cold]
     #[inline(never)]
     fn release_legacy(&mut self, env: &Env<'_>) -> bool {
-        if self.legacy_freed.is_empty() {
+        if self.legacy_kept.is_empty() {
             return false;
         }
         if let Err(e) = env.legacy_action() {
             env.defer(e);
             return false;
         }
-        let blocks = std::mem::take(&mut self.legacy_freed);
-        self.legacy_freed_bytes = 0;
+        let blocks = self.legacy_kept.take_all();
+        self.merge_legacy(env, blocks);
+        true
+    }
+
+    /// Merges kept-back legacy frees a legacy action has followed into the free lists, then
+    /// applies the return rule.
+    fn merge_legacy(&mut self, env: &Env<'_>, blocks: Vec<Freed>) {
         self.complete(env, Batch { fence: None, blocks });
         if self.over_held() {
             self.shrink(env, true); // inside a call on the legacy stream, the home stream
         }
-        true
     }
 
     /// True if the return rule asks for a superblock back.
@@ -733,17 +813,14 @@ impl Arena {
         // any reuse (`FenceSet::lazy_legacy`). `fences` would not do: it may be an event on the
         // owner's per-thread stream (thread exit), which orders nothing another thread's
         // per-thread stream did before the free.
-        let mut kept = 0;
-        self.legacy_freed.retain(|fr| {
+        self.legacy_kept.take_where(|fr| {
             let inside = (sb.base..end).contains(&fr.ptr);
-            if inside {
+            inside.then(|| {
                 let bytes = block_bytes(fr.size, env.small_max).unwrap_or(0);
-                kept += bytes;
                 fenced.push((fr.ptr, bytes, FenceSet::lazy_legacy()));
-            }
-            !inside
+                bytes
+            })
         });
-        self.legacy_freed_bytes -= kept;
         // Quarantined ranges are free ranges taken out of the lists: free for this arena's
         // stream only (a block freed on it, a pending block made safe by a wait on it, a
         // superblock lent behind a wait on it), so they go behind `fences`, as the free ranges
@@ -986,7 +1063,13 @@ impl Arena {
         if let Some(p) = self.alloc(class, g) {
             return Ok(p);
         }
-        // Then the owner's frees on the legacy stream, behind one legacy action.
+        // Then the owner's frees on the legacy stream: the sealed batch if another thread's
+        // legacy action covered it, else all behind one action of this arena.
+        if self.release_covered_legacy(env)
+            && let Some(p) = self.alloc(class, g)
+        {
+            return Ok(p);
+        }
         if self.release_legacy(env)
             && let Some(p) = self.alloc(class, g)
         {
@@ -1066,7 +1149,7 @@ impl Arena {
         self.drain(env);
         // Granules of pending blocks per superblock: the rest of `live` is used.
         let mut pending: Vec<(*const Superblock, usize)> = Vec::new();
-        for fr in self.pending.iter().flat_map(|b| b.blocks.iter()).chain(&self.legacy_freed) {
+        for fr in self.pending.iter().flat_map(|b| b.blocks.iter()).chain(self.legacy_kept.iter()) {
             if let Some(sb) = env.pool.registry.lookup(fr.ptr) {
                 let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
                 match pending.iter_mut().find(|(p, _)| std::ptr::eq(*p, sb)) {
@@ -1169,7 +1252,7 @@ impl Arena {
         #[cfg(not(cuarena_mutant = "exit_close_first"))]
         let late = self.shell.inbox.close();
         debug_assert!(self.pending.is_empty(), "give_back took every pending block");
-        debug_assert!(self.legacy_freed.is_empty(), "give_back took every kept-back legacy free");
+        debug_assert!(self.legacy_kept.is_empty(), "give_back took every kept-back legacy free");
         debug_assert!(self.quarantined.is_empty(), "give_back took every quarantined range");
         for batch in late {
             for fr in batch.blocks {
