@@ -7,7 +7,8 @@
 #   ovn.jsonl      interleaved rounds of the new and the old build, cuarena only, at 1 and 16
 #                  threads (rows tagged "round"): AB_ROUNDS rounds (2) of AB_WORKLOADS (every
 #                  workload below) on AB_STREAMS (ptds,legacy,own)
-#   table.jsonl    one run of cuarena and cuMemAllocAsync side by side, every workload and mode
+#   table.jsonl    one run of cuarena, cuMemAllocAsync and `harness` (no allocator: the harness's
+#                  own ceiling) side by side, every workload and mode
 #   train.jsonl    examples/torch_train.py, native and cuarena interleaved, TRAIN_RUNS each (3)
 # It replaces tools/gpu-bench.sh, which the measurements of 2026-11-30 and 2026-12-01 in
 # BENCHMARKS.md ran (in git history at the commits named there): the same table, old-against-new
@@ -36,7 +37,7 @@ if [ -x gpu-bundle/cuarena-old ]; then
   done
   echo "old-vs-new: $(wc -l < "$out/ovn.jsonl") rows"
 fi
-./gpu-bundle/cuarena $bench --allocators cuarena,cuMemAllocAsync > "$out/table.jsonl" 2>/dev/null
+./gpu-bundle/cuarena $bench --allocators cuarena,cuMemAllocAsync,harness > "$out/table.jsonl" 2>/dev/null
 echo "table: $(wc -l < "$out/table.jsonl") rows"
 export CUARENA_LIB="$PWD/gpu-bundle/libcuarena.so"
 for i in $(seq "${TRAIN_RUNS:-3}"); do

@@ -151,8 +151,42 @@ impl BenchAlloc for CuarenaTraced {
     }
 }
 
+/// No allocator at all (`harness`, on request only): every allocation answers the same
+/// address ([`HARNESS_ADDR`]) and every free does nothing. Nothing is dereferenced, so it runs
+/// only without `touch`. Its pairs per second are a workload's ceiling with an allocator that
+/// cost nothing: the harness's own work (the size draw, the slot choice, the latency samples,
+/// `handoff`'s queues and `handoff_msg`'s mailboxes, the call through `dyn BenchAlloc`),
+/// measured in the same run as the allocators, so that their own cost per pair can be read off
+/// (`1 / a - 1 / harness` seconds a pair).
+struct Harness;
+
+/// The one address [`Harness`] hands out (256-byte aligned, never dereferenced).
+pub const HARNESS_ADDR: u64 = 1 << 40;
+
+impl BenchAlloc for Harness {
+    fn name(&self) -> &'static str {
+        "harness"
+    }
+    #[inline]
+    fn alloc(&self, _size: usize, _stream: Stream) -> Result<u64> {
+        Ok(HARNESS_ADDR)
+    }
+    #[inline]
+    fn free(&self, _ptr: u64, _size: usize, _stream: Stream) -> Result<()> {
+        Ok(())
+    }
+    fn counts(&self) -> Counts {
+        Counts::default()
+    }
+}
+
 /// Allocators that run only when asked for by name (`--allocators`), beside the default ones.
-pub const ON_REQUEST: &[&str] = &["cuarena+trace"];
+pub const ON_REQUEST: &[&str] = &["cuarena+trace", "harness"];
+
+/// Whether allocator `name` can run a `touch` variant: [`Harness`] hands out no memory.
+pub fn runs_touch(name: &str) -> bool {
+    name != "harness"
+}
 
 /// Tracks live bytes and their peak for baselines that do not report their own.
 #[derive(Default)]
@@ -673,6 +707,7 @@ impl Bench {
             "cuarena+trace" => {
                 Box::new(CuarenaTraced::new(Allocator::new(Arc::clone(&self.device), Config::from_env()?)?)?)
             }
+            "harness" => Box::new(Harness),
             "cuMemAlloc" => Box::new(CuMemAlloc {
                 dev: self.cuda.clone().ok_or(Error::NoDriver)?,
                 tally: Tally::default(),
@@ -725,6 +760,11 @@ impl Bench {
         if !(secs.is_finite() && secs > 0.0) {
             return Err(Error::Config(format!(
                 "a benchmark point runs for a finite time above 0 s, not {secs}"
+            )));
+        }
+        if touch && !runs_touch(alloc_name) {
+            return Err(Error::Config(format!(
+                "{alloc_name} hands out no memory: it runs only without touch (--no-touch)"
             )));
         }
         let t_start = Instant::now();
@@ -1354,6 +1394,21 @@ mod tests {
         let p = b.run("cuarena", Workload::Handoff, false, StreamMode::PerThread, 2, 0.02).expect("a point");
         assert_eq!(p.thread_peaks_bytes, None, "{}", p.json());
         assert!(p.json().contains("\"thread_peaks_ratio\":null"), "{}", p.json());
+    }
+
+    #[test]
+    fn the_harness_runs_every_workload_without_memory_and_refuses_touch() {
+        let b = host_bench(Duration::ZERO);
+        for w in [Workload::Churn, Workload::Handoff, Workload::HandoffMsg, Workload::Large] {
+            let p = b.run("harness", w, false, StreamMode::PerThread, 2, 0.02).expect("a point");
+            assert!(p.pairs > 0, "{}", p.json());
+            // It holds nothing and calls nothing: its rows are the harness alone.
+            assert_eq!((p.reserved_bytes, p.driver_calls, p.host_syncs), (0, 0, 0), "{}", p.json());
+            assert_eq!(p.allocator, "harness");
+        }
+        let e = b.run("harness", Workload::Churn, true, StreamMode::PerThread, 1, 0.02).unwrap_err();
+        assert!(e.to_string().contains("--no-touch"), "{e}");
+        assert!(runs_touch("cuarena") && !runs_touch("harness"));
     }
 
     #[test]

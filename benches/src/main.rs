@@ -10,11 +10,12 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use cuarena::DeviceKind;
 use cuarena_bench::replay::{Format, Plan, ReplayPoint};
-use cuarena_bench::{Bench, ON_REQUEST, Point, StreamMode, Workload};
+use cuarena_bench::{Bench, ON_REQUEST, Point, StreamMode, Workload, runs_touch};
 
 /// Every allocator the benchmark knows, and where it runs.
 const ALLOCATORS: &str = "cuarena (everywhere), cuMemAllocAsync and cuMemAlloc (GPU), mutex-first-fit (host device); \
-     on request only: cuarena+trace (cuarena recording a trace, for the trace's overhead)";
+     on request only: cuarena+trace (cuarena recording a trace, for the trace's overhead), harness (no allocator: one \
+     fixed address, frees do nothing; the harness's own ceiling for each workload, without touch only)";
 
 /// The columns of the table, explained under it.
 const LEGEND: &[(&str, &str)] = &[
@@ -247,6 +248,9 @@ fn main() -> ExitCode {
                         let s = if a == "cuMemAlloc" { secs.min(0.2) } else { secs };
                         if a == "cuMemAlloc" && (touch || !baseline_threads.contains(&t)) {
                             continue;
+                        }
+                        if touch && !runs_touch(a) {
+                            continue; // `harness` hands out no memory to touch
                         }
                         plan.push((w, touch, mode, t, a.clone(), s));
                     }
@@ -557,7 +561,7 @@ mod tests {
         for w in Workload::ALL {
             assert!(h.contains(w.name()), "{h}");
         }
-        for a in ["cuarena", "cuMemAllocAsync", "cuMemAlloc", "mutex-first-fit"] {
+        for a in ["cuarena", "cuMemAllocAsync", "cuMemAlloc", "mutex-first-fit", "cuarena+trace", "harness"] {
             assert!(h.contains(a), "{h}");
         }
         for d in ["default all: ptds,legacy,own", "default: 0.5", "default: 1,2,4,8,16"] {
