@@ -28,8 +28,9 @@
 //!   one CUDA event per batch. The batch is memory the freeing thread holds and nobody can use
 //!   until it is sent, so it is kept small.
 //! - `legacy_batch = 256` blocks or `legacy_batch_bytes = 64 MiB`: a thread's own frees on the
-//!   legacy stream are kept back until this many, then made reusable by one *legacy action*
-//!   (`arena.rs`). Each action is queued on the one legacy stream that all threads share, and
+//!   legacy stream are kept back until this many, then made reusable by a *legacy action*
+//!   (`arena.rs`): the thread's own, or, for the first half of them, published under a
+//!   ticket, another thread's issued since (`legacy_kept.rs`). Each action is queued on the one legacy stream that all threads share, and
 //!   with 16 threads the actions serialise in the driver: at the remote-batch size (64 blocks,
 //!   4 MiB), legacy churn made 14,800 actions per 10^6 operations and reached 29–30 M pairs/s
 //!   on 16 threads, and large blocks (1–64 MiB, each free a batch) 1.2 M; at 256 blocks and

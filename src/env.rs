@@ -49,6 +49,20 @@ impl Env<'_> {
         self.pool.legacy_action.issue(&self.dev)
     }
 
+    /// Publishes the calling thread's frees on the legacy stream so far as one batch: its
+    /// ticket for [`Env::legacy_covers`] (`fence.rs`, "One action for every thread's kept-back
+    /// frees").
+    pub(crate) fn legacy_request(&self) -> u64 {
+        self.pool.legacy_action.request()
+    }
+
+    /// True if a legacy action issued after ticket `t` (by any thread) has been queued. With
+    /// fencing switched off for a test, never: the batch then goes by the arena's own (empty)
+    /// action, as every batch did before tickets.
+    pub(crate) fn legacy_covers(&self, t: u64) -> bool {
+        !self.skip_fences && self.pool.legacy_action.covers(t)
+    }
+
     /// A fence after all earlier work on an arena's home stream `home` (identity `key`), for
     /// memory leaving that arena: the rule for every such fence.
     ///

@@ -71,10 +71,35 @@ impl Drop for EventPool {
 /// orders what an event record on the legacy stream orders for the legacy and the per-thread
 /// streams, at the cost of a wait, which scales with threads where a record does not (about
 /// 35 ns against 4.6 µs on 16 threads at once). It orders nothing for a non-blocking stream.
+///
+/// ## One action for every thread's kept-back frees
+/// An action orders *all* earlier work of every blocking stream before all later work, so one
+/// thread's action also serves another thread's frees on the legacy stream, if it was issued
+/// after them. On 16 threads at once a legacy action costs about 20 µs (the legacy stream is
+/// one object for all of them), so an arena does not issue its own for a batch that another
+/// thread's has covered. The rule, with two counters:
+/// - a thread *publishes* a batch of its kept-back frees with [`LegacyAction::request`]: a
+///   ticket `t` from `requests` (an `AcqRel` read-modify-write, after the frees);
+/// - [`LegacyAction::issue`] reads `requests` (`Acquire`) as `r` **before** its call, makes the
+///   call, and only then raises `covered` to `r` (`fetch_max`, `Release`);
+/// - the batch is reusable once `covered >= t` ([`LegacyAction::covers`], `Acquire`).
+///
+/// Why that is enough: the issuer's `Acquire` load of `requests` reads a value at least `t`,
+/// written by the publisher's read-modify-write or by a later one in its release sequence, so
+/// the frees (and every use the free's contract covers, issued before them) happen before the
+/// issuer's call; and a publisher that reads `covered >= t` synchronises with the `fetch_max`
+/// after that call, so the call happens before the reuse. Tickets are never reused, so a
+/// ticket not yet covered is never taken for one that was. Loom model:
+/// `loom-tests/tests/legacy.rs`; the mutation `legacy_covered_early` (raised before the call)
+/// must fail it.
 pub(crate) struct LegacyAction {
     /// The event waited on (its raw value), [`NO_EVENT`] until the first action records it.
     event: AtomicU64,
     pool: Arc<EventPool>,
+    /// Tickets handed out by [`LegacyAction::request`] (the last one's number).
+    requests: AtomicU64,
+    /// Every ticket up to this is covered by an action issued after it was handed out.
+    covered: AtomicU64,
 }
 
 /// [`LegacyAction::event`] before the first action.
@@ -82,11 +107,45 @@ const NO_EVENT: u64 = u64::MAX;
 
 impl LegacyAction {
     pub(crate) fn new(pool: Arc<EventPool>) -> LegacyAction {
-        LegacyAction { event: AtomicU64::new(NO_EVENT), pool }
+        LegacyAction {
+            event: AtomicU64::new(NO_EVENT),
+            pool,
+            requests: AtomicU64::new(0),
+            covered: AtomicU64::new(0),
+        }
     }
 
-    /// Queues one legacy action (the first also records the event it waits on).
+    /// Publishes a batch of frees made on the legacy stream before this call: its ticket (at
+    /// least 1), covered by any action issued from now on.
+    pub(crate) fn request(&self) -> u64 {
+        // `AcqRel`: `Release` so that an issuer's `Acquire` load of a later value follows the
+        // frees (see "One action for every thread's kept-back frees").
+        self.requests.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// True if an action issued after ticket `t` was handed out has been queued.
+    pub(crate) fn covers(&self, t: u64) -> bool {
+        self.covered.load(Ordering::Acquire) >= t
+    }
+
+    /// Queues one legacy action (the first also records the event it waits on), covering every
+    /// ticket handed out before it.
     pub(crate) fn issue(&self, dev: &Counted<'_>) -> Result<()> {
+        // Read before the call: the tickets this action is issued after.
+        let r = self.requests.load(Ordering::Acquire);
+        // The mutation `legacy_covered_early` says so before the call: the loom model
+        // `legacy.rs` must then fail.
+        if cfg!(cuarena_mutant = "legacy_covered_early") {
+            self.covered.fetch_max(r, Ordering::Release);
+        }
+        self.issue_call(dev)?;
+        // `Release`: a publisher that reads this follows the call.
+        self.covered.fetch_max(r, Ordering::Release);
+        Ok(())
+    }
+
+    /// The action's driver calls.
+    fn issue_call(&self, dev: &Counted<'_>) -> Result<()> {
         let mut e = self.event.load(Ordering::Acquire);
         if e == NO_EVENT {
             let fresh = self.pool.get(dev)?;

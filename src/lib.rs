@@ -20,6 +20,7 @@ pub mod global;
 mod global_pool;
 #[doc(hidden)]
 pub mod inbox;
+mod legacy_kept;
 #[cfg(loom)]
 #[doc(hidden)]
 pub mod loom_api;

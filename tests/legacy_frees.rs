@@ -61,6 +61,114 @@ fn a_legacy_free_reused_on_a_per_thread_stream_follows_its_use_on_another() {
     }
 }
 
+/// A block used on thread B's per-thread stream is freed by its owner A on the legacy stream
+/// and kept back. Returns the allocator, the block and three more of A's, all 64 KiB, after
+/// B's use (a long write of tag 7) and before A's free.
+fn used_on_another_per_thread_stream(
+    sim: &HostDevice,
+    batch: usize,
+) -> (Allocator, Vec<cuarena::DeviceAddr>) {
+    let a = allocator(sim, batch);
+    let ps: Vec<_> = (0..4).map(|_| a.allocate(64 << 10, Stream::LEGACY).unwrap()).collect();
+    let (a2, sim2, p) = (a.clone(), sim.clone(), ps[0]);
+    std::thread::spawn(move || {
+        sim2.hold_and_check(p.0, 64 << 10, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    (a, ps)
+}
+
+/// Reuses A's first two blocks (the sealed half, merged back) and writes the first on A's
+/// per-thread stream: ordered after B's write only if a legacy action was issued after A's
+/// free. Then everything goes back.
+fn reuse_and_check(sim: &HostDevice, a: &Allocator, ps: &[cuarena::DeviceAddr]) {
+    let again: Vec<_> = (0..2).map(|_| a.allocate(64 << 10, Stream::LEGACY).unwrap()).collect();
+    assert!(again.contains(&ps[0]), "the released half is reused: {again:?} {ps:?}");
+    sim.fill(ps[0].0, 64 << 10, 1, Stream::PER_THREAD).unwrap();
+    sim.synchronize();
+    let v = sim.violations();
+    assert!(v.is_empty(), "reused without ordering: {v:?}");
+    assert_eq!(sim.tag_errors(), 0, "B's block was overwritten while in use");
+    for q in again {
+        a.deallocate(q, 64 << 10, Stream::LEGACY).unwrap();
+    }
+    a.flush().unwrap();
+}
+
+/// Another thread's legacy action, issued after A published the first half of its batch,
+/// covers that half: when A's batch is whole, the half is merged back with no driver call
+/// (the rest published in its place), and its reuse on A's per-thread stream is ordered after
+/// B's use through that action (`legacy_kept.rs`; `fence.rs`, "One action for every thread's
+/// kept-back frees").
+#[test]
+fn another_threads_action_releases_a_published_half_without_a_call() {
+    let sim = host(0);
+    let (a, ps) = used_on_another_per_thread_stream(&sim, 4);
+    for p in &ps[..2] {
+        a.deallocate(*p, 64 << 10, Stream::LEGACY).unwrap(); // half of 4: published
+    }
+    // Thread C frees a whole batch of its own on the legacy stream: its action.
+    let a2 = a.clone();
+    let waits = std::thread::spawn(move || {
+        let w0 = a2.stats().fence_waits;
+        let qs: Vec<_> = (0..4).map(|_| a2.allocate(4096, Stream::LEGACY).unwrap()).collect();
+        for q in qs {
+            a2.deallocate(q, 4096, Stream::LEGACY).unwrap();
+        }
+        let w = a2.stats().fence_waits - w0;
+        a2.release_thread().unwrap();
+        w
+    })
+    .join()
+    .unwrap();
+    assert_eq!(waits, 1, "C's batch made one action");
+    let s0 = a.stats();
+    for p in &ps[2..] {
+        a.deallocate(*p, 64 << 10, Stream::LEGACY).unwrap(); // a whole batch: settled
+    }
+    let s1 = a.stats();
+    assert_eq!(s1.driver_calls, s0.driver_calls, "the half C's action covered needs no call: {s1:?}");
+    reuse_and_check(&sim, &a, &ps);
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// A published half whose ticket no action has covered (none issued since, or one issued
+/// before it was published) is not reused without one: A's whole batch then costs A's own
+/// action, and the reuse is ordered. The mutation `legacy_covered_unchecked` (a published half
+/// taken as covered) must fail this.
+#[test]
+fn a_published_half_waits_for_an_action_issued_after_it() {
+    for action_before in [false, true] {
+        let sim = host(0);
+        let (a, ps) = used_on_another_per_thread_stream(&sim, 4);
+        if action_before {
+            // C's action comes before A publishes: it covers nothing of A's.
+            let a2 = a.clone();
+            std::thread::spawn(move || {
+                let qs: Vec<_> = (0..4).map(|_| a2.allocate(4096, Stream::LEGACY).unwrap()).collect();
+                for q in qs {
+                    a2.deallocate(q, 4096, Stream::LEGACY).unwrap();
+                }
+                a2.release_thread().unwrap();
+            })
+            .join()
+            .unwrap();
+        }
+        for p in &ps[..2] {
+            a.deallocate(*p, 64 << 10, Stream::LEGACY).unwrap();
+        }
+        let w0 = a.stats().fence_waits;
+        for p in &ps[2..] {
+            a.deallocate(*p, 64 << 10, Stream::LEGACY).unwrap();
+        }
+        assert_eq!(a.stats().fence_waits, w0 + 1, "action before: {action_before}: A's own action");
+        reuse_and_check(&sim, &a, &ps);
+        assert_all_returned(&a, Some(&sim), 0);
+    }
+}
+
 /// Kept-back frees are not reusable before their batch's action: with a batch of 64, frees
 /// then allocations of the same size get other memory until the slow path releases the batch
 /// (one action), and the whole run costs one wait per batch and no event.

@@ -51,5 +51,7 @@ trace_no_wait            trace      a_stop_racing_an_owner_loses_and_duplicates_
 trace_no_wait            trace      a_stop_racing_an_owners_exit_loses_no_record
 trace_exit_unregisters_early trace  a_stop_racing_an_owners_exit_loses_no_record
 trace_alloc_flag_first   trace      an_allocation_that_takes_a_recorded_free_is_recorded
+legacy_covered_early     legacy     a_reused_legacy_free_follows_an_action_issued_after_its_use
+legacy_covered_unchecked legacy     a_reused_legacy_free_follows_an_action_issued_after_its_use
 LIST
 exit $missed

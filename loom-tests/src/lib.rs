@@ -25,6 +25,21 @@ pub mod common {
         setup_sized(SB, 8, keep_empty, sparse, batch)
     }
 
+    /// [`setup`] with the owner's legacy-stream frees kept back `legacy_batch` at a time.
+    pub fn setup_legacy(legacy_batch: usize) -> (Arc<ModelDevice>, Allocator) {
+        let dev = Arc::new(ModelDevice::new(SB as u64, (8 * SB) as u64));
+        let cfg = Config::builder()
+            .superblock(SB)
+            .small_max(SB / 2)
+            .chunk(SB)
+            .max_bytes(8 * SB)
+            .legacy_batch_blocks(legacy_batch)
+            .build()
+            .expect("a valid model config");
+        let a = Allocator::new(dev.clone(), cfg).expect("allocator");
+        (dev, a)
+    }
+
     /// [`setup_batched`] with superblocks of `sb` bytes and room for `superblocks` of them.
     pub fn setup_sized(
         sb: usize,

@@ -40,6 +40,13 @@ pub struct ModelDevice {
     syncs: AtomicUsize,
     /// Times the GPU caught up with all work (`complete_all` or a synchronise).
     caught_up: AtomicUsize,
+    /// Uses of memory a model marked before freeing it on the legacy stream
+    /// ([`ModelDevice::mark_legacy_use`]), and the highest mark a legacy-stream action (an
+    /// event record or a stream wait on the legacy stream) was issued after. Both change only
+    /// by read-modify-writes, as the driver's own lock orders calls: an action issued after a
+    /// mark in the model's order reads it.
+    legacy_marks: AtomicU64,
+    legacy_covered: AtomicU64,
 }
 
 impl ModelDevice {
@@ -56,6 +63,28 @@ impl ModelDevice {
             destroyed: AtomicUsize::new(0),
             syncs: AtomicUsize::new(0),
             caught_up: AtomicUsize::new(0),
+            legacy_marks: AtomicU64::new(0),
+            legacy_covered: AtomicU64::new(0),
+        }
+    }
+
+    /// Marks a use of memory the caller is about to free on the legacy stream (a kernel that
+    /// wrote it, on any blocking stream): its number, for [`ModelDevice::legacy_covered`].
+    pub fn mark_legacy_use(&self) -> u64 {
+        self.legacy_marks.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// The highest use mark some legacy-stream action was issued after: a use with a mark up to
+    /// this is ordered before all later work of every blocking stream.
+    pub fn legacy_covered(&self) -> u64 {
+        self.legacy_covered.load(Ordering::Acquire)
+    }
+
+    /// A legacy-stream action: it follows every use marked before it.
+    fn legacy_action(&self, s: Stream) {
+        if s.is_legacy() {
+            let m = self.legacy_marks.fetch_add(0, Ordering::AcqRel);
+            self.legacy_covered.fetch_max(m, Ordering::AcqRel);
         }
     }
 
@@ -140,6 +169,7 @@ impl Device for ModelDevice {
     fn record_event(&self, e: Event, s: Stream) -> Result<()> {
         self.check_stream(s)?;
         self.event(e)?.0.fetch_add(1, Ordering::AcqRel);
+        self.legacy_action(s);
         Ok(())
     }
     fn query_event(&self, e: Event) -> Result<bool> {
@@ -162,6 +192,7 @@ impl Device for ModelDevice {
         self.check_stream(s)?;
         self.event(e)?;
         self.waits.fetch_add(1, Ordering::AcqRel);
+        self.legacy_action(s);
         Ok(())
     }
     fn stream_key(&self, s: Stream) -> Result<StreamKey> {
