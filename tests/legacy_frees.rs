@@ -49,16 +49,22 @@ fn a_legacy_free_reused_on_a_per_thread_stream_follows_its_use_on_another() {
             again.push(a.allocate(64 << 10, Stream::LEGACY).unwrap());
         }
         assert!(again.contains(&p), "the kept-back block is reused after its batch: {again:?} {p:?}");
-        sim.fill(p.0, 64 << 10, 1, Stream::PER_THREAD).unwrap();
-        sim.synchronize();
-        let v = sim.violations();
-        assert!(v.is_empty(), "batch {batch}: reused without ordering: {v:?}");
-        assert_eq!(sim.tag_errors(), 0, "batch {batch}: B's block was overwritten while in use");
+        write_after_b(&sim, p, &format!("batch {batch}"));
         for q in again {
             a.deallocate(q, 64 << 10, Stream::LEGACY).unwrap();
         }
         assert_all_returned(&a, Some(&sim), 0);
     }
+}
+
+/// Writes the reused block `p` on the calling thread's per-thread stream and checks that the
+/// write was ordered after B's (no race seen, B's tag intact).
+fn write_after_b(sim: &HostDevice, p: cuarena::DeviceAddr, what: &str) {
+    sim.fill(p.0, 64 << 10, 1, Stream::PER_THREAD).unwrap();
+    sim.synchronize();
+    let v = sim.violations();
+    assert!(v.is_empty(), "{what}: reused without ordering: {v:?}");
+    assert_eq!(sim.tag_errors(), 0, "{what}: B's block was overwritten while in use");
 }
 
 /// A block used on thread B's per-thread stream is freed by its owner A on the legacy stream
@@ -86,11 +92,7 @@ fn used_on_another_per_thread_stream(
 fn reuse_and_check(sim: &HostDevice, a: &Allocator, ps: &[cuarena::DeviceAddr]) {
     let again: Vec<_> = (0..2).map(|_| a.allocate(64 << 10, Stream::LEGACY).unwrap()).collect();
     assert!(again.contains(&ps[0]), "the released half is reused: {again:?} {ps:?}");
-    sim.fill(ps[0].0, 64 << 10, 1, Stream::PER_THREAD).unwrap();
-    sim.synchronize();
-    let v = sim.violations();
-    assert!(v.is_empty(), "reused without ordering: {v:?}");
-    assert_eq!(sim.tag_errors(), 0, "B's block was overwritten while in use");
+    write_after_b(sim, ps[0], "a released half");
     for q in again {
         a.deallocate(q, 64 << 10, Stream::LEGACY).unwrap();
     }
