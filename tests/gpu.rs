@@ -88,6 +88,65 @@ fn gpu_stream_identity_and_reused_handles() {
     assert_all_returned(&a, None, 0);
 }
 
+/// The current context of the calling thread, as a number (0: none).
+fn current_context() -> usize {
+    let mut cur = std::ptr::null_mut();
+    // SAFETY: `cur` is a valid out-pointer; the driver is loaded (a device was opened).
+    let r = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut cur) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    cur as usize
+}
+
+/// Allocates and frees on the user stream `s` from the calling thread, as an arena's churn:
+/// each block is reused by the next allocation (the same identity each time), and a kernel
+/// writes and checks each block on `s`. Returns the thread's key for `s`.
+fn churn_on(a: &Allocator, ops: &GpuOps, s: Stream) -> cuarena::StreamKey {
+    let key = a.device().stream_key(s).unwrap();
+    assert!(!a.device().stream_capturing(s).unwrap());
+    let first = a.allocate(64 << 10, s).unwrap();
+    a.deallocate(first, 64 << 10, s).unwrap();
+    for round in 0..20u32 {
+        let p = a.allocate(64 << 10, s).unwrap();
+        assert_eq!(p, first, "the arena's own free on its stream is reused on it");
+        ops.kernels.tag_hold_check(p.0, 64 << 10, round + 1, 1_000, s).unwrap();
+        a.deallocate(p, 64 << 10, s).unwrap();
+    }
+    key
+}
+
+/// User-stream queries are made without the allocator's context made current first
+/// (`CudaDevice::query`): from a thread with no context current they still give the stream's
+/// identity (the one another thread sees), its churn stays on its arena, and nothing is lost.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_user_stream_queries_from_a_thread_with_no_context() {
+    let Some(dev) = gpu() else { return };
+    let ops = Arc::new(GpuOps::new(Arc::clone(&dev)).unwrap());
+    let a = Arc::new(Allocator::new(dev.clone(), Config::default()).unwrap());
+    let s = ops.kernels.create_stream().unwrap();
+    let key = dev.stream_key(s).unwrap();
+    let (a2, ops2) = (Arc::clone(&a), Arc::clone(&ops));
+    let (before, seen, after) = std::thread::spawn(move || {
+        let before = current_context();
+        let k = a2.device().stream_key(s).unwrap();
+        let after = current_context();
+        assert_eq!(churn_on(&a2, &ops2, s), k);
+        a2.release_thread().unwrap();
+        (before, k, after)
+    })
+    .join()
+    .unwrap();
+    eprintln!("context before {before:#x}, after the query {after:#x}");
+    assert_eq!(before, 0, "a new thread has no context current");
+    assert_eq!(seen, key, "the identity does not depend on the thread's context");
+    ops.kernels.synchronize().unwrap();
+    let (errors, _) = ops.kernels.take_counters().unwrap();
+    assert_eq!(errors, 0);
+    ops.kernels.destroy_stream(s).unwrap();
+    a.release_thread().unwrap();
+    assert_all_returned(&a, None, 0);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn gpu_memset_and_copy_through_buffers() {
@@ -359,6 +418,36 @@ fn multi_gpu_a_free_on_the_wrong_device_is_refused() {
         a.release_thread().unwrap();
         assert_all_returned(a, None, 0);
     }
+}
+
+/// A thread with device 1's context current uses device 0's allocator on a device-0 user
+/// stream: the queries of the stream (made without device 0's context made current,
+/// `CudaDevice::query`) give its identity, the churn stays on its arena, and the thread's
+/// context is still device 1's afterwards.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn multi_gpu_user_stream_queries_with_another_devices_context_current() {
+    let Some(devs) = gpus_or_skip(2) else { return };
+    let ops = Arc::new(GpuOps::new(Arc::clone(&devs[0])).unwrap());
+    let a = Arc::new(Allocator::new(devs[0].clone(), Config::default()).unwrap());
+    let s = ops.kernels.create_stream().unwrap();
+    let key = devs[0].stream_key(s).unwrap();
+    let (a2, ops2, d1) = (Arc::clone(&a), Arc::clone(&ops), Arc::clone(&devs[1]));
+    std::thread::spawn(move || {
+        drop(d1.enter().unwrap()); // a thread with none current keeps device 1's for good
+        let mine = current_context();
+        assert_eq!(mine, d1.context() as usize);
+        assert_eq!(churn_on(&a2, &ops2, s), key);
+        assert_eq!(current_context(), mine, "the thread's context is left as it was");
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    let (errors, _) = ops.kernels.take_counters().unwrap();
+    assert_eq!(errors, 0);
+    ops.kernels.destroy_stream(s).unwrap();
+    a.release_thread().unwrap();
+    assert_all_returned(&a, None, 0);
 }
 
 /// The fence torture on both GPUs at once, in every stream mode: 16 threads, each alternating

@@ -67,6 +67,27 @@ pub struct Counts {
     pub host_syncs: u64,
     /// Allocations served by a thread's arena and by the pool (allocators that report them).
     pub by_path: Option<(u64, u64)>,
+    /// Events recorded as fences, streams made to wait on one, and fence polls
+    /// (`cuEventQuery`), for allocators that report them.
+    pub fences: Option<Fences>,
+}
+
+/// Fence operations an allocator made (see [`Counts::fences`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fences {
+    pub recorded: u64,
+    pub waits: u64,
+    pub polls: u64,
+}
+
+impl Fences {
+    fn since(self, start: Fences) -> Fences {
+        Fences {
+            recorded: self.recorded - start.recorded,
+            waits: self.waits - start.waits,
+            polls: self.polls - start.polls,
+        }
+    }
 }
 
 /// An allocator under test.
@@ -100,6 +121,7 @@ impl BenchAlloc for Cuarena {
             driver_calls: s.driver_calls,
             host_syncs: s.host_syncs,
             by_path: Some((s.arena_allocations, s.pool_allocations)),
+            fences: Some(Fences { recorded: s.fences_recorded, waits: s.fence_waits, polls: s.fence_polls }),
         }
     }
     fn thread_end(&self) {
@@ -238,6 +260,7 @@ impl BenchAlloc for CuMemAlloc {
             driver_calls: t.calls.load(Ordering::Relaxed),
             host_syncs: t.syncs.load(Ordering::Relaxed),
             by_path: None,
+            fences: None,
         }
     }
 }
@@ -319,6 +342,7 @@ impl BenchAlloc for CuMemAllocAsync {
             driver_calls: self.tally.calls.load(Ordering::Relaxed),
             host_syncs: 0,
             by_path: None,
+            fences: None,
         }
     }
 }
@@ -400,6 +424,7 @@ impl BenchAlloc for MutexPool {
             driver_calls: self.tally.calls.load(Ordering::Relaxed),
             host_syncs: 0,
             by_path: None,
+            fences: None,
         }
     }
 }
@@ -446,6 +471,9 @@ pub struct Point {
     pub arena_allocations: Option<u64>,
     /// Allocations in the timed window served by the pool (cuarena only).
     pub pool_allocations: Option<u64>,
+    /// Fence operations in the timed window (cuarena only): with `pairs - local_frees`, the
+    /// remote frees, they give the events recorded per remote free of the handoff workloads.
+    pub fences: Option<Fences>,
 }
 
 impl Point {
@@ -489,6 +517,9 @@ impl Point {
             teardown_secs: round(self.teardown_secs, 3),
             arena_allocations: self.arena_allocations,
             pool_allocations: self.pool_allocations,
+            fences_recorded: self.fences.map(|f| f.recorded),
+            fence_waits: self.fences.map(|f| f.waits),
+            fence_polls: self.fences.map(|f| f.polls),
         };
         serde_json::to_string(&row).expect("a row of numbers and strings serialises")
     }
@@ -521,6 +552,9 @@ struct JsonRow<'a> {
     teardown_secs: f64,
     arena_allocations: Option<u64>,
     pool_allocations: Option<u64>,
+    fences_recorded: Option<u64>,
+    fence_waits: Option<u64>,
+    fence_polls: Option<u64>,
 }
 
 /// `x` rounded to `decimals` places.
@@ -811,6 +845,7 @@ impl Bench {
                 (Some((a0, p0)), Some((a1, p1))) => Some((a1 - a0, p1 - p0)),
                 _ => None,
             };
+            start_counts.fences = end_counts.fences.zip(start_counts.fences).map(|(e, s)| e.since(s));
             h.join().expect("bench pool panicked")
         });
         for &e in &shared.events {
@@ -864,6 +899,7 @@ impl Bench {
             host_syncs: start_counts.host_syncs,
             arena_allocations: start_counts.by_path.map(|b| b.0),
             pool_allocations: start_counts.by_path.map(|b| b.1),
+            fences: start_counts.fences,
             kernel_concurrency: concurrency,
         })
     }

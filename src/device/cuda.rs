@@ -4,7 +4,9 @@
 //! `sys::is_culib_present()` before any other driver call and returns [`Error::NoDriver`]
 //! instead. The device uses the primary context of its ordinal, made current around each call
 //! (and the caller's context restored after), so it works from any thread and leaves the
-//! thread's current context as it found it.
+//! thread's current context as it found it; a thread with none current keeps it current
+//! ([`CudaDevice::enter`]). The queries of a user stream's handle, made on every user-stream
+//! operation, are first made without that ([`CudaDevice::query`]).
 
 use cudarc::driver::sys;
 
@@ -121,9 +123,9 @@ impl CudaDevice {
     }
 
     /// [`CudaDevice::enter`] without the capture-mode switch (two more calls): for the queries
-    /// CUDA allows in every capture mode, which the user-stream fast path makes on every
-    /// operation: `cuStreamIsCapturing` (alone, for a free; `Device::stream_capturing`) and
-    /// then `cuStreamGetId` if the stream is not being captured (`Device::stream_key`).
+    /// CUDA allows in every capture mode, `cuStreamIsCapturing` (alone, for a free;
+    /// `Device::stream_capturing`) and then `cuStreamGetId` if the stream is not being captured
+    /// (`Device::stream_key`), when [`CudaDevice::query`] needs a context current for them.
     fn enter_light(&self) -> Result<CtxGuard> {
         self.enter_context(CtxGuard { pushed: false, mode: None })
     }
@@ -144,6 +146,26 @@ impl CudaDevice {
         check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(self.context()) })?;
         g.pushed = true;
         Ok(g)
+    }
+
+    /// Makes `call`, a query of `stream` that CUDA allows in every capture mode. A user
+    /// stream's handle names its own context, so its query is first made as the thread is,
+    /// with whatever context current or none: that saves the `cuCtxGetCurrent` of
+    /// [`CudaDevice::enter_light`] on every user-stream operation (two of a pair's five
+    /// calls). If it fails (a driver that wants a context current, a handle it refuses), it is
+    /// made again inside [`CudaDevice::enter_light`], and that answer stands. The legacy and
+    /// per-thread streams are the current context's, so theirs is always made inside it.
+    fn query(
+        &self,
+        name: &'static str,
+        stream: Stream,
+        mut call: impl FnMut() -> sys::CUresult,
+    ) -> Result<()> {
+        if stream.is_user() && call() == sys::CUresult::CUDA_SUCCESS {
+            return Ok(());
+        }
+        let _g = self.enter_light()?;
+        check(name, call())
     }
 }
 
@@ -269,10 +291,11 @@ impl Device for CudaDevice {
 
     fn stream_capturing(&self, stream: Stream) -> Result<bool> {
         // The one query CUDA allows during any capture: no capture-mode switch needed.
-        let _g = self.enter_light()?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: `status` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
-        check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(raw_stream(stream), &mut status) })?;
+        self.query("cuStreamIsCapturing", stream, || {
+            // SAFETY: `status` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
+            unsafe { sys::cuStreamIsCapturing(raw_stream(stream), &mut status) }
+        })?;
         // An invalidated capture is still open until cuStreamEndCapture: treated as capturing.
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
@@ -282,24 +305,19 @@ impl Device for CudaDevice {
     }
 
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
-        let _g = self.enter_light()?;
         if !stream.is_legacy() {
             // `cuStreamGetId` on a stream being captured fails and invalidates the capture
             // (measured on the H200, global and thread-local modes): ask first, with the one
             // query CUDA allows during any capture.
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: `status` is a valid out-pointer; the stream is the caller's (0x2 or a
-            // user stream passed in this call).
-            check("cuStreamIsCapturing", unsafe {
-                sys::cuStreamIsCapturing(raw_stream(stream), &mut status)
-            })?;
-            if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            if self.stream_capturing(stream)? {
                 return Err(Error::StreamCapturing { stream: stream.as_raw() });
             }
         }
         let mut id = 0;
-        // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
-        check("cuStreamGetId", unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) })?;
+        self.query("cuStreamGetId", stream, || {
+            // SAFETY: `id` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
+            unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) }
+        })?;
         Ok(StreamKey(id))
     }
 }
