@@ -7,13 +7,17 @@
 #   ovn.jsonl      interleaved rounds of the new and the old build, cuarena only, at 1 and 16
 #                  threads (rows tagged "round"): AB_ROUNDS rounds (2) of AB_WORKLOADS (every
 #                  workload below) on AB_STREAMS (ptds,legacy,own)
+#   conf.jsonl     with CONF_AB set (a CUARENA_CONF string): interleaved rounds of the new build
+#                  with the defaults and with CONF_AB, cuarena only (rows tagged "round" and
+#                  "conf"): AB_ROUNDS rounds of CONF_WORKLOADS (handoff,handoff_msg), every mode
 #   table.jsonl    one run of cuarena, cuMemAllocAsync and `harness` (no allocator: the harness's
 #                  own ceiling) side by side, every workload and mode
 #   train.jsonl    examples/torch_train.py, native and cuarena interleaved, TRAIN_RUNS each (3)
 # It replaces tools/gpu-bench.sh, which the measurements of 2026-11-30 and 2026-12-01 in
 # BENCHMARKS.md ran (in git history at the commits named there): the same table, old-against-new
 # rounds and PyTorch runs, now after the tests, with the rounds' workloads chosen.
-# Usage: [AB_ROUNDS=N AB_WORKLOADS=W,.. AB_STREAMS=S,.. TRAIN_RUNS=N] bash tools/gpu-measure.sh OUTDIR
+# Usage: [AB_ROUNDS=N AB_WORKLOADS=W,.. AB_STREAMS=S,.. CONF_AB=K=V,.. CONF_WORKLOADS=W,..
+#         TRAIN_RUNS=N] bash tools/gpu-measure.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu-measure.sh OUTDIR}
@@ -36,6 +40,17 @@ if [ -x gpu-bundle/cuarena-old ]; then
     done
   done
   echo "old-vs-new: $(wc -l < "$out/ovn.jsonl") rows"
+fi
+if [ -n "${CONF_AB:-}" ]; then
+  cb="--json --secs 0.5 --threads 1,16 --workloads ${CONF_WORKLOADS:-handoff,handoff_msg} --streams ptds,legacy,own --no-touch"
+  for i in $(seq "${AB_ROUNDS:-2}"); do
+    for c in default "$CONF_AB"; do
+      if [ "$c" = default ]; then env -u CUARENA_CONF ./gpu-bundle/cuarena $cb --allocators cuarena; else
+        CUARENA_CONF="$c" ./gpu-bundle/cuarena $cb --allocators cuarena; fi 2>/dev/null |
+        sed "s/\"allocator\":\"cuarena\"/\"allocator\":\"cuarena\",\"round\":$i,\"conf\":\"$c\"/" >> "$out/conf.jsonl"
+    done
+  done
+  echo "conf: $(wc -l < "$out/conf.jsonl") rows"
 fi
 ./gpu-bundle/cuarena $bench --allocators cuarena,cuMemAllocAsync,harness > "$out/table.jsonl" 2>/dev/null
 echo "table: $(wc -l < "$out/table.jsonl") rows"
