@@ -24,9 +24,14 @@
 //!   and takes again a superblock every few frees: on the churn workload 1.2 M pairs/s, 4·10^4
 //!   driver calls per 10^6 operations and a worse memory ratio (2.3), against 6-8 M pairs/s,
 //!   under 20 calls per 10^6 and 1.5 at `f = 0.6` (host device, 1 thread, 2026-11-30).
-//! - `batch = 64` blocks or `batch_bytes = 4 MiB`: remote frees are sent in batches of this size,
-//!   one CUDA event per batch. The batch is memory the freeing thread holds and nobody can use
-//!   until it is sent, so it is kept small.
+//! - `batch = 64` blocks or `batch_bytes = 16 MiB`: remote frees are sent in batches of this
+//!   size, one CUDA event per batch. The batch is memory the freeing thread holds and nobody can
+//!   use until it is sent (16 MiB a thread at most, plus as much in its user-stream batches:
+//!   `outbox.rs`), so it is kept small next to the GPU's memory, but big enough that 64 blocks
+//!   of the handoff workloads' sizes (256 B–1 MiB, 130 KiB on average) fill it by count: at
+//!   4 MiB a batch was sent every 35 remote frees, at 16 MiB every 64, and handoff on 16 threads
+//!   ran 11–17% faster, for reserved ÷ peak live a tenth higher on `handoff_msg` (H200,
+//!   2026-12-02, `BENCHMARKS.md`).
 //! - `legacy_batch = 256` blocks or `legacy_batch_bytes = 64 MiB`: a thread's own frees on the
 //!   legacy stream are kept back until this many, then made reusable by a *legacy action*
 //!   (`arena.rs`): the thread's own, or, for the first half of them, published under a
@@ -146,7 +151,7 @@ impl Default for Config {
             keep_empty: 2,
             sparse: 0.6,
             batch_blocks: 64,
-            batch_bytes: 4 << 20,
+            batch_bytes: 16 << 20,
             legacy_blocks: 256,
             legacy_bytes: 64 << 20,
             skip_fences: false,
