@@ -112,6 +112,12 @@
 //! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
 //! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
 //! its live bytes, whichever is larger (see `config.rs` for why `f` is not Hoard's 1/4).
+//! "Every free" is every free the owner makes (its fast path and kept-back legacy frees when
+//! they are merged): other threads' frees count in `u` until their batch completes, and a
+//! completion, at the owner's slow path where it needs memory, does not apply the rule (it
+//! gave back superblocks the next allocations borrowed again: `alloc_slow`). An arena whose
+//! blocks come back only from other threads thus keeps what its allocations borrowed, until
+//! its next own free, `trim`, or out of memory (`reclaim`, without the owner's help).
 //!
 //! **Learnt slack `E`** ([`EXTRA_MAX`]), only while the arena holds a large superblock (as
 //! `L` below; 0 otherwise): the pigeonhole bound does not see fragmentation, so a working set of
@@ -1050,13 +1056,15 @@ impl Arena {
     pub(crate) fn alloc_slow(&mut self, env: &Env<'_>, class: usize, g: usize) -> Result<u64> {
         self.drain(env);
         self.release_quarantine();
-        if self.complete_ready(env) {
-            if self.over_held() {
-                self.shrink(env, true); // inside an allocation on the home stream
-            }
-            if let Some(p) = self.alloc(class, g) {
-                return Ok(p);
-            }
+        // No return rule here, where the arena needs memory: applied after the batches that
+        // just completed (64 remote frees that arrive at once), it gave back superblocks the
+        // next allocations borrowed again (on 4 threads handing blocks on the legacy stream,
+        // one give-back, an event and the pool's lock, every 77 pairs; none on the per-thread
+        // stream, whose batches complete below). The next local free applies it.
+        if self.complete_ready(env)
+            && let Some(p) = self.alloc(class, g)
+        {
+            return Ok(p);
         }
         // Cached blocks may merge into a fit before anything else is done.
         self.flush_cache();

@@ -78,3 +78,55 @@ fn slack_learnt_in_a_large_phase_is_let_go_soon_after_it_ends() {
     live.assert_clean();
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// An arena whose blocks come back only as other threads' frees, 64 at a time (one remote
+/// batch), on the legacy stream: the batch completes at the owner's next slow path with no
+/// wait (freed on its own stream), and the owner allocates from it. The return rule is not
+/// applied there, where the arena needs the memory: applied after the completion, it gave the
+/// superblocks back and borrowed them again for the next allocations, an event and the pool's
+/// lock each time (about 3 per round here). Memory stays the working set's.
+#[test]
+fn remote_batches_completing_at_a_slow_path_are_reused_not_given_back() {
+    let sim = roomy();
+    let a = host_allocator(sim.clone(), Config::default()).unwrap();
+    let s = Stream::LEGACY;
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<cuarena::DeviceAddr>>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let a2 = a.clone();
+    let freer = std::thread::spawn(move || {
+        for blocks in rx {
+            for p in blocks {
+                a2.deallocate(p, 128 << 10, s).unwrap();
+            }
+            done_tx.send(()).unwrap();
+        }
+        a2.release_thread().unwrap();
+    });
+    let round = |a: &Allocator| {
+        let blocks: Vec<_> = (0..64).map(|_| a.allocate(128 << 10, s).unwrap()).collect();
+        tx.send(blocks).unwrap();
+        done_rx.recv().unwrap();
+    };
+    for _ in 0..5 {
+        round(&a); // the working set: 64 blocks of 128 KiB, 8 MiB
+    }
+    let before = a.stats();
+    for _ in 0..50 {
+        round(&a);
+    }
+    let after = a.stats();
+    let taken = after.superblocks_taken - before.superblocks_taken;
+    let back = (after.superblocks_returned + after.superblocks_dissolved)
+        - (before.superblocks_returned + before.superblocks_dissolved);
+    assert_eq!(after.cross_thread_frees - before.cross_thread_frees, 50 * 64, "{after:?}");
+    assert!(taken <= 1 && back <= 1, "taken {taken}, given back {back} in 50 rounds");
+    assert!(
+        after.arena_held_bytes <= 16 << 20,
+        "the arena holds {} bytes for an 8 MiB working set",
+        after.arena_held_bytes
+    );
+    drop(tx);
+    freer.join().unwrap();
+    a.release_thread().unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}

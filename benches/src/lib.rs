@@ -70,6 +70,8 @@ pub struct Counts {
     /// Events recorded as fences, streams made to wait on one, and fence polls
     /// (`cuEventQuery`), for allocators that report them.
     pub fences: Option<Fences>,
+    /// Superblocks the arenas gave back to the pool (allocators that report them).
+    pub superblocks_returned: Option<u64>,
 }
 
 /// Fence operations an allocator made (see [`Counts::fences`]).
@@ -122,6 +124,7 @@ impl BenchAlloc for Cuarena {
             host_syncs: s.host_syncs,
             by_path: Some((s.arena_allocations, s.pool_allocations)),
             fences: Some(Fences { recorded: s.fences_recorded, waits: s.fence_waits, polls: s.fence_polls }),
+            superblocks_returned: Some(s.superblocks_returned),
         }
     }
     fn thread_end(&self) {
@@ -261,6 +264,7 @@ impl BenchAlloc for CuMemAlloc {
             host_syncs: t.syncs.load(Ordering::Relaxed),
             by_path: None,
             fences: None,
+            superblocks_returned: None,
         }
     }
 }
@@ -343,6 +347,7 @@ impl BenchAlloc for CuMemAllocAsync {
             host_syncs: 0,
             by_path: None,
             fences: None,
+            superblocks_returned: None,
         }
     }
 }
@@ -425,6 +430,7 @@ impl BenchAlloc for MutexPool {
             host_syncs: 0,
             by_path: None,
             fences: None,
+            superblocks_returned: None,
         }
     }
 }
@@ -474,6 +480,8 @@ pub struct Point {
     /// Fence operations in the timed window (cuarena only): with `pairs - local_frees`, the
     /// remote frees, they give the events recorded per remote free of the handoff workloads.
     pub fences: Option<Fences>,
+    /// Superblocks the arenas gave back in the timed window (cuarena only).
+    pub superblocks_returned: Option<u64>,
 }
 
 impl Point {
@@ -520,6 +528,7 @@ impl Point {
             fences_recorded: self.fences.map(|f| f.recorded),
             fence_waits: self.fences.map(|f| f.waits),
             fence_polls: self.fences.map(|f| f.polls),
+            superblocks_returned: self.superblocks_returned,
         };
         serde_json::to_string(&row).expect("a row of numbers and strings serialises")
     }
@@ -555,6 +564,7 @@ struct JsonRow<'a> {
     fences_recorded: Option<u64>,
     fence_waits: Option<u64>,
     fence_polls: Option<u64>,
+    superblocks_returned: Option<u64>,
 }
 
 /// `x` rounded to `decimals` places.
@@ -846,6 +856,8 @@ impl Bench {
                 _ => None,
             };
             start_counts.fences = end_counts.fences.zip(start_counts.fences).map(|(e, s)| e.since(s));
+            start_counts.superblocks_returned =
+                end_counts.superblocks_returned.zip(start_counts.superblocks_returned).map(|(e, s)| e - s);
             h.join().expect("bench pool panicked")
         });
         for &e in &shared.events {
@@ -900,6 +912,7 @@ impl Bench {
             arena_allocations: start_counts.by_path.map(|b| b.0),
             pool_allocations: start_counts.by_path.map(|b| b.1),
             fences: start_counts.fences,
+            superblocks_returned: start_counts.superblocks_returned,
             kernel_concurrency: concurrency,
         })
     }
