@@ -131,14 +131,22 @@ impl LegacyAction {
     /// Queues one legacy action (the first also records the event it waits on), covering every
     /// ticket handed out before it.
     pub(crate) fn issue(&self, dev: &Counted<'_>) -> Result<()> {
-        // Read before the call: the tickets this action is issued after.
+        // Read before the call: the tickets this action is issued after. The mutation
+        // `legacy_read_after_call` reads after it, covering tickets handed out while the call
+        // was made (their frees not ordered before it): the loom model `legacy_roles.rs` and
+        // the test `legacy_actions::an_action_queued_before_a_ticket_does_not_cover_it_even_if_raised_after`
+        // must then fail.
+        #[cfg(not(cuarena_mutant = "legacy_read_after_call"))]
         let r = self.requests.load(Ordering::Acquire);
         // The mutation `legacy_covered_early` says so before the call: the loom model
         // `legacy.rs` must then fail.
+        #[cfg(not(cuarena_mutant = "legacy_read_after_call"))]
         if cfg!(cuarena_mutant = "legacy_covered_early") {
             self.covered.fetch_max(r, Ordering::Release);
         }
         self.issue_call(dev)?;
+        #[cfg(cuarena_mutant = "legacy_read_after_call")]
+        let r = self.requests.load(Ordering::Acquire);
         // `Release`: a publisher that reads this follows the call.
         self.covered.fetch_max(r, Ordering::Release);
         Ok(())
