@@ -9,7 +9,6 @@
 //! and change nothing, and `live_bytes` is exact while frees are kept back.
 
 use std::sync::mpsc;
-use std::time::Duration;
 
 use cuarena::{Allocator, Config, ConfigBuilder, DeviceAddr, Error, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
@@ -22,28 +21,6 @@ const MIB: usize = 1 << 20;
 /// The configuration, with fences skipped where `skip` (to show a fencing test can fail).
 fn build(b: ConfigBuilder, skip: bool) -> Config {
     if skip { b.skip_fences_for_testing().build().unwrap() } else { b.build().unwrap() }
-}
-
-/// Uses `blocks` on a fresh thread's per-thread stream (a long hold with a tag check), and
-/// returns while those uses still run. The blocks' later free on the legacy stream covers
-/// them (legacy work waits for all earlier per-thread work); a reuse on yet another per-thread
-/// stream is ordered after them only through a legacy-stream action.
-fn use_elsewhere(sim: &HostDevice, blocks: &[(DeviceAddr, usize)], tag0: u32, hold_ms: u64) {
-    let (sim2, blocks) = (sim.clone(), blocks.to_vec());
-    std::thread::spawn(move || {
-        for (i, (p, len)) in blocks.iter().enumerate() {
-            sim2.hold_and_check(
-                p.0,
-                *len,
-                tag0 + i as u32,
-                Duration::from_millis(hold_ms),
-                Stream::PER_THREAD,
-            )
-            .unwrap();
-        }
-    })
-    .join()
-    .unwrap();
 }
 
 /// Races and tag errors seen by the simulator, after the device is idle.
@@ -77,7 +54,7 @@ fn oom_takes_kept_back_frees_from_a_full_superblock(
         let mut sorted = ps.clone();
         sorted.sort();
         assert_eq!(sorted[3].0 - sorted[0].0, 6 * MIB as u64, "one 8 MiB superblock: {ps:?}");
-        use_elsewhere(&sim2, &[(sorted[0], 2 * MIB), (sorted[1], 2 * MIB)], 100, 40);
+        use_on_another_thread(&sim2, &[(sorted[0], 2 * MIB), (sorted[1], 2 * MIB)], 100, 40);
         a.deallocate(sorted[0], 2 * MIB, Stream::LEGACY).unwrap();
         a.deallocate(sorted[1], 2 * MIB, Stream::LEGACY).unwrap();
         sorted[2..].to_vec()
@@ -198,7 +175,7 @@ fn many_keep_back_then_one_needs_the_cap(
                 allocated.wait();
                 // The head of each block (the reuse below writes every MiB's head).
                 let uses: Vec<_> = ps.iter().map(|&p| (p, 64 << 10)).collect();
-                use_elsewhere(&sim2, &uses, (t * EACH) as u32, 15);
+                use_on_another_thread(&sim2, &uses, (t * EACH) as u32, 15);
                 for p in ps {
                     a2.deallocate(p, BLOCK, Stream::LEGACY).unwrap();
                 }

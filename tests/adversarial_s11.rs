@@ -26,21 +26,8 @@ fn legacy_blocks_used_elsewhere(
     hold_ms: u64,
 ) -> Vec<DeviceAddr> {
     let ps: Vec<_> = (0..n).map(|_| a.allocate(size, Stream::LEGACY).unwrap()).collect();
-    let (ps2, sim2) = (ps.clone(), sim.clone());
-    std::thread::spawn(move || {
-        for (i, p) in ps2.iter().enumerate() {
-            sim2.hold_and_check(
-                p.0,
-                size,
-                100 + i as u32,
-                Duration::from_millis(hold_ms),
-                Stream::PER_THREAD,
-            )
-            .unwrap();
-        }
-    })
-    .join()
-    .unwrap();
+    let uses: Vec<_> = ps.iter().map(|&p| (p, size)).collect();
+    use_on_another_thread(sim, &uses, 100, hold_ms);
     ps
 }
 

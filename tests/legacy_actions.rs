@@ -23,25 +23,10 @@ use common::*;
 
 const K64: usize = 64 << 10;
 
-/// Uses `blocks` on a fresh thread's per-thread stream (a long hold with a tag check) and
-/// returns while the uses still run. A free on the legacy stream after this covers them; a
-/// reuse on another per-thread stream is ordered after them only through a legacy action.
+/// `use_on_another_thread` for blocks of one length.
 fn use_elsewhere(sim: &HostDevice, blocks: &[DeviceAddr], len: usize, tag0: u32, hold_ms: u64) {
-    let (sim2, blocks) = (sim.clone(), blocks.to_vec());
-    std::thread::spawn(move || {
-        for (i, p) in blocks.iter().enumerate() {
-            sim2.hold_and_check(
-                p.0,
-                len,
-                tag0 + i as u32,
-                Duration::from_millis(hold_ms),
-                Stream::PER_THREAD,
-            )
-            .unwrap();
-        }
-    })
-    .join()
-    .unwrap();
+    let blocks: Vec<_> = blocks.iter().map(|&p| (p, len)).collect();
+    use_on_another_thread(sim, &blocks, tag0, hold_ms);
 }
 
 fn assert_no_race(sim: &HostDevice, what: &str) {

@@ -235,3 +235,26 @@ pub fn free_all(a: &Allocator, live: &Live, slots: &mut Slots, s: Stream) {
         a.deallocate(p, n, s).unwrap();
     }
 }
+
+/// Uses `blocks` (address, length) on a fresh thread's per-thread stream (a long hold with a
+/// tag check, tags from `tag0`) and returns while those uses still run. A later free of them on
+/// the legacy stream covers these uses (legacy work waits for all earlier per-thread work); a
+/// reuse on yet another per-thread stream is ordered after them only through a legacy-stream
+/// action, which the simulator's race checker sees.
+pub fn use_on_another_thread(sim: &HostDevice, blocks: &[(DeviceAddr, usize)], tag0: u32, hold_ms: u64) {
+    let (sim2, blocks) = (sim.clone(), blocks.to_vec());
+    std::thread::spawn(move || {
+        for (i, (p, len)) in blocks.iter().enumerate() {
+            sim2.hold_and_check(
+                p.0,
+                *len,
+                tag0 + i as u32,
+                Duration::from_millis(hold_ms),
+                Stream::PER_THREAD,
+            )
+            .unwrap();
+        }
+    })
+    .join()
+    .unwrap();
+}
