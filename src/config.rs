@@ -28,11 +28,11 @@
 //!   size, one CUDA event per batch. The batch is memory the freeing thread holds and nobody can
 //!   use until it is sent (16 MiB a thread at most, plus as much in its user-stream batches:
 //!   `outbox.rs`; out of memory in another thread cannot send it, so under a tight cap with many
-//!   idle threads set it lower), so it is kept small next to the GPU's memory, but big enough that 64 blocks
-//!   of the handoff workloads' sizes (256 B–1 MiB, 130 KiB on average) fill it by count: at
-//!   4 MiB a batch was sent every 35 remote frees, at 16 MiB every 64, and handoff on 16 threads
-//!   ran 11–17% faster, for reserved ÷ peak live a tenth higher on `handoff_msg` (H200,
-//!   2026-12-02, `BENCHMARKS.md`).
+//!   idle threads set it lower), so it is kept small next to the GPU's memory, but big enough
+//!   that 64 blocks of the handoff workloads' sizes (256 B–1 MiB, 130 KiB on average) fill it by
+//!   count: at 4 MiB a batch was sent every 35 remote frees, at 16 MiB every 64, and handoff on
+//!   16 threads ran 11–17% faster, for reserved ÷ peak live a tenth higher on `handoff_msg`
+//!   (H200, 2026-12-02, `BENCHMARKS.md`).
 //! - `legacy_batch = 256` blocks or `legacy_batch_bytes = 64 MiB`: a thread's own frees on the
 //!   legacy stream are kept back until this many, then made reusable by a *legacy action*
 //!   (`arena.rs`): the thread's own, or, for the first half of them, published under a
