@@ -17,9 +17,10 @@
 //! ## The block cache
 //! In front of the lists sits a small LIFO cache per size class, for classes up to
 //! [`CACHED_CLASSES`] (32 KiB) and [`CACHE_DEPTH`] blocks each, so at most 3 MiB per arena.
-//! A local free of such a block pushes it there without merging, and an allocation of its class
-//! pops it: no list is touched. A cached block's head tag reads `PENDING` (so a second free of
-//! it is refused) and it counts as free in `live`. The cache is emptied into the lists before
+//! A local free of such a block pushes it there without merging (so does the release of a
+//! kept-back legacy free, below), and an allocation of its class pops it: no list is touched.
+//! A cached block's head tag reads `PENDING` (so a second free of it is refused) and it counts
+//! as free in `live`. The cache is emptied into the lists before
 //! any superblock goes back, at exit, and before taking a new superblock.
 //!
 //! ## Remote frees
@@ -52,9 +53,9 @@
 //! queued, by this thread or any other. The kept-back frees go in halves (`legacy_kept.rs`):
 //! once half of `legacy_batch` blocks or of `legacy_batch_bytes` bytes (`config.rs`) are kept
 //! back, they are published under a ticket; once a whole batch is, the published half is
-//! merged into the free lists if another thread's action covered its ticket (no driver call)
-//! and the rest published in its place, and otherwise one action of this arena covers them
-//! all. The slow path, finding no other fit, first takes a covered half, then issues an action
+//! released (into the block cache where its class has room, else merged into the free lists)
+//! if another thread's action covered its ticket (no driver call) and the rest published in
+//! its place, and otherwise one action of this arena covers them all. The slow path, finding no other fit, first takes a covered half, then issues an action
 //! for all; a flush issues one. No event, no outbox, no lock. A superblock that leaves the
 //! arena takes its kept-back blocks to the pool as free ranges with a lazy legacy fence. Memory
 //! kept back this way is, per thread, fewer than `legacy_batch` blocks and `legacy_batch_bytes`
@@ -158,8 +159,8 @@ use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{Fence, FenceSet};
 use crate::free_lists::{FreeBlock, FreeLists};
-use crate::legacy_kept::{LegacyKept, Next};
-use crate::shell::{ArenaShell, Batch, Freed};
+use crate::legacy_kept::{Kept, LegacyKept, Next};
+use crate::shell::{ArenaShell, Batch};
 use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{FREE, IN_TRANSIT, PENDING, SbLocal, Superblock, USED};
@@ -636,11 +637,12 @@ impl Arena {
             sb.with_local(|l| {
                 let first = Self::accept_own_free(l, sb, ptr, size, g)?;
                 l.mark(first, g, PENDING, g);
-                Ok(())
+                Ok(first)
             })
         };
-        r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
-        match self.legacy_kept.push(Freed { ptr, size }, bytes, env.legacy_blocks, env.legacy_bytes) {
+        let first = r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
+        let kept = Kept { sb, first: first as u32, granules: g as u32 };
+        match self.legacy_kept.push(kept, env.legacy_blocks, env.legacy_bytes) {
             Next::Keep => {}
             Next::Seal => self.legacy_kept.seal(env.legacy_request()),
             Next::Settle(t) => self.settle_legacy(env, t),
@@ -699,10 +701,39 @@ impl Arena {
         true
     }
 
-    /// Merges kept-back legacy frees a legacy action has followed into the free lists, then
-    /// applies the return rule.
-    fn merge_legacy(&mut self, env: &Env<'_>, blocks: Vec<Freed>) {
-        self.complete(env, Batch { fence: None, blocks });
+    /// Makes kept-back legacy frees a legacy action has followed reusable, as the owner's
+    /// frees on its per-thread stream are: each into the block cache if its class is cached
+    /// and has room (a cached block's head tag reads `PENDING`, as a kept one's does), else
+    /// merged into the free lists; then applies the return rule.
+    fn merge_legacy(&mut self, env: &Env<'_>, mut blocks: Vec<Kept>) {
+        for k in blocks.drain(..) {
+            let (first, g) = (k.first as usize, k.granules as usize);
+            // SAFETY: kept blocks lie in superblocks we own: `give_back` takes out those of a
+            // superblock leaving the arena.
+            let sb = unsafe { &*k.sb };
+            let class = class_floor(g);
+            let cache =
+                self.cache.get_mut(class).filter(|c| c.len() < CACHE_DEPTH && class_granules(class) == g);
+            let lists = &mut self.lists;
+            // SAFETY: as above; no other `with_local` on `sb` is active.
+            unsafe {
+                sb.with_local(|l| {
+                    debug_assert_eq!(l.head(first), Some((PENDING, g)), "a kept block not kept");
+                    match cache {
+                        Some(c) => {
+                            // The tags a cached block has: a used block's, its head `PENDING`.
+                            l.mark(first, g, USED, g);
+                            l.restate(first, PENDING);
+                            l.live -= g;
+                            c.push((k.sb, k.first));
+                        }
+                        None => Self::merge_free(lists, l, k.sb, first, g),
+                    }
+                })
+            };
+            self.live -= g;
+        }
+        self.legacy_kept.recycle(blocks);
         if self.over_held() {
             self.shrink(env, true); // inside a call on the legacy stream, the home stream
         }
@@ -819,13 +850,12 @@ impl Arena {
         // any reuse (`FenceSet::lazy_legacy`). `fences` would not do: it may be an event on the
         // owner's per-thread stream (thread exit), which orders nothing another thread's
         // per-thread stream did before the free.
-        self.legacy_kept.take_where(|fr| {
-            let inside = (sb.base..end).contains(&fr.ptr);
-            inside.then(|| {
-                let bytes = block_bytes(fr.size, env.small_max).unwrap_or(0);
-                fenced.push((fr.ptr, bytes, FenceSet::lazy_legacy()));
-                bytes
-            })
+        self.legacy_kept.take_where(|k| {
+            let inside = std::ptr::eq(k.sb, sbp);
+            if inside {
+                fenced.push((k.addr(sb.base), k.bytes(), FenceSet::lazy_legacy()));
+            }
+            inside
         });
         // Quarantined ranges are free ranges taken out of the lists: free for this arena's
         // stream only (a block freed on it, a pending block made safe by a wait on it, a
@@ -1157,13 +1187,16 @@ impl Arena {
         self.drain(env);
         // Granules of pending blocks per superblock: the rest of `live` is used.
         let mut pending: Vec<(*const Superblock, usize)> = Vec::new();
-        for fr in self.pending.iter().flat_map(|b| b.blocks.iter()).chain(self.legacy_kept.iter()) {
-            if let Some(sb) = env.pool.registry.lookup(fr.ptr) {
-                let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
-                match pending.iter_mut().find(|(p, _)| std::ptr::eq(*p, sb)) {
-                    Some((_, n)) => *n += g,
-                    None => pending.push((sb, g)),
-                }
+        let remote = self.pending.iter().flat_map(|b| b.blocks.iter()).filter_map(|fr| {
+            let sb = env.pool.registry.lookup(fr.ptr)?;
+            let g = block_bytes(fr.size, env.small_max).map_or(0, |b| b >> GRANULE_SHIFT);
+            Some((sb as *const Superblock, g))
+        });
+        let kept = self.legacy_kept.iter().map(|k| (k.sb, k.granules as usize));
+        for (sb, g) in remote.chain(kept) {
+            match pending.iter_mut().find(|(p, _)| std::ptr::eq(*p, sb)) {
+                Some((_, n)) => *n += g,
+                None => pending.push((sb, g)),
             }
         }
         let picks: Vec<usize> = (0..self.owned.len())

@@ -13,19 +13,48 @@
 //! as before, and with many threads an action issued by one releases the sealed halves of every
 //! other thread (an action costs about 20 µs on the legacy stream with 16 threads at once).
 //!
+//! Each free is kept as its block ([`Kept`]: superblock, first granule, length), so that
+//! releasing it needs no registry lookup and no size arithmetic.
+//!
 //! Owner-thread only (the arena's state); the ticket protocol is `fence.rs`'s.
 //!
 //! Invariants: `open_bytes` and `sealed_bytes` are the block bytes of `open` and `sealed`;
 //! `ticket` is 0 when `sealed` is empty, and otherwise the ticket `sealed` was published under.
 
-use crate::shell::Freed;
+use crate::size_class::GRANULE_SHIFT;
+use crate::superblock::Superblock;
+
+/// A kept-back free: the block, in a superblock its arena owns, tagged `PENDING` and counted
+/// live until it is released.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Kept {
+    pub(crate) sb: *const Superblock,
+    /// Its first granule in `sb`.
+    pub(crate) first: u32,
+    /// Its length in granules.
+    pub(crate) granules: u32,
+}
+
+impl Kept {
+    /// The block's address, given its superblock's base.
+    #[inline]
+    pub(crate) fn addr(&self, base: u64) -> u64 {
+        base + ((self.first as u64) << GRANULE_SHIFT)
+    }
+
+    /// The block's bytes.
+    #[inline]
+    pub(crate) fn bytes(&self) -> usize {
+        (self.granules as usize) << GRANULE_SHIFT
+    }
+}
 
 /// The kept-back frees of one legacy-stream arena.
 #[derive(Default)]
 pub(crate) struct LegacyKept {
-    open: Vec<Freed>,
+    open: Vec<Kept>,
     open_bytes: usize,
-    sealed: Vec<Freed>,
+    sealed: Vec<Kept>,
     sealed_bytes: usize,
     ticket: u64,
 }
@@ -45,12 +74,12 @@ pub(crate) enum Next {
 }
 
 impl LegacyKept {
-    /// Adds a free of `bytes` block bytes; `blocks` and `max_bytes` are the batch bounds
-    /// (`legacy_batch`, `legacy_batch_bytes`: at least 1).
+    /// Adds a free; `blocks` and `max_bytes` are the batch bounds (`legacy_batch`,
+    /// `legacy_batch_bytes`: at least 1).
     #[inline]
-    pub(crate) fn push(&mut self, fr: Freed, bytes: usize, blocks: usize, max_bytes: usize) -> Next {
-        self.open.push(fr);
-        self.open_bytes += bytes;
+    pub(crate) fn push(&mut self, k: Kept, blocks: usize, max_bytes: usize) -> Next {
+        self.open.push(k);
+        self.open_bytes += k.bytes();
         let sealed = !self.sealed.is_empty();
         if self.open.len() + self.sealed.len() >= blocks || self.open_bytes + self.sealed_bytes >= max_bytes {
             if sealed { Next::Settle(self.ticket) } else { Next::Act }
@@ -77,18 +106,27 @@ impl LegacyKept {
     }
 
     /// Takes the sealed batch (its ticket was covered).
-    pub(crate) fn take_sealed(&mut self) -> Vec<Freed> {
+    pub(crate) fn take_sealed(&mut self) -> Vec<Kept> {
         self.sealed_bytes = 0;
         self.ticket = 0;
         std::mem::take(&mut self.sealed)
     }
 
     /// Takes every kept-back free (an action issued now covers them all).
-    pub(crate) fn take_all(&mut self) -> Vec<Freed> {
+    pub(crate) fn take_all(&mut self) -> Vec<Kept> {
         let mut all = self.take_sealed();
         all.append(&mut self.open);
         self.open_bytes = 0;
         all
+    }
+
+    /// Takes back a buffer `take_sealed` or `take_all` gave out, emptied, for the frees to
+    /// come (a batch's worth of pushes then grows no buffer).
+    pub(crate) fn recycle(&mut self, v: Vec<Kept>) {
+        debug_assert!(v.is_empty());
+        if self.open.is_empty() && self.open.capacity() < v.capacity() {
+            self.open = v;
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -96,20 +134,20 @@ impl LegacyKept {
     }
 
     /// Every kept-back free, sealed first.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &Freed> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Kept> {
         self.sealed.iter().chain(&self.open)
     }
 
-    /// Takes out the frees `take` selects (`take(fr)` gives their block bytes, or `None` to
-    /// keep one), in both generations; a sealed batch left empty forgets its ticket.
-    pub(crate) fn take_where(&mut self, mut take: impl FnMut(&Freed) -> Option<usize>) {
-        let mut out = |v: &mut Vec<Freed>, bytes: &mut usize| {
-            v.retain(|fr| match take(fr) {
-                Some(b) => {
-                    *bytes -= b;
-                    false
+    /// Takes out the frees `take` selects (true), in both generations; a sealed batch left
+    /// empty forgets its ticket.
+    pub(crate) fn take_where(&mut self, mut take: impl FnMut(&Kept) -> bool) {
+        let mut out = |v: &mut Vec<Kept>, bytes: &mut usize| {
+            v.retain(|k| {
+                let taken = take(k);
+                if taken {
+                    *bytes -= k.bytes();
                 }
-                None => true,
+                !taken
             })
         };
         out(&mut self.sealed, &mut self.sealed_bytes);
@@ -124,29 +162,30 @@ impl LegacyKept {
 mod tests {
     use super::*;
 
-    fn fr(ptr: u64) -> Freed {
-        Freed { ptr, size: 256 }
+    /// A kept free whose first granule stands for its identity, of `bytes` (whole granules).
+    fn fr(first: u32, bytes: usize) -> Kept {
+        Kept { sb: std::ptr::null(), first, granules: (bytes >> GRANULE_SHIFT) as u32 }
     }
 
     #[test]
     fn half_a_batch_is_sealed_and_a_whole_one_settled() {
         let mut k = LegacyKept::default();
         // A batch of 4 blocks or 2000 bytes.
-        assert_eq!(k.push(fr(1), 256, 4, 2000), Next::Keep);
-        assert_eq!(k.push(fr(2), 256, 4, 2000), Next::Seal);
+        assert_eq!(k.push(fr(1, 256), 4, 2000), Next::Keep);
+        assert_eq!(k.push(fr(2, 256), 4, 2000), Next::Seal);
         k.seal(7);
         assert_eq!(k.sealed_ticket(), Some(7));
-        assert_eq!(k.push(fr(3), 256, 4, 2000), Next::Keep);
-        assert_eq!(k.push(fr(4), 256, 4, 2000), Next::Settle(7));
+        assert_eq!(k.push(fr(3, 256), 4, 2000), Next::Keep);
+        assert_eq!(k.push(fr(4, 256), 4, 2000), Next::Settle(7));
         // Covered: the sealed half goes, the rest is sealed in its place.
-        let sealed: Vec<u64> = k.take_sealed().iter().map(|f| f.ptr).collect();
+        let sealed: Vec<u32> = k.take_sealed().iter().map(|f| f.first).collect();
         assert_eq!(sealed, [1, 2]);
         assert_eq!(k.sealed_ticket(), None);
         k.seal(9);
-        assert_eq!(k.iter().map(|f| f.ptr).collect::<Vec<_>>(), [3, 4]);
-        // The byte bound makes a whole batch too: not covered, an action takes everything.
-        assert_eq!(k.push(fr(5), 1500, 4, 2000), Next::Settle(9));
-        let all: Vec<u64> = k.take_all().iter().map(|f| f.ptr).collect();
+        assert_eq!(k.iter().map(|f| f.first).collect::<Vec<_>>(), [3, 4]);
+        // The byte bound (6 granules here) makes a whole batch too: not covered, an action takes everything.
+        assert_eq!(k.push(fr(5, 1536), 4, 2000), Next::Settle(9));
+        let all: Vec<u32> = k.take_all().iter().map(|f| f.first).collect();
         assert_eq!(all, [3, 4, 5]);
         assert!(k.is_empty() && k.sealed_ticket().is_none());
         assert_eq!((k.open_bytes, k.sealed_bytes), (0, 0));
@@ -156,23 +195,23 @@ mod tests {
     fn a_whole_batch_with_nothing_sealed_is_acted_on() {
         let mut k = LegacyKept::default();
         // A batch of one block: every free makes a whole batch, as before halves.
-        assert_eq!(k.push(fr(1), 256, 1, 1 << 20), Next::Act);
+        assert_eq!(k.push(fr(1, 256), 1, 1 << 20), Next::Act);
         assert_eq!(k.take_all().len(), 1);
         // A byte bound reached before half the blocks, with nothing sealed.
-        assert_eq!(k.push(fr(2), 4096, 64, 4096), Next::Act);
+        assert_eq!(k.push(fr(2, 4096), 64, 4096), Next::Act);
     }
 
     #[test]
     fn taking_frees_out_keeps_the_byte_counts_and_forgets_an_emptied_ticket() {
         let mut k = LegacyKept::default();
-        k.push(fr(1), 256, 4, 1 << 20);
-        k.push(fr(2), 512, 4, 1 << 20);
+        k.push(fr(1, 256), 4, 1 << 20);
+        k.push(fr(2, 512), 4, 1 << 20);
         k.seal(3);
-        k.push(fr(3), 256, 4, 1 << 20);
-        k.take_where(|f| (f.ptr == 2).then_some(512));
+        k.push(fr(3, 256), 4, 1 << 20);
+        k.take_where(|f| f.first == 2);
         assert_eq!((k.sealed_bytes, k.open_bytes, k.sealed_ticket()), (256, 256, Some(3)));
-        k.take_where(|f| (f.ptr == 1).then_some(256));
+        k.take_where(|f| f.first == 1);
         assert_eq!(k.sealed_ticket(), None, "an emptied sealed batch has no ticket");
-        assert_eq!(k.iter().map(|f| f.ptr).collect::<Vec<_>>(), [3]);
+        assert_eq!(k.iter().map(|f| f.first).collect::<Vec<_>>(), [3]);
     }
 }

@@ -57,10 +57,58 @@ fn a_legacy_free_reused_on_a_per_thread_stream_follows_its_use_on_another() {
     }
 }
 
+/// Released kept-back frees of a class the block cache holds (4 KiB) go to the cache, not the
+/// free lists (`Arena::merge_legacy`): the reuse is still ordered after the block's use on
+/// another thread's per-thread stream, a second free of a released block is refused while it
+/// waits in the cache, and every byte comes back.
+#[test]
+fn released_legacy_frees_of_a_cached_class_are_reused_in_order_and_refused_twice() {
+    const S: usize = 4 << 10;
+    for batch in [1, 3] {
+        let sim = host(0);
+        let a = allocator(&sim, batch);
+        let p = a.allocate(S, Stream::LEGACY).unwrap();
+        let fill: Vec<_> = (1..batch).map(|_| a.allocate(S, Stream::LEGACY).unwrap()).collect();
+        let (a2, sim2) = (a.clone(), sim.clone());
+        std::thread::spawn(move || {
+            sim2.hold_and_check(p.0, S, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
+            a2.release_thread().unwrap();
+        })
+        .join()
+        .unwrap();
+        a.deallocate(p, S, Stream::LEGACY).unwrap();
+        for q in &fill {
+            a.deallocate(*q, S, Stream::LEGACY).unwrap();
+        }
+        // The batch is full: released behind its action, into the cache.
+        let live = a.stats().live_bytes;
+        for q in std::iter::once(&p).chain(&fill) {
+            let r = a.deallocate(*q, S, Stream::LEGACY);
+            assert!(
+                matches!(r, Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })),
+                "batch {batch}: a second free of a released block: {r:?}"
+            );
+        }
+        assert_eq!(a.stats().live_bytes, live, "refused frees change nothing");
+        let again: Vec<_> = (0..batch).map(|_| a.allocate(S, Stream::LEGACY).unwrap()).collect();
+        assert!(again.contains(&p), "batch {batch}: the released block is reused: {again:?} {p:?}");
+        write_len_after_b(&sim, p, S, &format!("cached, batch {batch}"));
+        for q in again {
+            a.deallocate(q, S, Stream::LEGACY).unwrap();
+        }
+        assert_all_returned(&a, Some(&sim), batch as u64);
+    }
+}
+
 /// Writes the reused block `p` on the calling thread's per-thread stream and checks that the
 /// write was ordered after B's (no race seen, B's tag intact).
 fn write_after_b(sim: &HostDevice, p: cuarena::DeviceAddr, what: &str) {
-    sim.fill(p.0, 64 << 10, 1, Stream::PER_THREAD).unwrap();
+    write_len_after_b(sim, p, 64 << 10, what)
+}
+
+/// [`write_after_b`] of a block of `len` bytes.
+fn write_len_after_b(sim: &HostDevice, p: cuarena::DeviceAddr, len: usize, what: &str) {
+    sim.fill(p.0, len, 1, Stream::PER_THREAD).unwrap();
     sim.synchronize();
     let v = sim.violations();
     assert!(v.is_empty(), "{what}: reused without ordering: {v:?}");
