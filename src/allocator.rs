@@ -194,6 +194,10 @@ struct Slot {
     ptds: Option<StreamKey>,
     /// The legacy stream's identity, asked of the device once.
     legacy: Option<StreamKey>,
+    /// A user stream's identity that [`alloc_fast_user`] asked and then left the allocation to
+    /// the slow path: taken by that slow path, in the same call, so that one allocation asks
+    /// the driver once. Never set across calls (the slow path always takes it).
+    asked: Option<(Stream, StreamKey)>,
     /// Slow paths taken; every [`PEAK_SAMPLE_EVERY`]th samples the live-byte peak.
     slow_paths: u32,
 }
@@ -601,6 +605,7 @@ impl Slot {
             counters: inner.counters.register(),
             ptds: None,
             legacy: None,
+            asked: None,
             slow_paths: 0,
         }
     }
@@ -697,9 +702,9 @@ impl Slot {
         large: bool,
     ) -> Result<u64> {
         self.arenas.tick = self.arenas.tick.wrapping_add(1);
-        let env = inner.env(&self.counters);
-        let sent = self.outbox.tick_user(&env, key, stream);
-        inner.settle(&env, sent);
+        if self.outbox.holds_user_batches() {
+            self.tick_user_batches(inner, key, stream);
+        }
         if let Some(j) = self.arenas.user(key) {
             let u = &mut self.arenas.users[j];
             u.last_use = self.arenas.tick;
@@ -711,6 +716,17 @@ impl Slot {
         }
         self.new_user_arena(inner, stream, key)?;
         self.alloc_slow_in(inner, Which::User(self.arenas.users.len() - 1), (stream, key), class, g, large)
+    }
+
+    /// An allocation on the user stream `stream` (identity `key`) while the thread's outbox
+    /// holds user-stream batches: counts it towards sending that stream's batch
+    /// (`Outbox::tick_user`).
+    #[cold]
+    #[inline(never)]
+    fn tick_user_batches(&mut self, inner: &Inner, key: StreamKey, stream: Stream) {
+        let env = inner.env(&self.counters);
+        let sent = self.outbox.tick_user(&env, key, stream);
+        inner.settle(&env, sent);
     }
 
     /// Adds an (empty) arena for the user stream `stream` with identity `key`, first giving
@@ -1101,6 +1117,39 @@ fn alloc_fast(inner: &Arc<Inner>, i: usize, class: usize, g: usize, large: bool)
         .flatten()
 }
 
+/// The fast path of an allocation on a user stream: the calling thread's arena for the
+/// stream's identity (asked now: one `cuStreamGetId`, after a `cuStreamIsCapturing`, never the
+/// handle; see [`Arenas`]) serves it from its block cache or free lists, with no lock and no
+/// atomic read-modify-write. `None` sends the request to the slow path, which takes the
+/// identity asked here from `Slot::asked` rather than asking again; a failed query is asked
+/// again there, and reported. Out of line: inlined into `allocate`, it cost the per-thread
+/// stream's fast path a dozen instructions.
+#[inline(never)]
+fn alloc_fast_user(inner: &Arc<Inner>, stream: Stream, class: usize, g: usize, large: bool) -> Option<u64> {
+    SLOTS
+        .try_with(|cell| {
+            let mut slots = cell.try_borrow_mut().ok()?;
+            let slot = slots.iter_mut().find(|s| s.id == inner.id)?;
+            let key = Counted::new(&*inner.device, &slot.counters).stream_key(stream).ok()?;
+            // Kept for the slow path unless this path serves the request; user-stream batches
+            // waiting in the outbox count the allocation there (`Slot::alloc_user`).
+            slot.asked = Some((stream, key));
+            if slot.outbox.holds_user_batches() {
+                return None;
+            }
+            let j = slot.arenas.user(key)?;
+            slot.arenas.tick = slot.arenas.tick.wrapping_add(1);
+            let u = &mut slot.arenas.users[j];
+            u.last_use = slot.arenas.tick;
+            let p = u.arena.with(|a| a.alloc(class, g))??;
+            slot.asked = None;
+            slot.counted_alloc(g * GRANULE, arena_path(large));
+            Some(p)
+        })
+        .ok()
+        .flatten()
+}
+
 /// The fast path of a free by the owner, on its arena's own stream, of a block of the calling
 /// thread's arena for that stream: on the per-thread stream merged back at once
 /// (`Arena::free_local`), on the legacy stream kept back until the batch's legacy action
@@ -1297,9 +1346,11 @@ impl Allocator {
         if inner.passthrough.is_some() || size == 0 || size > inner.cfg.large_max {
             return None;
         }
-        let i = arena_index(stream)?;
         let (class, gc, large) = arena_request(size, inner.cfg.small_max);
-        alloc_fast(inner, i, class, gc, large)
+        match arena_index(stream) {
+            Some(i) => alloc_fast(inner, i, class, gc, large),
+            None => alloc_fast_user(inner, stream, class, gc, large),
+        }
     }
 
     /// Every allocation the fast path did not serve, with the trace's rule and the OOM hook.
@@ -1345,7 +1396,11 @@ impl Allocator {
                 // A user stream: its arena, found by its identity.
                 None => {
                     return with_slot(inner, |slot, inner| {
-                        let key = inner.env(&slot.counters).dev.stream_key(stream)?;
+                        let key = match slot.asked.take() {
+                            // Asked by the fast path in this call.
+                            Some((s, k)) if s == stream => k,
+                            _ => inner.env(&slot.counters).dev.stream_key(stream)?,
+                        };
                         // Counted where it is served (`alloc_user`), with its path.
                         let p = slot.alloc_user(inner, stream, key, class, gc, large)?;
                         Ok(DeviceAddr(p))

@@ -181,6 +181,12 @@ impl Outbox {
         self.count >= blocks || self.bytes >= bytes
     }
 
+    /// True if frees made on user streams wait here (`tick_user` has work to do).
+    #[inline]
+    pub(crate) fn holds_user_batches(&self) -> bool {
+        !self.users.is_empty()
+    }
+
     /// True if nothing waits in the batch of the per-thread and legacy streams (user-stream
     /// batches aside).
     pub(crate) fn is_empty(&self) -> bool {
@@ -232,9 +238,6 @@ impl Outbox {
     #[inline]
     pub(crate) fn tick_user(&mut self, env: &Env<'_>, key: StreamKey, stream: Stream) -> UserSend {
         let mut out = UserSend::default();
-        if self.users.is_empty() {
-            return out;
-        }
         if let Some(i) = self.users.iter().position(|b| b.key == key) {
             self.users[i].allocs += 1;
             if self.users[i].allocs >= STALE_ALLOCS {
