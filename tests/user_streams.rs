@@ -218,3 +218,56 @@ fn out_of_memory_takes_back_parked_arenas() {
     a.deallocate(big, 3 << 20, Stream::PER_THREAD).unwrap();
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// An allocation on a user stream asks the stream's identity once, whichever path serves it:
+/// the slow path alone (the thread's first allocation), the fast path (the thread's arena for
+/// the stream has a fit), or the fast path's question handed to the slow path (no arena for
+/// the stream yet, or no fit: `Slot::asked` in `allocator.rs`). A stale answer never crosses
+/// calls: every allocation asks afresh.
+#[test]
+fn a_user_stream_allocation_asks_the_identity_once_on_every_path() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use cuarena_testkit::{HookedDevice, Hooks};
+
+    let sim = host(0);
+    let asked = Arc::new(AtomicU64::new(0));
+    let n = Arc::clone(&asked);
+    let key = move |sim: &HostDevice, s: Stream| {
+        if s.is_user() {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+        sim.stream_key(s)
+    };
+    let dev = HookedDevice::new(sim.clone(), Hooks { stream_key: Some(Box::new(key)), ..Hooks::default() });
+    let a = Allocator::new(dev, small().build().unwrap()).unwrap();
+    let (s1, s2) = (sim.create_stream(), sim.create_stream());
+    let mut held = Vec::new();
+    let mut alloc = |s: Stream, size: usize, what: &str| {
+        let before = asked.load(Ordering::Relaxed);
+        let p = a.allocate(size, s).unwrap();
+        assert_eq!(asked.load(Ordering::Relaxed) - before, 1, "{what}: identity queries");
+        held.push((p, size, s));
+    };
+    alloc(s1, 4096, "the thread's first allocation (no slot yet: the slow path)");
+    alloc(s1, 4096, "a fit in the stream's arena (the fast path)");
+    alloc(s2, 4096, "a second stream (no arena yet: the fast path's question, then the slow path)");
+    let before = a.stats().superblocks_taken;
+    // Blocks of 64 KiB until the first arena borrows again: each fills from its free space
+    // (the fast path) until one finds none (the slow path, with the fast path's question).
+    for i in 0..200 {
+        alloc(s1, 64 << 10, &format!("block {i} of 64 KiB"));
+        if a.stats().superblocks_taken > before {
+            break;
+        }
+    }
+    assert!(a.stats().superblocks_taken > before, "the arena borrowed again");
+    for (p, size, s) in held {
+        a.deallocate(p, size, s).unwrap();
+    }
+    sim.destroy_stream(s1).unwrap();
+    sim.destroy_stream(s2).unwrap();
+    a.trim(true).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
