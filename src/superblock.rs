@@ -70,6 +70,7 @@
 
 use crate::shell::ArenaShell;
 use crate::sync::{AtomicPtr, AtomicU8, Mutex, Ordering, UnsafeCell, lock};
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 /// Freed flag: a free of the block that starts here was accepted by its owner (its local free,
@@ -219,17 +220,25 @@ pub(crate) struct Superblock {
     pub(crate) owner: AtomicPtr<ArenaShell>,
     /// Freed flags (see the module comment), one page per registry slot covered: shared with
     /// every superblock object that covers the same slot, since a flag belongs to its address.
-    pages: Box<[Arc<[AtomicU8]>]>,
-    /// `pages[0]` again, read without the double indexing: every flag of a normal superblock,
-    /// and the first page's of a large one (each flag read or written on the fast path, four
-    /// times a pair).
-    first_page: Arc<[AtomicU8]>,
+    /// Held for `first_flag` and `page_base`, which point into it.
+    _pages: Box<[Arc<[AtomicU8]>]>,
+    /// The first flag of the first page: a normal superblock's flags are all on it.
+    first_flag: NonNull<AtomicU8>,
+    /// The first flag of each page, so that a flag beyond the first page is one table load and
+    /// an offset away, with no `Arc` to follow (each flag is read or written on the fast path
+    /// four times a pair; through the pages, a large superblock's cost a dozen instructions
+    /// each). Invariant: `page_base[i]` points at `_pages[i][0]` (so `first_flag` is
+    /// `page_base[0]`), and every page holds `page_mask + 1` flags (checked in `new`).
+    page_base: Box<[NonNull<AtomicU8>]>,
     /// `log2` of the granules per page.
     page_shift: u32,
+    /// Granules per page, less one.
+    page_mask: usize,
     local: UnsafeCell<SbLocal>,
 }
 
-// SAFETY: `owner` is atomic and the flag pages are atomics; `local` is touched only by the
+// SAFETY: `owner` is atomic and the flag pages are atomics (`first_flag` and `page_base` point
+// at them, in pages the superblock holds, and are never written); `local` is touched only by the
 // thread whose shell is `owner` (or by the pool while `owner` is null and the pool lock is
 // held), and ownership changes only under the pool lock, which orders the accesses of
 // successive owners.
@@ -248,7 +257,9 @@ impl Superblock {
         per_page: usize,
     ) -> Superblock {
         debug_assert!(per_page.is_power_of_two() && pages.len() * per_page >= granules);
-        debug_assert!(pages.iter().all(|p| p.len() == per_page), "every page holds per_page flags");
+        // `flag` relies on it (`page_base`'s invariant).
+        assert!(pages.iter().all(|p| p.len() == per_page), "every page holds per_page flags");
+        let page_base: Box<[NonNull<AtomicU8>]> = pages.iter().map(|p| NonNull::from(&p[0])).collect();
         let mut local = SbLocal { tags: Vec::new(), live: 0 };
         if pages.len() == 1 {
             local.tags.reserve_exact(granules);
@@ -257,9 +268,11 @@ impl Superblock {
             base,
             granules,
             owner: AtomicPtr::new(std::ptr::null_mut()),
-            first_page: Arc::clone(&pages[0]),
-            pages,
+            _pages: pages,
+            first_flag: page_base[0],
+            page_base,
             page_shift: per_page.trailing_zeros(),
+            page_mask: per_page - 1,
             local: UnsafeCell::new(local),
         }
     }
@@ -267,10 +280,16 @@ impl Superblock {
     /// The freed flag of granule `g`.
     #[inline]
     fn flag(&self, g: usize) -> &AtomicU8 {
-        match self.first_page.get(g) {
-            Some(f) => f, // g < per_page: page 0, entry g
-            None => &self.pages[g >> self.page_shift][g & ((1 << self.page_shift) - 1)],
-        }
+        let (first, i) = if g <= self.page_mask {
+            (self.first_flag, g)
+        } else {
+            // Bounds-checked: a granule beyond the pages panics, as indexing them would.
+            (self.page_base[g >> self.page_shift], g & self.page_mask)
+        };
+        // SAFETY: `first` points at the first of `page_mask + 1` flags of a page that `_pages`
+        // keeps alive as long as `self` (`page_base`'s invariant), and `i` is at most
+        // `page_mask`.
+        unsafe { &*first.as_ptr().add(i) }
     }
 
     /// Asks the CPU to bring the line of granule `g`'s freed flag into its cache, so that the
