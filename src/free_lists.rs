@@ -50,7 +50,7 @@ impl Default for FreeLists {
 
 impl FreeLists {
     /// Adds a free block; returns its node index (to be stored in its tags).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn insert(&mut self, b: FreeBlock) -> usize {
         let class = class_floor(b.len).min(MAX_CLASSES - 1);
         let head = self.heads[class];
@@ -81,7 +81,7 @@ impl FreeLists {
     }
 
     /// Unlinks node `id` and returns its block.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn remove(&mut self, id: usize) -> FreeBlock {
         let n = self.nodes[id];
         if n.prev != NIL {
