@@ -477,6 +477,7 @@ impl Arena {
     }
 
     /// Checks that a block of `g` granules starts at `ptr` in `l` and is live.
+    #[inline(always)]
     fn validate(l: &SbLocal, sb: &Superblock, ptr: u64, size: usize, g: usize) -> Result<usize, InvalidFree> {
         let off = ptr - sb.base;
         if off & ((1 << GRANULE_SHIFT) - 1) != 0 {
