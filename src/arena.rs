@@ -114,10 +114,11 @@
 //! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
 //! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
 //! its live bytes, whichever is larger (see `config.rs` for why `f` is not Hoard's 1/4).
-//! "Every free" is every free the owner makes (its fast path and kept-back legacy frees when
-//! they are merged): other threads' frees count in `u` until their batch completes, and a
-//! completion, at the owner's slow path where it needs memory, does not apply the rule (it
-//! gave back superblocks the next allocations borrowed again: `alloc_slow`). An arena whose
+//! "Every free" is every free the owner makes (its fast path, and its frees on the legacy
+//! stream, which count in `u` while kept back): other threads' frees count in `u` until their
+//! batch completes, and a completion, or a release of kept-back legacy frees, at the owner's
+//! slow path where it needs memory, does not apply the rule (it gave back superblocks the next
+//! allocations borrowed again: `alloc_slow`). An arena whose
 //! blocks come back only from other threads thus keeps what its allocations borrowed, until
 //! its next own free, `trim`, or out of memory (`reclaim`, without the owner's help).
 //!
@@ -652,6 +653,11 @@ impl Arena {
                 self.release_legacy(env);
             }
         }
+        // After every free, as on the fast path (a kept-back free leaves `live` as it was; what
+        // a release, here or at a slow path, made free is given back now).
+        if self.over_held() {
+            self.shrink(env, true); // inside a call on the legacy stream, the home stream
+        }
         Ok(())
     }
 
@@ -669,7 +675,7 @@ impl Arena {
         }
         let blocks = self.legacy_kept.take_sealed();
         self.legacy_kept.seal(env.legacy_request());
-        self.merge_legacy(env, blocks);
+        self.merge_legacy(blocks);
     }
 
     /// Merges back the sealed legacy frees if a legacy action has covered them (no driver
@@ -678,7 +684,7 @@ impl Arena {
         match self.legacy_kept.sealed_ticket() {
             Some(t) if env.legacy_covers(t) => {
                 let blocks = self.legacy_kept.take_sealed();
-                self.merge_legacy(env, blocks);
+                self.merge_legacy(blocks);
                 true
             }
             _ => false,
@@ -699,15 +705,18 @@ impl Arena {
             return false;
         }
         let blocks = self.legacy_kept.take_all();
-        self.merge_legacy(env, blocks);
+        self.merge_legacy(blocks);
         true
     }
 
     /// Makes kept-back legacy frees a legacy action has followed reusable, as the owner's
     /// frees on its per-thread stream are: each into the block cache if its class is cached
     /// and has room (a cached block's head tag reads `PENDING`, as a kept one's does), else
-    /// merged into the free lists; then applies the return rule.
-    fn merge_legacy(&mut self, env: &Env<'_>, mut blocks: Vec<Kept>) {
+    /// merged into the free lists. The return rule is not applied here but after every legacy
+    /// free (`free_legacy`), and not in the slow path, where the arena needs memory
+    /// (`alloc_slow`: applied there, it gave back superblocks the next allocations borrowed
+    /// again).
+    fn merge_legacy(&mut self, mut blocks: Vec<Kept>) {
         for k in blocks.drain(..) {
             let (first, g) = (k.first as usize, k.granules as usize);
             // SAFETY: kept blocks lie in superblocks we own: `give_back` takes out those of a
@@ -736,9 +745,6 @@ impl Arena {
             self.live -= g;
         }
         self.legacy_kept.recycle(blocks);
-        if self.over_held() {
-            self.shrink(env, true); // inside a call on the legacy stream, the home stream
-        }
     }
 
     /// True if the return rule asks for a superblock back.

@@ -130,3 +130,37 @@ fn remote_batches_completing_at_a_slow_path_are_reused_not_given_back() {
     a.release_thread().unwrap();
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// The legacy arena's slow path releases the owner's kept-back legacy frees to serve the
+/// request at hand, and gives nothing back there (the return rule runs after the owner's next
+/// free, as after a batch of remote frees completed at a slow path: applied there, it gave
+/// back superblocks the next allocations borrowed again). Four superblocks of 64 KiB blocks,
+/// all but one block freed and kept back, then one more block: it comes from the released
+/// memory with no superblock given back or taken; the next free gives the empty ones back.
+#[test]
+fn a_slow_path_release_of_kept_back_legacy_frees_gives_nothing_back() {
+    let sim = host(0);
+    let cfg = small().keep_empty(0).legacy_batch_blocks(1_000).legacy_batch_bytes(1 << 30);
+    let a = host_allocator(sim.clone(), cfg.build().unwrap()).unwrap();
+    let s = Stream::LEGACY;
+    let blocks: Vec<_> = (0..16).map(|_| a.allocate(64 << 10, s).unwrap()).collect();
+    let held = a.stats().arena_held_bytes;
+    assert_eq!(held, 1 << 20, "four superblocks of 256 KiB");
+    for &p in &blocks[1..] {
+        a.deallocate(p, 64 << 10, s).unwrap(); // kept back: the batch is far from full
+    }
+    let before = a.stats();
+    let p = a.allocate(64 << 10, s).unwrap();
+    let after = a.stats();
+    let given = |s: &Stats| s.superblocks_returned + s.superblocks_dissolved;
+    assert!(after.fence_waits > before.fence_waits, "the kept-back frees went behind a legacy action");
+    assert_eq!(given(&after), given(&before), "nothing given back in the slow path");
+    assert_eq!(after.superblocks_taken, before.superblocks_taken, "nothing borrowed");
+    assert_eq!(after.arena_held_bytes, held);
+    a.deallocate(p, 64 << 10, s).unwrap();
+    let later = a.stats();
+    assert!(given(&later) > given(&after), "the next free applies the return rule");
+    assert!(later.arena_held_bytes < held);
+    a.deallocate(blocks[0], 64 << 10, s).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
