@@ -557,11 +557,11 @@ fn two_threads_churn_legacy_blocks_through_the_cache_under_a_cap() {
                     check(&sim, h.p, h.size, h.t, h.s);
                     live.remove(h.p);
                     // Its uses were on the legacy stream, which a per-thread stream follows.
-                    let s = if rng(&mut x) % 2 == 0 { Stream::LEGACY } else { Stream::PER_THREAD };
+                    let s = if rng(&mut x).is_multiple_of(2) { Stream::LEGACY } else { Stream::PER_THREAD };
                     a.deallocate(h.p, h.size, s).unwrap();
                 }
                 let r = rng(&mut x);
-                if r % 3 != 0 || held.is_empty() {
+                if !r.is_multiple_of(3) || held.is_empty() {
                     let size = match r % 7 {
                         0 => 300,
                         1 => 1024,
@@ -581,7 +581,7 @@ fn two_threads_churn_legacy_blocks_through_the_cache_under_a_cap() {
                 } else {
                     let k = (rng(&mut x) as usize) % held.len();
                     let h = held.swap_remove(k);
-                    if rng(&mut x) % 3 == 0 {
+                    if rng(&mut x).is_multiple_of(3) {
                         tx.send(h).unwrap();
                     } else {
                         check(&sim, h.p, h.size, h.t, Stream::LEGACY);
