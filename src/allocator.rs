@@ -974,7 +974,7 @@ impl Slot {
                         if !a.owns(sb) {
                             Local::NotOurs
                         } else if home {
-                            Local::Freed(a.free_local(&env, sb, ptr, size, bytes, true))
+                            Local::Freed(a.free_local(|| env, sb, ptr, size, bytes, true))
                         } else if legacy {
                             Local::Freed(a.free_legacy(&env, sb, ptr, size, bytes))
                         } else {
@@ -1177,7 +1177,9 @@ fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize, refused:
             let mut slots = cell.try_borrow_mut().ok()?;
             let slot = slots.iter_mut().find(|s| s.id == inner.id)?;
             let bytes = block_bytes(size, small_max)?;
-            let env = inner.env(&slot.counters);
+            let counters = &slot.counters;
+            // Made only where needed: the legacy arena's frees, and the return rule's give-back.
+            let env = || inner.env(counters);
             let a = match arena_index(stream) {
                 Some(i) => slot.arenas.fixed[i].as_mut().filter(|a| mine(a))?,
                 // Only on the handle the arena's stream has: any other handle may name the same
@@ -1198,7 +1200,7 @@ fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize, refused:
                     // after it could be overwritten by the graph's replays. The mutation
                     // `fast_free_while_capturing` skips this; `tests/capture.rs` must then fail.
                     if !cfg!(cuarena_mutant = "fast_free_while_capturing")
-                        && let Err(e) = env.dev.refuse_capturing(stream)
+                        && let Err(e) = Counted::new(&*inner.device, counters).refuse_capturing(stream)
                     {
                         *refused = Some(e);
                         return None;
@@ -1213,9 +1215,9 @@ fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize, refused:
             a.with(|a| {
                 a.owns(sb).then(|| {
                     if legacy {
-                        a.free_legacy(&env, sb, ptr, size, bytes)
+                        a.free_legacy(&env(), sb, ptr, size, bytes)
                     } else {
-                        a.free_local(&env, sb, ptr, size, bytes, asked)
+                        a.free_local(env, sb, ptr, size, bytes, asked)
                     }
                 })
             })??

@@ -533,16 +533,17 @@ impl Arena {
     }
 
     /// Fast path: frees a block of this arena on its home stream, merged back at once.
-    /// `bytes` is `block_bytes(size)`, which the caller has computed already. `asked`: the
+    /// `bytes` is `block_bytes(size)`, which the caller has computed already; `env` makes the
+    /// context the return rule needs, if it fires. `asked`: the
     /// call's stream is known to be the home stream (the per-thread stream, or a user stream
     /// whose identity the caller asked); false for a user arena's handle whose identity was not
     /// asked (`allocator.rs`, "A user arena's own frees"), which the return rule then asks
     /// (once it finds another stream there, never again) before it passes the handle to the
     /// driver for a fence.
     #[inline]
-    pub(crate) fn free_local(
+    pub(crate) fn free_local<'e>(
         &mut self,
-        env: &Env<'_>,
+        env: impl FnOnce() -> Env<'e>,
         sb: &Superblock,
         ptr: u64,
         size: usize,
@@ -575,8 +576,9 @@ impl Arena {
         if self.over_held() {
             // Inside a free on the home stream, or on its handle, which may name another stream
             // by now if this free did not ask.
-            let live = asked || self.handle_names_home(env);
-            self.shrink(env, live);
+            let env = env();
+            let live = asked || self.handle_names_home(&env);
+            self.shrink(&env, live);
         }
         Ok(())
     }

@@ -16,7 +16,9 @@ pub(crate) enum HomeFence {
     Gone,
 }
 
-/// Borrowed context of one slow-path operation on one thread.
+/// Borrowed context of one slow-path operation on one thread (a few references and numbers:
+/// `Copy`, so a fast path can make one only where it needs one).
+#[derive(Clone, Copy)]
 pub(crate) struct Env<'a> {
     pub(crate) pool: &'a GlobalPool,
     pub(crate) dev: Counted<'a>,
