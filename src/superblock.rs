@@ -227,8 +227,9 @@ pub(crate) struct Superblock {
     /// The first flag of each page, so that a flag beyond the first page is one table load and
     /// an offset away, with no `Arc` to follow (each flag is read or written on the fast path
     /// four times a pair; through the pages, a large superblock's cost a dozen instructions
-    /// each). Invariant: `page_base[i]` points at `_pages[i][0]` (so `first_flag` is
-    /// `page_base[0]`), and every page holds `page_mask + 1` flags (checked in `new`).
+    /// each). Invariant: `page_base[i]` is `_pages[i]` as a pointer to its first flag, made from
+    /// the whole page (so `first_flag` is `page_base[0]`), and every page holds `page_mask + 1`
+    /// flags (checked in `new`).
     page_base: Box<[NonNull<AtomicU8>]>,
     /// `log2` of the granules per page.
     page_shift: u32,
@@ -259,7 +260,10 @@ impl Superblock {
         debug_assert!(per_page.is_power_of_two() && pages.len() * per_page >= granules);
         // `flag` relies on it (`page_base`'s invariant).
         assert!(pages.iter().all(|p| p.len() == per_page), "every page holds per_page flags");
-        let page_base: Box<[NonNull<AtomicU8>]> = pages.iter().map(|p| NonNull::from(&p[0])).collect();
+        // From each whole page, not its first flag: a pointer made from `&p[0]` may reach that
+        // one flag only (Stacked Borrows), and `flag` steps up to a page past it.
+        let page_base: Box<[NonNull<AtomicU8>]> =
+            pages.iter().map(|p| NonNull::from(&**p).cast::<AtomicU8>()).collect();
         let mut local = SbLocal { tags: Vec::new(), live: 0 };
         if pages.len() == 1 {
             local.tags.reserve_exact(granules);
@@ -286,9 +290,9 @@ impl Superblock {
             // Bounds-checked: a granule beyond the pages panics, as indexing them would.
             (self.page_base[g >> self.page_shift], g & self.page_mask)
         };
-        // SAFETY: `first` points at the first of `page_mask + 1` flags of a page that `_pages`
-        // keeps alive as long as `self` (`page_base`'s invariant), and `i` is at most
-        // `page_mask`.
+        // SAFETY: `first` was made from a whole page of `page_mask + 1` flags (so it may reach
+        // each of them), which `_pages` keeps alive as long as `self` (`page_base`'s
+        // invariant), and `i` is at most `page_mask`.
         unsafe { &*first.as_ptr().add(i) }
     }
 
