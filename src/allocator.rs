@@ -701,21 +701,44 @@ impl Slot {
         g: usize,
         large: bool,
     ) -> Result<u64> {
-        self.arenas.tick = self.arenas.tick.wrapping_add(1);
         if self.outbox.holds_user_batches() {
             self.tick_user_batches(inner, key, stream);
         }
-        if let Some(j) = self.arenas.user(key) {
-            let u = &mut self.arenas.users[j];
-            u.last_use = self.arenas.tick;
-            if let Some(Some(p)) = u.arena.with(|a| a.alloc(class, g)) {
-                self.counted_alloc(g * GRANULE, arena_path(large));
-                return Ok(p);
+        match self.alloc_user_arena(key, class, g, large) {
+            Some(Ok(p)) => Ok(p),
+            Some(Err(j)) => self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, large),
+            None => {
+                self.new_user_arena(inner, stream, key)?;
+                let j = self.arenas.users.len() - 1;
+                self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, large)
             }
-            return self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, large);
         }
-        self.new_user_arena(inner, stream, key)?;
-        self.alloc_slow_in(inner, Which::User(self.arenas.users.len() - 1), (stream, key), class, g, large)
+    }
+
+    /// The fast path of the thread's arena for the user stream identity `key`, its use
+    /// stamped for least-recently-used replacement: the block (counted), or `Err` with the
+    /// arena's index if it has no fit (or a reclaimer holds it); `None` if the thread has no
+    /// arena for `key`.
+    #[inline(always)]
+    fn alloc_user_arena(
+        &mut self,
+        key: StreamKey,
+        class: usize,
+        g: usize,
+        large: bool,
+    ) -> Option<Result<u64, usize>> {
+        self.arenas.tick = self.arenas.tick.wrapping_add(1);
+        let tick = self.arenas.tick;
+        let j = self.arenas.user(key)?;
+        let u = &mut self.arenas.users[j];
+        u.last_use = tick;
+        match u.arena.with(|a| a.alloc(class, g)) {
+            Some(Some(p)) => {
+                self.counted_alloc(g * GRANULE, arena_path(large));
+                Some(Ok(p))
+            }
+            _ => Some(Err(j)),
+        }
     }
 
     /// An allocation on the user stream `stream` (identity `key`) while the thread's outbox
@@ -1137,13 +1160,8 @@ fn alloc_fast_user(inner: &Arc<Inner>, stream: Stream, class: usize, g: usize, l
             if slot.outbox.holds_user_batches() {
                 return None;
             }
-            let j = slot.arenas.user(key)?;
-            slot.arenas.tick = slot.arenas.tick.wrapping_add(1);
-            let u = &mut slot.arenas.users[j];
-            u.last_use = slot.arenas.tick;
-            let p = u.arena.with(|a| a.alloc(class, g))??;
+            let p = slot.alloc_user_arena(key, class, g, large)?.ok()?;
             slot.asked = None;
-            slot.counted_alloc(g * GRANULE, arena_path(large));
             Some(p)
         })
         .ok()
