@@ -20,8 +20,8 @@
 //! A local free of such a block pushes it there without merging (so does the release of a
 //! kept-back legacy free, below), and an allocation of its class pops it: no list is touched.
 //! A cached block's head tag reads `PENDING` (so a second free of it is refused) and it counts
-//! as free in `live`. The cache is emptied into the lists before
-//! any superblock goes back, at exit, and before taking a new superblock.
+//! as free in `live`. The cache is emptied into the lists before any superblock goes back, at
+//! exit, and before taking a new superblock.
 //!
 //! ## Remote frees
 //! A free by another thread, or on another stream, does not touch this arena: the freeing
@@ -57,11 +57,11 @@
 //! if another thread's action covered its ticket (no driver call) and the rest published in
 //! its place, and otherwise one action of this arena covers them all. The slow path, finding
 //! no fit in its lists, first takes a covered half, then issues an action for all, before it
-//! flushes the block cache; a flush issues one. No event, no outbox, no lock. A superblock that leaves the
-//! arena takes its kept-back blocks to the pool as free ranges with a lazy legacy fence. Memory
-//! kept back this way is, per thread, fewer than `legacy_batch` blocks and `legacy_batch_bytes`
-//! bytes plus one block, and it is not stranded: the owner's slow path releases it before it
-//! borrows more, and a reclaim without the owner takes it (below).
+//! flushes the block cache; a flush issues one. No event, no outbox, no lock. A superblock
+//! that leaves the arena takes its kept-back blocks to the pool as free ranges with a lazy
+//! legacy fence. Memory kept back this way is, per thread, fewer than `legacy_batch` blocks and
+//! `legacy_batch_bytes` bytes plus one block, and it is not stranded: the owner's slow path
+//! releases it before it borrows more, and a reclaim without the owner takes it (below).
 //!
 //! ## Reclaim without the owner ([`Arena::reclaim`])
 //! An owner that is idle (blocked elsewhere, parked in a thread pool) never drains its inbox,
@@ -118,9 +118,9 @@
 //! stream, which count in `u` while kept back): other threads' frees count in `u` until their
 //! batch completes, and a completion, or a release of kept-back legacy frees, at the owner's
 //! slow path where it needs memory, does not apply the rule (it gave back superblocks the next
-//! allocations borrowed again: `alloc_slow`). An arena whose
-//! blocks come back only from other threads thus keeps what its allocations borrowed, until
-//! its next own free, `trim`, or out of memory (`reclaim`, without the owner's help).
+//! allocations borrowed again: `alloc_slow`). An arena whose blocks come back only from other
+//! threads thus keeps what its allocations borrowed, until its next own free, `trim`, or out
+//! of memory (`reclaim`, without the owner's help).
 //!
 //! **Learnt slack `E`** ([`EXTRA_MAX`]), only while the arena holds a large superblock (as
 //! `L` below; 0 otherwise): the pigeonhole bound does not see fragmentation, so a working set of
@@ -478,6 +478,19 @@ impl Arena {
         Ok(first)
     }
 
+    /// The block cache's list for a freed block of `g` granules, if the cache takes it: only a
+    /// block of exactly its class's size is cached (a large block, granule-rounded, may lie
+    /// between two classes: `alloc` would hand it out as its class's size), and only while its
+    /// class has room.
+    #[inline(always)]
+    fn cache_room(
+        cache: &mut [Vec<(*const Superblock, u32)>; CACHED_CLASSES],
+        g: usize,
+    ) -> Option<&mut Vec<(*const Superblock, u32)>> {
+        let class = class_floor(g);
+        cache.get_mut(class).filter(|c| c.len() < CACHE_DEPTH && class_granules(class) == g)
+    }
+
     /// Checks that a block of `g` granules starts at `ptr` in `l` and is live.
     #[inline(always)]
     fn validate(l: &SbLocal, sb: &Superblock, ptr: u64, size: usize, g: usize) -> Result<usize, InvalidFree> {
@@ -552,10 +565,7 @@ impl Arena {
     ) -> Result<()> {
         let g = bytes >> GRANULE_SHIFT;
         let lists = &mut self.lists;
-        let class = class_floor(g);
-        // Only a block of exactly its class's size is cached (a large block, granule-rounded,
-        // may lie between two classes: `alloc` would hand it out as its class's size).
-        let cache = self.cache.get_mut(class).filter(|c| c.len() < CACHE_DEPTH && class_granules(class) == g);
+        let cache = Self::cache_room(&mut self.cache, g);
         // SAFETY: the caller saw `owns(sb)`; only this thread touches its local state.
         let r = unsafe {
             sb.with_local(|l| {
@@ -724,9 +734,7 @@ impl Arena {
             // SAFETY: kept blocks lie in superblocks we own: `give_back` takes out those of a
             // superblock leaving the arena.
             let sb = unsafe { &*k.sb };
-            let class = class_floor(g);
-            let cache =
-                self.cache.get_mut(class).filter(|c| c.len() < CACHE_DEPTH && class_granules(class) == g);
+            let cache = Self::cache_room(&mut self.cache, g);
             let lists = &mut self.lists;
             // SAFETY: as above; no other `with_local` on `sb` is active.
             unsafe {
