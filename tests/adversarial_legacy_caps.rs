@@ -175,7 +175,10 @@ fn many_keep_back_then_one_needs_the_cap(
                 allocated.wait();
                 // The head of each block (the reuse below writes every MiB's head).
                 let uses: Vec<_> = ps.iter().map(|&p| (p, 64 << 10)).collect();
-                use_on_another_thread(&sim2, &uses, (t * EACH) as u32, 15);
+                // With fences skipped (the control) the uses last longer, so that the main
+                // thread's writes still meet them on a loaded machine: at 15 ms, CI on two
+                // cores once saw no race after the owners' exit.
+                use_on_another_thread(&sim2, &uses, (t * EACH) as u32, if skip { 200 } else { 15 });
                 for p in ps {
                     a2.deallocate(p, BLOCK, Stream::LEGACY).unwrap();
                 }
