@@ -723,6 +723,19 @@ mod tests {
         assert_helpful(&message(Config::parse("legacy_batch_bytes=0B")), "legacy_batch_bytes");
     }
 
+    /// The Python glue puts `legacy_batch_bytes=16MiB` before the user's `CUARENA_CONF`
+    /// (`python/cuarena/__init__.py`, `FRAMEWORK_CONF`): it must parse, and the user's own
+    /// items must win over it, whatever the separator they use.
+    #[test]
+    fn the_framework_prefix_parses_and_the_users_items_override_it() {
+        let prefix = "legacy_batch_bytes=16MiB";
+        assert_eq!(Config::parse(prefix).unwrap().legacy_bytes, 16 << 20);
+        let c = Config::parse(&format!("{prefix},legacy_batch_bytes:64MiB,max=50%")).unwrap();
+        assert_eq!((c.legacy_bytes, c.max), (64 << 20, Limit::Fraction(0.5)));
+        let c = Config::parse(&format!("{prefix},passthrough")).unwrap();
+        assert!(c.passthrough && c.legacy_bytes == 16 << 20);
+    }
+
     #[test]
     fn max_must_hold_a_superblock() {
         assert_helpful(&message(Config::parse("max=0")), "max");

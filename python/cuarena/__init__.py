@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = ["CuarenaError", "OutOfMemoryError", "LibraryNotFoundError", "library_path", "load", "version",
            "malloc", "free", "stats", "last_error", "install_torch", "torch_shim_path", "TorchInstall",
-           "install_cupy", "reset_peak", "reset_counters", "size_histogram", "memory_stats", "set_oom_hook"]
+           "install_cupy", "FRAMEWORK_CONF", "reset_peak", "reset_counters", "size_histogram", "memory_stats", "set_oom_hook"]
 
 # The fields of cuarena_stats after its leading `size`, in order: the Rust Stats and
 # include/cuarena.h (tests/header.rs checks that the three agree).
@@ -308,6 +308,25 @@ def set_oom_hook(fn, device=0):
     if load().cuarena_set_oom_hook(device, cb, None) != 0:
         raise _error(f"cannot set the OOM hook of CUDA device {device}")
     _oom_hooks.append(cb)
+
+
+# What the framework glue (cuarena.torch.use, cuarena.cupy.use) puts before CUARENA_CONF: a later
+# item overrides an earlier one, so the user's own setting of a key wins. PyTorch and CuPy free
+# tensors of megabytes on the legacy stream, where a thread's frees are kept back until a legacy
+# action (the library's default cap, 64 MiB a thread, suits many threads freeing small blocks
+# there). At 16 MiB the training of examples/torch_train.py peaked at 416 MiB reserved instead of
+# 480, for about 8 more driver calls a step (H200, 2026-12-02, BENCHMARKS.md).
+FRAMEWORK_CONF = "legacy_batch_bytes=16MiB"
+
+
+def _framework_defaults():
+    """Puts FRAMEWORK_CONF before the user's CUARENA_CONF (its items override it). Takes effect
+    only if the device's allocator is made after this: the glue calls it before installing
+    itself, which is before the framework's first allocation."""
+    user = os.environ.get("CUARENA_CONF", "").strip()
+    if user.startswith(FRAMEWORK_CONF):
+        return  # already there (use() called again)
+    os.environ["CUARENA_CONF"] = f"{FRAMEWORK_CONF},{user}" if user else FRAMEWORK_CONF
 
 
 def _fn_addr(name):

@@ -9,11 +9,12 @@ and freed on that same stream when CuPy drops it; its owner keeps the Stream obj
 then. So work CuPy queued on a non-blocking stream is ordered before the block's reuse (CuPy's
 own pool makes the same promise). Size 0 gives a null pointer without calling cuarena. A failure
 raises cupy.cuda.memory.OutOfMemoryError (out of memory, with cuarena's figures in the message)
-or cuarena.CuarenaError (anything else).
+or cuarena.CuarenaError (anything else). use() puts cuarena.FRAMEWORK_CONF before CUARENA_CONF
+(a key set there wins).
 
 Importing this module does not import cupy; use() does.
 """
-from . import CuarenaError, _is_oom, last_error, load, stats
+from . import CuarenaError, _framework_defaults, _is_oom, last_error, load, stats
 
 __all__ = ["use"]
 
@@ -68,6 +69,7 @@ def use():
     import cupy
 
     if _malloc is None:
+        _framework_defaults()
         lib = load()
         _Block._free = lib.cuarena_free
         malloc = lib.cuarena_malloc

@@ -10,7 +10,8 @@ whose message starts with "cuarena:" instead of giving PyTorch a tensor at addre
 optional hooks PyTorch offers are installed too: record_stream (Tensor.record_stream fences the
 free after the other stream's work), reset (torch.cuda.empty_cache) and memory fraction
 (torch.cuda.set_per_process_memory_fraction). PyTorch's own memory statistics are not kept under
-a plug-in allocator: use cuarena.stats().
+a plug-in allocator: use cuarena.stats(). use() puts cuarena.FRAMEWORK_CONF before CUARENA_CONF
+(a key set there wins).
 
 Importing this module does not import torch; use() does.
 """
@@ -21,7 +22,7 @@ import subprocess
 import threading
 import warnings
 
-from . import _fn_addr, library_path, load
+from . import _fn_addr, _framework_defaults, library_path, load
 
 __all__ = ["use", "shim_path", "TorchInstall"]
 
@@ -131,6 +132,7 @@ def use():
             return _installed
         import torch
 
+        _framework_defaults()
         shim = _checked_shim()
         alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "cuarena_torch_malloc", "cuarena_torch_free")
         hooks = alloc.allocator() if callable(getattr(alloc, "allocator", None)) else alloc._allocator
