@@ -44,7 +44,9 @@
 //!   2026-12-01, `BENCHMARKS.md`). Kept-back memory is not stranded: the owner's slow path
 //!   releases it before borrowing more, and a reclaim takes it from an idle thread. It does
 //!   raise the memory a thread holds: reserved ÷ peak live on legacy churn went from 1.67 to
-//!   1.85 at 16 threads.
+//!   1.85 at 16 threads. The Python glue for PyTorch and CuPy, whose frees on the legacy stream
+//!   are of megabytes, puts 16 MiB before the user's `CUARENA_CONF` instead
+//!   (`python/cuarena/__init__.py`, `FRAMEWORK_CONF`; measured in `BENCHMARKS.md`).
 //! - `stats=sampled` (the default) or `stats=exact`: with `exact`, one shared live-byte counter
 //!   is updated with `fetch_add` on every allocation and free so that the peak of live bytes is
 //!   exact; by default the fast path makes no atomic read-modify-write and the peak is bounded
