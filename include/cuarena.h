@@ -161,6 +161,12 @@ int cuarena_set_oom_hook(int device, int (*cb)(size_t requested, int device, voi
 int cuarena_version(void);
 /* The loaded library's version as a string, e.g. "0.1.0". Static: never freed. */
 const char *cuarena_version_string(void);
+/* Defaults under CUARENA_CONF for the allocators of devices first used after this call: items in
+ * CUARENA_CONF's form ("legacy_batch_bytes=16MiB"), which CUARENA_CONF's own items override; ""
+ * clears them. No environment variable is changed. Returns how many devices' allocators exist
+ * already (they keep their configuration; 0: the defaults apply to every device), or -1 if items
+ * is NULL, not UTF-8 or not a valid configuration (nothing changes; see cuarena_last_error). */
+int cuarena_set_defaults(const char *items);
 /* Allocation traces (the format: cuarena's src/trace.rs; `cuarena trace-csv IN OUT` writes CSV).
  * cuarena_trace_start records every allocation and free of device's allocator into the file at
  * path (created or truncated); cuarena_trace_stop writes every thread's records and closes it.

@@ -45,8 +45,9 @@
 //!   releases it before borrowing more, and a reclaim takes it from an idle thread. It does
 //!   raise the memory a thread holds: reserved ÷ peak live on legacy churn went from 1.67 to
 //!   1.85 at 16 threads. The Python glue for PyTorch and CuPy, whose frees on the legacy stream
-//!   are of megabytes, puts 16 MiB before the user's `CUARENA_CONF` instead
-//!   (`python/cuarena/__init__.py`, `FRAMEWORK_CONF`; measured in `BENCHMARKS.md`).
+//!   are of megabytes, gives 16 MiB as a default under the user's `CUARENA_CONF` instead
+//!   (`python/cuarena/__init__.py`, `FRAMEWORK_CONF`, through `global::set_defaults`; measured
+//!   in `BENCHMARKS.md`).
 //! - `stats=sampled` (the default) or `stats=exact`: with `exact`, one shared live-byte counter
 //!   is updated with `fetch_add` on every allocation and free so that the peak of live bytes is
 //!   exact; by default the fast path makes no atomic read-modify-write and the peak is bounded
@@ -173,9 +174,28 @@ impl Config {
 
     /// The defaults overridden by `CUARENA_CONF`, if set.
     pub fn from_env() -> Result<Config> {
+        Config::from_env_over("")
+    }
+
+    /// `CUARENA_CONF` parsed over `defaults`, items of the same form that its own items
+    /// override (what [`crate::global::set_defaults`] gives the process-wide allocators). A
+    /// `CUARENA_CONF` that is not UTF-8 is refused, not taken as unset.
+    pub fn from_env_over(defaults: &str) -> Result<Config> {
         match std::env::var("CUARENA_CONF") {
-            Ok(s) => Config::parse(&s),
-            Err(_) => Ok(Config::default()),
+            Ok(s) => Config::layered(defaults, Some(&s)),
+            Err(std::env::VarError::NotPresent) => Config::layered(defaults, None),
+            Err(std::env::VarError::NotUnicode(_)) => Err(config_error("CUARENA_CONF is not valid UTF-8")),
+        }
+    }
+
+    /// `user`'s items over `defaults`' (both `CUARENA_CONF` strings): one string, the defaults
+    /// first, so a key `user` sets wins, and any error is the one `user` alone would give (the
+    /// defaults are checked when they are set, and an error names only the item at fault).
+    fn layered(defaults: &str, user: Option<&str>) -> Result<Config> {
+        match user {
+            Some(u) if !defaults.is_empty() => Config::parse(&format!("{defaults},{u}")),
+            Some(u) => Config::parse(u),
+            None => Config::parse(defaults),
         }
     }
 
@@ -725,17 +745,30 @@ mod tests {
         assert_helpful(&message(Config::parse("legacy_batch_bytes=0B")), "legacy_batch_bytes");
     }
 
-    /// The Python glue puts `legacy_batch_bytes=16MiB` before the user's `CUARENA_CONF`
-    /// (`python/cuarena/__init__.py`, `FRAMEWORK_CONF`): it must parse, and the user's own
-    /// items must win over it, whatever the separator they use.
+    /// Defaults under `CUARENA_CONF` (`global::set_defaults`, as the Python glue's
+    /// `legacy_batch_bytes=16MiB`): the user's items win whatever separator they use, the
+    /// defaults hold where the user says nothing, and an invalid user string gives the error it
+    /// gives alone.
     #[test]
-    fn the_framework_prefix_parses_and_the_users_items_override_it() {
-        let prefix = "legacy_batch_bytes=16MiB";
-        assert_eq!(Config::parse(prefix).unwrap().legacy_bytes, 16 << 20);
-        let c = Config::parse(&format!("{prefix},legacy_batch_bytes:64MiB,max=50%")).unwrap();
+    fn defaults_lie_under_the_users_items() {
+        let d = "legacy_batch_bytes=16MiB";
+        assert_eq!(Config::layered(d, None).unwrap().legacy_bytes, 16 << 20);
+        assert_eq!(Config::layered("", None).unwrap(), Config::default());
+        assert_eq!(Config::layered("", Some("max=50%")).unwrap(), Config::parse("max=50%").unwrap());
+        let c = Config::layered(d, Some("legacy_batch_bytes:64MiB,max=50%")).unwrap();
         assert_eq!((c.legacy_bytes, c.max), (64 << 20, Limit::Fraction(0.5)));
-        let c = Config::parse(&format!("{prefix},passthrough")).unwrap();
-        assert!(c.passthrough && c.legacy_bytes == 16 << 20);
+        for user in ["", " ", ",", " , max=50% ,", "passthrough", "legacy_batch=8"] {
+            let c = Config::layered(d, Some(user)).unwrap();
+            assert_eq!(c.legacy_bytes, 16 << 20, "{user:?}");
+            let mut alone = Config::parse(user).unwrap();
+            alone.legacy_bytes = 16 << 20;
+            assert_eq!(c, alone, "{user:?}");
+        }
+        for user in
+            ["bogus=1", "max=0.8", "small_max", "legacy_batch_bytes=0B", "max=50%;chunk=4MiB", "\u{1f}"]
+        {
+            assert_eq!(message(Config::layered(d, Some(user))), message(Config::parse(user)), "{user:?}");
+        }
     }
 
     #[test]

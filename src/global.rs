@@ -1,4 +1,5 @@
-//! Process-wide allocators, one per CUDA device, created on first use with `CUARENA_CONF`.
+//! Process-wide allocators, one per CUDA device, created on first use with `CUARENA_CONF`,
+//! over the defaults a framework's glue may set first ([`set_defaults`]).
 //!
 //! They are never dropped: a process-wide allocator lives until the process ends, and once exit
 //! has begun (see `shutdown.rs`) cuarena makes no further CUDA call, so threads that outlive
@@ -14,7 +15,13 @@ use crate::error::{Error, Result};
 pub const MAX_DEVICES: usize = 64;
 
 static ALLOCATORS: [OnceLock<Allocator>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+/// Held while an allocator is made and while the defaults change, so that one is made with
+/// the defaults of before a change or of after it, whole. Lock order: `CREATING`, then
+/// `DEFAULTS`; nothing else is locked under either.
 static CREATING: Mutex<()> = Mutex::new(());
+/// Items in `CUARENA_CONF`'s form, under `CUARENA_CONF` for every allocator made from now on
+/// (empty: none). Valid on their own (checked by [`set_defaults`]).
+static DEFAULTS: Mutex<String> = Mutex::new(String::new());
 
 /// The process-wide allocator of CUDA device `device`, created on first use.
 pub fn global(device: i32) -> Result<&'static Allocator> {
@@ -26,12 +33,36 @@ pub fn global(device: i32) -> Result<&'static Allocator> {
     }
     // Creation can fail (no driver, bad ordinal, bad CUARENA_CONF): keep trying on later calls
     // rather than caching the failure, and never create two.
-    let _g = CREATING.lock().unwrap_or_else(|p| p.into_inner());
+    let _g = lock(&CREATING);
     if let Some(a) = slot.get() {
         return Ok(a);
     }
-    let a = Allocator::cuda(device, Config::from_env()?)?;
+    let config = Config::from_env_over(&lock(&DEFAULTS))?;
+    let a = Allocator::cuda(device, config)?;
     Ok(slot.get_or_init(|| a))
+}
+
+/// Sets the defaults under `CUARENA_CONF` for the process-wide allocators made from now on:
+/// `items` in the same form (`legacy_batch_bytes=16MiB`), which `CUARENA_CONF`'s own items
+/// override (an empty string: none). It replaces any defaults set before, and touches no
+/// environment variable, so child processes and later readers of `CUARENA_CONF` see what the
+/// user set. Returns how many devices' allocators exist already: they keep their
+/// configuration (0: the defaults apply to every device). Invalid `items` are refused
+/// ([`Error::Config`]) and change nothing.
+pub fn set_defaults(items: &str) -> Result<usize> {
+    Config::parse(items)?;
+    let _g = lock(&CREATING);
+    *lock(&DEFAULTS) = items.to_owned();
+    Ok(created().count())
+}
+
+/// The defaults [`set_defaults`] set last (empty: none).
+pub fn defaults() -> String {
+    lock(&DEFAULTS).clone()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Why `device` (negative, or not below [`MAX_DEVICES`]) has no slot: the driver's own answer

@@ -498,3 +498,32 @@ fn trace_calls_refuse_bad_input_and_fail_cleanly_without_a_driver() {
         assert!(err().contains("no CUDA driver"), "{}", err());
     }
 }
+
+/// `cuarena_set_defaults`: bad input is refused with a message and changes nothing; good input
+/// replaces the defaults and answers how many devices' allocators exist already (they keep
+/// their configuration). The defaults' effect on a new allocator is checked by the Python
+/// package's tests (`python/tests/test_framework_conf.py`), each in its own process.
+#[test]
+fn set_defaults_refuses_bad_items_and_counts_the_devices_it_misses() {
+    let _s = serial();
+    let before = cuarena::global::defaults();
+    // SAFETY: NULL is allowed.
+    assert_eq!(unsafe { cuarena_set_defaults(std::ptr::null()) }, -1);
+    assert!(err().contains("NULL"), "{}", err());
+    for bad in [&b"bogus=1\0"[..], b"legacy_batch_bytes=0B\0", b"superblock=4MiB,chunk=6MiB\0", b"\xff\0"] {
+        // SAFETY: NUL-terminated.
+        assert_eq!(unsafe { cuarena_set_defaults(bad.as_ptr().cast()) }, -1, "{bad:?}");
+        assert!(!err().is_empty());
+        assert_eq!(cuarena::global::defaults(), before, "a refused call changed the defaults");
+    }
+    assert!(err().contains("UTF-8"), "{}", err());
+    let made = cuarena::global::created().count() as i32;
+    // SAFETY: NUL-terminated.
+    assert_eq!(unsafe { cuarena_set_defaults(c"legacy_batch_bytes=16MiB".as_ptr()) }, made);
+    assert_eq!(cuarena::global::defaults(), "legacy_batch_bytes=16MiB");
+    // SAFETY: NUL-terminated.
+    assert_eq!(unsafe { cuarena_set_defaults(c"".as_ptr()) }, made);
+    assert_eq!(cuarena::global::defaults(), "");
+    // SAFETY: NUL-terminated.
+    unsafe { cuarena_set_defaults(std::ffi::CString::new(before).unwrap().as_ptr()) };
+}

@@ -12,7 +12,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 
-use cuarena::global::{created, global};
+use cuarena::global::{created, global, set_defaults};
 use cuarena::shutdown::process_exiting;
 use cuarena::{DeviceAddr, Error, Stats, Stream};
 
@@ -467,6 +467,30 @@ pub extern "C" fn cuarena_last_error() -> *const c_char {
     LAST_ERROR
         .try_with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
         .unwrap_or(std::ptr::null())
+}
+
+/// Sets defaults under `CUARENA_CONF` for the allocators of devices first used after this call:
+/// `items` in `CUARENA_CONF`'s form (`"legacy_batch_bytes=16MiB"`), which `CUARENA_CONF`'s own
+/// items override; `""` clears them. No environment variable is changed. Returns how many
+/// devices' allocators exist already (they keep their configuration; 0: the defaults apply to
+/// every device), or -1 if `items` is NULL, not UTF-8 or not a valid configuration (nothing
+/// changes; the reason is in [`cuarena_last_error`]). The Python glue for PyTorch and CuPy calls
+/// it before installing itself.
+///
+/// # Safety
+/// `items` must be NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuarena_set_defaults(items: *const c_char) -> c_int {
+    guard(-1, || {
+        if items.is_null() {
+            return Err("cuarena_set_defaults: items is NULL".into());
+        }
+        // SAFETY: the caller guarantees a NUL-terminated string.
+        let s = unsafe { std::ffi::CStr::from_ptr(items) };
+        let s = s.to_str().map_err(|_| "cuarena_set_defaults: items are not UTF-8".to_string())?;
+        let made = set_defaults(s).map_err(|e| e.to_string())?;
+        Ok(c_int::try_from(made).unwrap_or(c_int::MAX))
+    })
 }
 
 // --- Allocation traces (issue 11; `cuarena::trace` documents the format) ---

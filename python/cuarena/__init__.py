@@ -123,6 +123,7 @@ def _bind(lib):
         "cuarena_last_error": ([], c.c_char_p),
         "cuarena_version": ([], c.c_int),
         "cuarena_version_string": ([], c.c_char_p),
+        "cuarena_set_defaults": ([c.c_char_p], c.c_int),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
@@ -310,23 +311,28 @@ def set_oom_hook(fn, device=0):
     _oom_hooks.append(cb)
 
 
-# What the framework glue (cuarena.torch.use, cuarena.cupy.use) puts before CUARENA_CONF: a later
-# item overrides an earlier one, so the user's own setting of a key wins. PyTorch and CuPy free
-# tensors of megabytes on the legacy stream, where a thread's frees are kept back until a legacy
-# action (the library's default cap, 64 MiB a thread, suits many threads freeing small blocks
-# there). At 16 MiB the training of examples/torch_train.py peaked at 416 MiB reserved instead of
-# 480, for about 8 more driver calls a step (H200, 2026-12-02, BENCHMARKS.md).
+# The defaults the framework glue (cuarena.torch.use, cuarena.cupy.use) gives the library, under
+# CUARENA_CONF (cuarena_set_defaults: the user's own CUARENA_CONF items override them; no
+# environment variable is changed). PyTorch and CuPy free tensors of megabytes on the legacy
+# stream, where a thread's frees are kept back until a legacy action (the library's default cap,
+# 64 MiB a thread, suits many threads freeing small blocks there). At 16 MiB the training of
+# examples/torch_train.py peaked at 416 MiB reserved instead of 480, for about 8 more driver calls
+# a step (H200, 2026-12-02, BENCHMARKS.md).
 FRAMEWORK_CONF = "legacy_batch_bytes=16MiB"
 
 
 def _framework_defaults():
-    """Puts FRAMEWORK_CONF before the user's CUARENA_CONF (its items override it). Takes effect
-    only if the device's allocator is made after this: the glue calls it before installing
-    itself, which is before the framework's first allocation."""
-    user = os.environ.get("CUARENA_CONF", "").strip()
-    if user.startswith(FRAMEWORK_CONF):
-        return  # already there (use() called again)
-    os.environ["CUARENA_CONF"] = f"{FRAMEWORK_CONF},{user}" if user else FRAMEWORK_CONF
+    """Gives the library FRAMEWORK_CONF as its defaults under CUARENA_CONF. They apply to the
+    devices whose allocator is made after this (the glue calls it before installing itself,
+    so before the framework's first allocation); a device already used in this process (by
+    cuarena.malloc, stats, ...) keeps its configuration, and a RuntimeWarning says so."""
+    made = load().cuarena_set_defaults(FRAMEWORK_CONF.encode())
+    if made < 0:
+        raise _error("cuarena_set_defaults")
+    if made > 0:
+        warnings.warn(f"cuarena: {made} device(s) were used through cuarena before the framework glue was "
+                      f"installed and keep their configuration; the glue's defaults ({FRAMEWORK_CONF}) apply "
+                      "to devices used from now on", RuntimeWarning, stacklevel=3)
 
 
 def _fn_addr(name):

@@ -9,8 +9,8 @@ and freed on that same stream when CuPy drops it; its owner keeps the Stream obj
 then. So work CuPy queued on a non-blocking stream is ordered before the block's reuse (CuPy's
 own pool makes the same promise). Size 0 gives a null pointer without calling cuarena. A failure
 raises cupy.cuda.memory.OutOfMemoryError (out of memory, with cuarena's figures in the message)
-or cuarena.CuarenaError (anything else). use() puts cuarena.FRAMEWORK_CONF before CUARENA_CONF
-(a key set there wins).
+or cuarena.CuarenaError (anything else). use() gives the library cuarena.FRAMEWORK_CONF as defaults
+under CUARENA_CONF (a key set there wins).
 
 Importing this module does not import cupy; use() does.
 """

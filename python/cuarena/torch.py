@@ -10,8 +10,8 @@ whose message starts with "cuarena:" instead of giving PyTorch a tensor at addre
 optional hooks PyTorch offers are installed too: record_stream (Tensor.record_stream fences the
 free after the other stream's work), reset (torch.cuda.empty_cache) and memory fraction
 (torch.cuda.set_per_process_memory_fraction). PyTorch's own memory statistics are not kept under
-a plug-in allocator: use cuarena.stats(). use() puts cuarena.FRAMEWORK_CONF before CUARENA_CONF
-(a key set there wins).
+a plug-in allocator: use cuarena.stats(). use() gives the library cuarena.FRAMEWORK_CONF as defaults
+under CUARENA_CONF (a key set there wins).
 
 Importing this module does not import torch; use() does.
 """

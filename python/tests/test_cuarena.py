@@ -119,27 +119,6 @@ class Package(unittest.TestCase):
         self.assertIn("out->size is 16", cuarena.last_error())
 
 
-    def test_the_framework_glue_puts_its_defaults_before_the_users_conf(self):
-        # In a fresh process each: what cuarena.torch.use and cuarena.cupy.use do to
-        # CUARENA_CONF before the allocator is made (its later items override earlier ones).
-        cases = [(None, cuarena.FRAMEWORK_CONF), ("", cuarena.FRAMEWORK_CONF),
-                 ("max=50%", cuarena.FRAMEWORK_CONF + ",max=50%"),
-                 ("legacy_batch_bytes:64MiB", cuarena.FRAMEWORK_CONF + ",legacy_batch_bytes:64MiB")]
-        for user, want in cases:
-            env = os.environ.copy()
-            env.pop("CUARENA_CONF", None)
-            if user is not None:
-                env["CUARENA_CONF"] = user
-            code, out = run_python("""
-                import os, cuarena
-                cuarena._framework_defaults()
-                cuarena._framework_defaults()   # use() again: not added twice
-                print("conf=" + os.environ["CUARENA_CONF"])
-            """, env)
-            self.assertEqual(code, 0, out)
-            self.assertIn("conf=" + want + "\n", out, user)
-
-
 class Calls(unittest.TestCase):
     def test_stats_is_a_dict_or_raises_cuarenas_message(self):
         if gpu_present():
