@@ -165,7 +165,9 @@ const char *cuarena_version_string(void);
  * CUARENA_CONF's form ("legacy_batch_bytes=16MiB"), which CUARENA_CONF's own items override; ""
  * clears them. No environment variable is changed. Returns how many devices' allocators exist
  * already (they keep their configuration; 0: the defaults apply to every device), or -1 if items
- * is NULL, not UTF-8 or not a valid configuration (nothing changes; see cuarena_last_error). */
+ * is NULL, not UTF-8, not a valid configuration or holds trace= (nothing changes; see
+ * cuarena_last_error). An error in the configuration a device is then made with names the
+ * defaults too. */
 int cuarena_set_defaults(const char *items);
 /* Allocation traces (the format: cuarena's src/trace.rs; `cuarena trace-csv IN OUT` writes CSV).
  * cuarena_trace_start records every allocation and free of device's allocator into the file at

@@ -189,13 +189,23 @@ impl Config {
     }
 
     /// `user`'s items over `defaults`' (both `CUARENA_CONF` strings): one string, the defaults
-    /// first, so a key `user` sets wins, and any error is the one `user` alone would give (the
-    /// defaults are checked when they are set, and an error names only the item at fault).
+    /// first, so a key `user` sets wins. The two are checked together, as one configuration: a
+    /// user string valid alone may be refused over the defaults (a chunk that is not a whole
+    /// number of the defaults' superblocks), and one invalid alone accepted (a `small_max` the
+    /// defaults' larger superblock admits). Every error over non-empty defaults names them, so
+    /// a user reading only `CUARENA_CONF` can find the cause.
     fn layered(defaults: &str, user: Option<&str>) -> Result<Config> {
-        match user {
+        let r = match user {
             Some(u) if !defaults.is_empty() => Config::parse(&format!("{defaults},{u}")),
             Some(u) => Config::parse(u),
             None => Config::parse(defaults),
+        };
+        match r {
+            Err(Error::Config(m)) if !defaults.is_empty() => Err(Error::Config(format!(
+                "{m} [read over the defaults `{defaults}` that global::set_defaults (C: cuarena_set_defaults) set, \
+                 which CUARENA_CONF's items override]"
+            ))),
+            r => r,
         }
     }
 
@@ -764,11 +774,17 @@ mod tests {
             alone.legacy_bytes = 16 << 20;
             assert_eq!(c, alone, "{user:?}");
         }
+        // An error over defaults is the user's string's own, naming the defaults too.
         for user in
             ["bogus=1", "max=0.8", "small_max", "legacy_batch_bytes=0B", "max=50%;chunk=4MiB", "\u{1f}"]
         {
-            assert_eq!(message(Config::layered(d, Some(user))), message(Config::parse(user)), "{user:?}");
+            let (over, alone) = (message(Config::layered(d, Some(user))), message(Config::parse(user)));
+            assert!(over.starts_with(&alone) && over.contains(d), "{user:?}: {over}");
+            assert_eq!(message(Config::layered("", Some(user))), alone, "{user:?}");
         }
+        // Checked together: each valid alone, refused together, and the error names the defaults.
+        let m = message(Config::layered("chunk=6MiB", Some("superblock=4MiB")));
+        assert!(m.contains("chunk") && m.contains("defaults `chunk=6MiB`"), "{m}");
     }
 
     #[test]

@@ -17,7 +17,9 @@ pub const MAX_DEVICES: usize = 64;
 static ALLOCATORS: [OnceLock<Allocator>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
 /// Held while an allocator is made and while the defaults change, so that one is made with
 /// the defaults of before a change or of after it, whole. Lock order: `CREATING`, then
-/// `DEFAULTS`; nothing else is locked under either.
+/// `DEFAULTS` (taken only to read or write the string, nothing under it); `Allocator::cuda`
+/// runs under `CREATING` and takes the driver's and the trace's locks, none of whose holders
+/// calls [`global`] or [`set_defaults`].
 static CREATING: Mutex<()> = Mutex::new(());
 /// Items in `CUARENA_CONF`'s form, under `CUARENA_CONF` for every allocator made from now on
 /// (empty: none). Valid on their own (checked by [`set_defaults`]).
@@ -47,10 +49,24 @@ pub fn global(device: i32) -> Result<&'static Allocator> {
 /// override (an empty string: none). It replaces any defaults set before, and touches no
 /// environment variable, so child processes and later readers of `CUARENA_CONF` see what the
 /// user set. Returns how many devices' allocators exist already: they keep their
-/// configuration (0: the defaults apply to every device). Invalid `items` are refused
-/// ([`Error::Config`]) and change nothing.
+/// configuration (0: the defaults apply to every device). Invalid `items`, and any `trace`
+/// item (a trace is the user's to ask for, and `CUARENA_CONF` could not turn a default one
+/// off), are refused ([`Error::Config`], naming this call) and change nothing.
 pub fn set_defaults(items: &str) -> Result<usize> {
-    Config::parse(items)?;
+    let shown: String = items.chars().take(200).collect();
+    let more = if shown.len() < items.len() { "…" } else { "" };
+    let refused = |why: String| {
+        Error::Config(format!("set_defaults (C: cuarena_set_defaults) refused `{shown}{more}`: {why}"))
+    };
+    let c = Config::parse(items).map_err(|e| match e {
+        Error::Config(m) => refused(m),
+        e => e,
+    })?;
+    if c.trace.is_some() {
+        return Err(refused(
+            "defaults may not start a trace (the user's CUARENA_CONF could not turn it off)".into(),
+        ));
+    }
     let _g = lock(&CREATING);
     *lock(&DEFAULTS) = items.to_owned();
     Ok(created().count())

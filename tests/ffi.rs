@@ -510,10 +510,16 @@ fn set_defaults_refuses_bad_items_and_counts_the_devices_it_misses() {
     // SAFETY: NULL is allowed.
     assert_eq!(unsafe { cuarena_set_defaults(std::ptr::null()) }, -1);
     assert!(err().contains("NULL"), "{}", err());
-    for bad in [&b"bogus=1\0"[..], b"legacy_batch_bytes=0B\0", b"superblock=4MiB,chunk=6MiB\0", b"\xff\0"] {
+    for bad in [
+        &b"bogus=1\0"[..],
+        b"legacy_batch_bytes=0B\0",
+        b"superblock=4MiB,chunk=6MiB\0",
+        b"trace=/tmp/cuarena-default-trace.bin\0",
+        b"\xff\0",
+    ] {
         // SAFETY: NUL-terminated.
         assert_eq!(unsafe { cuarena_set_defaults(bad.as_ptr().cast()) }, -1, "{bad:?}");
-        assert!(!err().is_empty());
+        assert!(err().contains("set_defaults"), "{bad:?}: {}", err());
         assert_eq!(cuarena::global::defaults(), before, "a refused call changed the defaults");
     }
     assert!(err().contains("UTF-8"), "{}", err());

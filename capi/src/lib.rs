@@ -473,8 +473,8 @@ pub extern "C" fn cuarena_last_error() -> *const c_char {
 /// `items` in `CUARENA_CONF`'s form (`"legacy_batch_bytes=16MiB"`), which `CUARENA_CONF`'s own
 /// items override; `""` clears them. No environment variable is changed. Returns how many
 /// devices' allocators exist already (they keep their configuration; 0: the defaults apply to
-/// every device), or -1 if `items` is NULL, not UTF-8 or not a valid configuration (nothing
-/// changes; the reason is in [`cuarena_last_error`]). The Python glue for PyTorch and CuPy calls
+/// every device), or -1 if `items` is NULL, not UTF-8, not a valid configuration or holds
+/// `trace=` (nothing changes; the reason is in [`cuarena_last_error`]). The Python glue for PyTorch and CuPy calls
 /// it before installing itself.
 ///
 /// # Safety

@@ -321,14 +321,25 @@ def set_oom_hook(fn, device=0):
 FRAMEWORK_CONF = "legacy_batch_bytes=16MiB"
 
 
+_defaults_given = False
+_defaults_lock = threading.Lock()
+
+
 def _framework_defaults():
-    """Gives the library FRAMEWORK_CONF as its defaults under CUARENA_CONF. They apply to the
-    devices whose allocator is made after this (the glue calls it before installing itself,
-    so before the framework's first allocation); a device already used in this process (by
-    cuarena.malloc, stats, ...) keeps its configuration, and a RuntimeWarning says so."""
-    made = load().cuarena_set_defaults(FRAMEWORK_CONF.encode())
-    if made < 0:
-        raise _error("cuarena_set_defaults")
+    """Gives the library FRAMEWORK_CONF as its defaults under CUARENA_CONF, once per process (a
+    second glue's use() finds them given, and devices made since have them). They apply to the
+    devices whose allocator is made after this (the glue calls it just before installing
+    itself, so before the framework's first allocation), replacing any defaults set through
+    cuarena_set_defaults before; a device already used in this process (by cuarena.malloc,
+    stats, ...) keeps its configuration, and a RuntimeWarning says so."""
+    global _defaults_given
+    with _defaults_lock:
+        if _defaults_given:
+            return
+        made = load().cuarena_set_defaults(FRAMEWORK_CONF.encode())
+        if made < 0:
+            raise _error("cuarena_set_defaults")
+        _defaults_given = True
     if made > 0:
         warnings.warn(f"cuarena: {made} device(s) were used through cuarena before the framework glue was "
                       f"installed and keep their configuration; the glue's defaults ({FRAMEWORK_CONF}) apply "

@@ -132,7 +132,6 @@ def use():
             return _installed
         import torch
 
-        _framework_defaults()
         shim = _checked_shim()
         alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "cuarena_torch_malloc", "cuarena_torch_free")
         hooks = alloc.allocator() if callable(getattr(alloc, "allocator", None)) else alloc._allocator
@@ -145,6 +144,7 @@ def use():
                 missing.append(setter)
                 warnings.warn(f"cuarena: this PyTorch ({torch.__version__}) offers no {setter}: {loss}",
                               RuntimeWarning, stacklevel=2)
+        _framework_defaults()  # before the framework's first allocation, after what may fail first
         torch.cuda.memory.change_current_allocator(alloc)
         _installed = TorchInstall(alloc, shim, installed, missing)
         return _installed
