@@ -138,6 +138,15 @@ class FrameworkConf(unittest.TestCase):
             else:
                 self.assertTrue(glued.startswith(plain) and f"defaults `{P}`" in glued, f"CUARENA_CONF={user!r}: {glued}")
 
+    def test_a_conf_that_is_not_utf8_is_refused_not_ignored(self):
+        env = dict(os.environb)
+        env[b"CUARENA_CONF"] = b"max=50%\xff"
+        with tempfile.TemporaryDirectory() as d:
+            r = subprocess.run([sys.executable, "-c", _FAKES + "\nprint(parsed())"], cwd=d, env=env,
+                               capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("not valid UTF-8", r.stdout)
+
     def test_invalid_defaults_are_refused_and_change_nothing(self):
         code = """
             lib = cuarena.load()
