@@ -758,7 +758,7 @@ mod tests {
     /// Defaults under `CUARENA_CONF` (`global::set_defaults`, as the Python glue's
     /// `legacy_batch_bytes=16MiB`): the user's items win whatever separator they use, the
     /// defaults hold where the user says nothing, and an invalid user string gives the error it
-    /// gives alone.
+    /// gives alone, naming the defaults too.
     #[test]
     fn defaults_lie_under_the_users_items() {
         let d = "legacy_batch_bytes=16MiB";

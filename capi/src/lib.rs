@@ -474,8 +474,8 @@ pub extern "C" fn cuarena_last_error() -> *const c_char {
 /// items override; `""` clears them. No environment variable is changed. Returns how many
 /// devices' allocators exist already (they keep their configuration; 0: the defaults apply to
 /// every device), or -1 if `items` is NULL, not UTF-8, not a valid configuration or holds
-/// `trace=` (nothing changes; the reason is in [`cuarena_last_error`]). The Python glue for PyTorch and CuPy calls
-/// it before installing itself.
+/// `trace=` (nothing changes; the reason is in [`cuarena_last_error`]). The Python glue for
+/// PyTorch and CuPy calls it before installing itself.
 ///
 /// # Safety
 /// `items` must be NULL or a NUL-terminated string.
