@@ -131,6 +131,19 @@ fn guard<R>(fallback: R, f: impl FnOnce() -> Result<R, String>) -> R {
     }
 }
 
+/// A string argument `p` (named `what` in errors): refused if NULL or not UTF-8.
+///
+/// # Safety
+/// `p` must be NULL or a NUL-terminated string that outlives the returned reference.
+unsafe fn utf8_arg<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
+    if p.is_null() {
+        return Err(format!("{what} is NULL"));
+    }
+    // SAFETY: not NULL, and the caller guarantees a NUL-terminated string.
+    let s = unsafe { std::ffi::CStr::from_ptr(p) };
+    s.to_str().map_err(|_| format!("{what} is not UTF-8"))
+}
+
 fn stream(s: *mut c_void) -> Stream {
     Stream::from_raw(s as usize)
 }
@@ -482,12 +495,8 @@ pub extern "C" fn cuarena_last_error() -> *const c_char {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuarena_set_defaults(items: *const c_char) -> c_int {
     guard(-1, || {
-        if items.is_null() {
-            return Err("cuarena_set_defaults: items is NULL".into());
-        }
-        // SAFETY: the caller guarantees a NUL-terminated string.
-        let s = unsafe { std::ffi::CStr::from_ptr(items) };
-        let s = s.to_str().map_err(|_| "cuarena_set_defaults: items are not UTF-8".to_string())?;
+        // SAFETY: the caller guarantees NULL or a NUL-terminated string.
+        let s = unsafe { utf8_arg(items, "cuarena_set_defaults: items") }?;
         let made = set_defaults(s).map_err(|e| e.to_string())?;
         Ok(c_int::try_from(made).unwrap_or(c_int::MAX))
     })
@@ -504,12 +513,8 @@ pub unsafe extern "C" fn cuarena_set_defaults(items: *const c_char) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuarena_trace_start(device: c_int, path: *const c_char) -> c_int {
     guard(-1, || {
-        if path.is_null() {
-            return Err("cuarena_trace_start: path is NULL".into());
-        }
-        // SAFETY: the caller guarantees a NUL-terminated string.
-        let p = unsafe { std::ffi::CStr::from_ptr(path) };
-        let p = p.to_str().map_err(|_| "cuarena_trace_start: path is not UTF-8".to_string())?;
+        // SAFETY: the caller guarantees NULL or a NUL-terminated string.
+        let p = unsafe { utf8_arg(path, "cuarena_trace_start: path") }?;
         let a = global(device).map_err(|e| e.to_string())?;
         a.start_trace(p).map(|()| 0).map_err(|e| e.to_string())
     })
