@@ -180,7 +180,7 @@ impl Config {
     /// `CUARENA_CONF` parsed over `defaults`, items of the same form that its own items
     /// override (what [`crate::global::set_defaults`] gives the process-wide allocators). A
     /// `CUARENA_CONF` that is not UTF-8 is refused, not taken as unset.
-    pub fn from_env_over(defaults: &str) -> Result<Config> {
+    pub(crate) fn from_env_over(defaults: &str) -> Result<Config> {
         match std::env::var("CUARENA_CONF") {
             Ok(s) => Config::layered(defaults, Some(&s)),
             Err(std::env::VarError::NotPresent) => Config::layered(defaults, None),
