@@ -336,6 +336,12 @@ fn mixed_stream_frees_with_legacy_halves_under_a_cap() {
         live.remove(p);
         a.deallocate(p, n, Stream::LEGACY).unwrap();
     }
+    // Those frees, of blocks whose owners have exited (pool blocks by now), wait in this
+    // thread's outbox until a batch fills or the thread flushes (the stranded-memory bound's
+    // "one outbox batch per thread"): send them, as every worker did at its exit. Without this
+    // the pool still counted them in use whenever blocks were left in the channel at the stop
+    // (a CI run on two cores: five of them, 235,520 bytes).
+    a.release_thread().unwrap();
     drop(htx);
     live.assert_clean();
     assert!(a.take_deferred_error().is_none());
@@ -569,5 +575,28 @@ fn remote_fed_arena_with_pins_held_against_the_rule_bound() {
     owner.exit();
     freer.exit();
     assert!(held <= bound * 2, "held {held} live {u} bound {bound}");
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// What `mixed_stream_frees_with_legacy_halves_under_a_cap` met once in CI: a free, on the
+/// legacy stream, of a block whose owner has exited (a pool block by then) waits in the freeing
+/// thread's outbox, counted in use by the pool, until that thread sends its batch.
+#[test]
+fn a_pool_block_freed_on_the_legacy_stream_waits_in_the_freeing_threads_outbox() {
+    let sim = host(2);
+    let a = host_allocator(sim.clone(), small().build().unwrap()).unwrap();
+    let a2 = a.clone();
+    let p = std::thread::spawn(move || {
+        let p = a2.allocate(4096, Stream::LEGACY).unwrap();
+        a2.release_thread().unwrap();
+        p
+    })
+    .join()
+    .unwrap();
+    assert!(a.pool_in_use() >= 4096, "the exited owner's block is a pool block in use");
+    a.deallocate(p, 4096, Stream::LEGACY).unwrap();
+    assert!(a.pool_in_use() >= 4096, "sent with this thread's next batch, not at once");
+    a.release_thread().unwrap();
+    assert_eq!(a.pool_in_use(), 0, "sent at this thread's release");
     assert_all_returned(&a, Some(&sim), 0);
 }
