@@ -153,6 +153,13 @@ struct Shells {
 /// one block), and out of memory, `trim(true)`, a parked arena past `ZOMBIE_BYTES` or the
 /// allocator's drop gives them all back.
 ///
+/// A parked arena has no owner to take in the remote frees sent to it: they wait in its inbox
+/// until a `flush` (by any thread) or its burial takes them in. One whose block is no longer
+/// the arena's (an out-of-memory reclaim or `trim(true)` took its superblock meanwhile, after
+/// a synchronise: `reclaim_others`) holds a pool block until then, counted in no arena and no
+/// parked free; such blocks were the arena's when it was parked, so they are within what it
+/// held then.
+///
 /// **Bound:** parked arenas hold at most `ZOMBIE_BYTES` plus one arena's superblocks (parked
 /// frees count towards `ZOMBIE_BYTES` when an arena is parked, but have no bound of their
 /// own, above).

@@ -212,3 +212,70 @@ fn a_remote_free_on_a_capturing_user_stream_is_refused_and_changes_nothing() {
     drop(owner);
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// A parked arena (its thread exited holding a live block X on its user stream) has no owner
+/// to take in what is sent to it. An out-of-memory reclaim that reaches it after its burial
+/// step (the thread parked meanwhile) dissolves its superblock, so X becomes the pool's
+/// (`from_arena`, its freed flag in transit), while another thread's free of X, which read the
+/// old owner, is on its way: its batch lands in the parked arena's inbox. X is then handed out
+/// by the pool, held by no arena and in no parked batch, until a flush (or a burial) takes the
+/// inbox in and sends X to the pool. (The end-of-test check once missed this: a CI failure of
+/// `adversarial_s10::user_stream_fast_frees_race_reclaimers_and_cross_thread_frees`.)
+#[test]
+fn a_free_sent_to_a_parked_arena_after_a_reclaim_took_its_block_waits_for_a_flush() {
+    use cuarena_testkit::hooked::{EventHook, Stall};
+    use cuarena_testkit::{HookedDevice, Hooks};
+    let sim = host(0);
+    // The reclaimer stops after its own arena's fence (past the burial of parked arenas), the
+    // freer at its batch's fence (after it read X's owner).
+    let (reclaimer, freer) = (Stall::new(), Stall::new());
+    let (r2, f2) = (reclaimer.clone(), freer.clone());
+    let record: EventHook = Box::new(move |sim, e, s| {
+        let r = sim.record_event(e, s);
+        r2.here(true);
+        f2.here(true);
+        r
+    });
+    let dev = HookedDevice::new(sim.clone(), Hooks { record_event: Some(record), ..Hooks::default() });
+    // One chunk of 1 MiB; a pool request of 768 KiB finds no room while two superblocks are lent.
+    let cfg = small().large_max(128 << 10).max_bytes(1 << 20).batch_blocks(1).build().unwrap();
+    let a = Allocator::new(dev, cfg).unwrap();
+    let s = sim.create_stream();
+    let owner = Worker::new(&a);
+    let x = owner.run(move |a| a.allocate(SIZE, s).unwrap());
+    let (ar, rr) = (a.clone(), reclaimer.clone());
+    let reclaim = std::thread::spawn(move || {
+        let p = ar.allocate(SIZE, Stream::PER_THREAD).unwrap();
+        ar.deallocate(p, SIZE, Stream::PER_THREAD).unwrap(); // its arena holds a free superblock
+        rr.arm();
+        if let Ok(p) = ar.allocate(768 << 10, Stream::PER_THREAD) {
+            ar.deallocate(p, 768 << 10, Stream::PER_THREAD).unwrap();
+        }
+        ar.release_thread().unwrap();
+    });
+    reclaimer.wait_stalled();
+    owner.exit(); // parked now, holding X, after the reclaimer's burial step
+    assert!(a.parked_bytes() > 0);
+    let (af, ff, fs) = (a.clone(), freer.clone(), sim.clone());
+    let free = std::thread::spawn(move || {
+        let m = fs.create_stream();
+        ff.arm();
+        af.deallocate(x, SIZE, m).unwrap(); // a batch of one: sent under an event on `m`
+        af.release_thread().unwrap();
+        m
+    });
+    freer.wait_stalled();
+    reclaimer.release(); // dissolves the parked arena's superblock: X is the pool's now
+    reclaim.join().unwrap();
+    assert_eq!(a.parked_bytes(), 0, "the reclaim took the parked arena's superblock");
+    freer.release(); // X's free lands in the parked arena's inbox
+    let m = free.join().unwrap();
+    let held = |a: &Allocator| a.pool_used_ranges().iter().any(|&(p, _, sb)| p == x.0 && !sb);
+    assert!(held(&a), "X waits in the parked arena's inbox, the pool's block");
+    assert_eq!((a.parked_bytes(), a.parked_free_bytes()), (0, 0), "counted nowhere else");
+    a.flush().unwrap(); // parked arenas take in what was sent to them
+    assert!(!held(&a), "the flush sent X's free to the pool");
+    sim.destroy_stream(s).unwrap();
+    sim.destroy_stream(m).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
