@@ -102,9 +102,14 @@ impl Drop for FreeAtExit {
             PAUSE_KEYS.with(|k| k.set(true));
             a.deallocate(p, size, stream).unwrap();
             PAUSE_KEYS.with(|k| k.set(false));
+            FREED_AT_EXIT.store(true, Ordering::SeqCst);
         }
     }
 }
+
+/// Set once [`FreeAtExit`]'s free has returned: every pause it made was answered. (Not
+/// `JoinHandle::is_finished`, which is true before a thread's thread-local destructors run.)
+static FREED_AT_EXIT: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     static AT_EXIT: RefCell<FreeAtExit> = const { RefCell::new(FreeAtExit(None)) };
@@ -152,7 +157,7 @@ fn a_free_in_late_destructors_is_stamped_before_it_runs() {
         loop {
             let done = match prx.recv_timeout(Duration::from_millis(5)) {
                 Ok(done) => done,
-                Err(_) if t.is_finished() => break,
+                Err(_) if FREED_AT_EXIT.load(Ordering::SeqCst) => break,
                 Err(_) => {
                     assert!(t0.elapsed() < Duration::from_secs(30), "the exiting thread is stuck");
                     continue;

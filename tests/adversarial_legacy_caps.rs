@@ -54,7 +54,11 @@ fn oom_takes_kept_back_frees_from_a_full_superblock(
         let mut sorted = ps.clone();
         sorted.sort();
         assert_eq!(sorted[3].0 - sorted[0].0, 6 * MIB as u64, "one 8 MiB superblock: {ps:?}");
-        use_on_another_thread(&sim2, &[(sorted[0], 2 * MIB), (sorted[1], 2 * MIB)], 100, 40);
+        // With fences skipped (the control), the uses last long enough that the reuse below is
+        // submitted while they run, even on a loaded machine (an out-of-memory reclaim lies
+        // between).
+        let hold_ms = if skip { 200 } else { 40 };
+        use_on_another_thread(&sim2, &[(sorted[0], 2 * MIB), (sorted[1], 2 * MIB)], 100, hold_ms);
         a.deallocate(sorted[0], 2 * MIB, Stream::LEGACY).unwrap();
         a.deallocate(sorted[1], 2 * MIB, Stream::LEGACY).unwrap();
         sorted[2..].to_vec()

@@ -542,10 +542,12 @@ fn two_threads_churn_legacy_blocks_through_the_cache_under_a_cap() {
     let a =
         alloc_with(&sim, small().chunk(256 << 10).max_bytes(4 << 20).legacy_batch_blocks(8).batch_blocks(8));
     let live = Arc::new(Live::default());
-    let (tx0, rx0) = std::sync::mpsc::channel::<Held>();
-    let (tx1, rx1) = std::sync::mpsc::channel::<Held>();
+    // Bounded: a thread that runs ahead of the other (one core) cannot pile its sent blocks up
+    // under the cap; when the channel is full it frees the block itself.
+    let (tx0, rx0) = std::sync::mpsc::sync_channel::<Held>(16);
+    let (tx1, rx1) = std::sync::mpsc::sync_channel::<Held>(16);
     let ooms = Arc::new(AtomicU64::new(0));
-    let run = |id: u32, tx: std::sync::mpsc::Sender<Held>, rx: std::sync::mpsc::Receiver<Held>| {
+    let run = |id: u32, tx: std::sync::mpsc::SyncSender<Held>, rx: std::sync::mpsc::Receiver<Held>| {
         let (a, sim, live, ooms) = (a.clone(), sim.clone(), Arc::clone(&live), Arc::clone(&ooms));
         std::thread::spawn(move || {
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ u64::from(id);
@@ -581,9 +583,16 @@ fn two_threads_churn_legacy_blocks_through_the_cache_under_a_cap() {
                 } else {
                     let k = (rng(&mut x) as usize) % held.len();
                     let h = held.swap_remove(k);
-                    if rng(&mut x).is_multiple_of(3) {
-                        tx.send(h).unwrap();
+                    let mine = if rng(&mut x).is_multiple_of(3) {
+                        match tx.try_send(h) {
+                            Ok(()) => None,
+                            Err(std::sync::mpsc::TrySendError::Full(h)) => Some(h),
+                            Err(e) => panic!("{e}"),
+                        }
                     } else {
+                        Some(h)
+                    };
+                    if let Some(h) = mine {
                         check(&sim, h.p, h.size, h.t, Stream::LEGACY);
                         live.remove(h.p);
                         a.deallocate(h.p, h.size, Stream::LEGACY).unwrap();

@@ -935,9 +935,12 @@ mod tests {
         let a = d.create_stream();
         let b = d.create_stream();
         let e = d.create_event().unwrap();
+        // The gate keeps the work in flight until the query (a short hold only made it likely).
+        let gate = d.gate(a).unwrap();
         d.hold_and_check(p, 4096, 1, Duration::from_millis(5), a).unwrap();
         d.record_event(e, a).unwrap();
         assert!(!d.query_event(e).unwrap());
+        gate.open();
         d.stream_wait_event(b, e).unwrap();
         d.write_tag(p, 4096, 2, b).unwrap();
         d.check_tag(p, 4096, 2, b).unwrap();
@@ -1039,9 +1042,18 @@ mod tests {
         let p = d.reserve(1 << 20).unwrap().unwrap();
         d.write_tag(p + (1 << 20) - 256, 512, 1, Stream::LEGACY).unwrap();
         assert_eq!(d.violations().len(), 1);
+        // The gate keeps the work in flight until the release has seen it; the release waits
+        // for the work, so it runs on another thread while this one opens the gate.
+        let gate = d.gate(Stream::LEGACY).unwrap();
         d.hold_and_check(p, 256, 1, Duration::from_millis(5), Stream::LEGACY).unwrap();
+        let d2 = d.clone();
         // SAFETY: the region came from reserve; the simulated release waits for the work.
-        unsafe { d.release(p, 1 << 20).unwrap() };
+        let release = std::thread::spawn(move || unsafe { d2.release(p, 1 << 20).unwrap() });
+        while d.violations().len() < 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        gate.open();
+        release.join().unwrap();
         assert_eq!(d.violations().len(), 2);
         assert_eq!(d.reserve(128 << 20).unwrap(), None, "over capacity");
     }
@@ -1053,6 +1065,7 @@ mod tests {
         let p = d.alloc_async(4096, a).unwrap().unwrap();
         assert_eq!(p % 256, 0);
         assert_eq!(d.reserved_bytes(), 4096);
+        let gate = d.gate(a).unwrap(); // keeps the work in flight past the check below
         d.hold_and_check(p, 4096, 3, Duration::from_millis(20), a).unwrap();
         let e = d.create_event().unwrap();
         d.record_event(e, a).unwrap();
@@ -1060,6 +1073,7 @@ mod tests {
         // SAFETY: from alloc_async, freed once, its use on `a` ordered before `b` by the wait.
         unsafe { d.free_async(p, 4096, b).unwrap() };
         assert_eq!(d.reserved_bytes(), 4096, "released only when the free runs");
+        gate.open();
         d.synchronize();
         assert_eq!(d.reserved_bytes(), 0);
         assert_eq!(d.violations(), Vec::<String>::new());
@@ -1071,9 +1085,11 @@ mod tests {
         let d = dev(0);
         let (a, b) = (d.create_stream(), d.create_stream());
         let p = d.alloc_async(4096, a).unwrap().unwrap();
+        let gate = d.gate(a).unwrap(); // keeps the work in flight while the free is queued
         d.hold_and_check(p, 4096, 3, Duration::from_millis(30), a).unwrap();
         // SAFETY: deliberately unordered; the simulated release waits for the work all the same.
         unsafe { d.free_async(p, 4096, b).unwrap() };
+        gate.open();
         d.synchronize();
         assert_eq!(d.violations().len(), 1, "{:?}", d.violations());
         assert!(d.violations()[0].contains("free_async"), "{:?}", d.violations());
