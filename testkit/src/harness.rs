@@ -359,16 +359,19 @@ pub fn gpus_or_skip(n: usize) -> Option<Vec<Arc<CudaDevice>>> {
 /// device saw no race and holds no memory. The one end-of-test check of every test.
 ///
 /// The calling thread's arena is released here (its gathered frees go out), and parked arenas
-/// take in what was sent to them; every other thread that used `a` must have released its own. `bad_frees` is the number of invalid frees the
-/// test made on purpose: exactly that many must have been refused, and a deferred error is
-/// allowed only if it is not zero. Then: no live bytes, as many deallocations as allocations,
-/// the pool's invariants hold, nothing is handed out by the pool, and after a blocking trim no
-/// arena, no arena-held byte and no reserved byte is left.
+/// take in what was sent to them; every other thread that used `a` must have released its own.
+/// `bad_frees` is the number of invalid frees the test made on purpose: exactly that many must
+/// have been refused, and a deferred error is allowed only if it is not zero. Then: no live
+/// bytes, as many deallocations as allocations, the pool's invariants hold, nothing is handed
+/// out by the pool, and after a blocking trim no arena, no arena-held byte and no reserved byte
+/// is left.
 pub fn assert_all_returned(a: &Allocator, sim: Option<&HostDevice>, bad_frees: u64) {
+    // Released first: the calling thread's user arenas may be parked by it, with their inboxes.
     a.release_thread().expect("release_thread");
     // Parked arenas have no owner to take in the remote frees sent to them; a flush does. Until
     // then a free of a block whose superblock a reclaim took from a parked arena (the block is
-    // then the pool's) waits in that arena's inbox, counted nowhere below.
+    // then the pool's) waits in that arena's inbox, counted nowhere below. The flush gives this
+    // thread a new, empty slot: released again.
     a.flush().expect("flush");
     a.release_thread().expect("release_thread");
     if let Some(sim) = sim {
