@@ -617,29 +617,35 @@ impl GlobalPool {
 }
 
 impl Drop for GlobalPool {
+    /// Releases every chunk, after one device synchronise. Fences alone do not cover what the
+    /// chunks may still be used for: superblocks still lent to the arenas of live threads (the
+    /// dropping thread's own among them) hold blocks their owners freed with no event (own frees
+    /// on the per-thread, legacy or a user stream, kept-back legacy frees, frees still in an
+    /// outbox), and the work queued on those blocks before their frees may still be running. The
+    /// synchronise orders every release after all work queued so far, as `cuMemPoolDestroy`
+    /// defers its pool's release until outstanding frees complete (`cuMemFree` of `cuMemAlloc`'d
+    /// memory "may" synchronise by itself; the driver promises nothing). If it fails, no chunk is
+    /// released (they stay reserved until the process ends): releasing memory that work may
+    /// still use is worse.
     fn drop(&mut self) {
         if crate::shutdown::process_exiting() {
             return; // the driver is going away; the process teardown frees the memory
         }
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if st.chunks.is_empty() {
+            return;
+        }
         let counters = Counters::new_shared();
         let dev = Counted::new(&*self.device, &counters);
-        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        let mut lazy = false;
-        st.free.for_each(|_, _, v| lazy |= v.fences.has_lazy_legacy());
-        if lazy {
-            // One record on the legacy stream, waited for, covers every lazy legacy fence.
-            if let Ok(k) = dev.stream_key(Stream::LEGACY)
-                && let Ok(f) = Fence::record(&self.events, &dev, Stream::LEGACY, k)
-            {
-                let _ = f.wait_host(&dev);
-            }
+        // The mutation `drop_without_sync` releases the chunks at once, with no synchronise:
+        // the tests `dropping_an_allocator_...` in `tests/adversarial_s15.rs` must then fail.
+        if !cfg!(cuarena_mutant = "drop_without_sync") && dev.synchronize().is_err() {
+            return;
         }
-        st.free.for_each(|_, _, v| {
-            let _ = v.fences.wait_host_recorded(&dev);
-        });
         for (&base, &len) in &st.chunks {
-            // SAFETY: the allocator is being dropped: no block may be used any more (the
-            // documented contract of dropping it), and pending fences were waited for above.
+            // SAFETY: the allocator is being dropped, so no thread can use its blocks through it
+            // any more, and every piece of work queued before now has completed (above): no work
+            // uses the chunk.
             let _ = unsafe { dev.release(base, len) };
         }
     }

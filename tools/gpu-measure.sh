@@ -64,9 +64,11 @@ if [ "${TABLE:-1}" != 0 ]; then
   echo "table: $(wc -l < "$out/table.jsonl") rows"
 fi
 export CUARENA_LIB="$PWD/gpu-bundle/libcuarena.so"
-for i in $(seq "${TRAIN_RUNS:-3}"); do
-  for a in native cuarena; do
-    python3 examples/torch_train.py --allocator $a 2>>"$out/train.err" | tail -1 >> "$out/train.jsonl"
+if [ "${TRAIN_RUNS:-3}" != 0 ]; then
+  for i in $(seq "${TRAIN_RUNS:-3}"); do
+    for a in native cuarena; do
+      python3 examples/torch_train.py --allocator $a 2>>"$out/train.err" | tail -1 >> "$out/train.jsonl"
+    done
   done
-done
-echo "train: $(wc -l < "$out/train.jsonl") rows"
+  echo "train: $(wc -l < "$out/train.jsonl") rows"
+fi
