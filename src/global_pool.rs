@@ -529,8 +529,10 @@ impl GlobalPool {
             .collect();
         for (base, len) in empty {
             if st.free.get(base).expect("checked").1.fences.has_lazy_legacy() {
+                // Asked before the extent is taken out: an error here must leave it in place.
+                let legacy = self.legacy(dev)?;
                 let (l, mut e) = st.free.remove(base).expect("checked");
-                let r = e.fences.materialize(dev, self.legacy(dev)?);
+                let r = e.fences.materialize(dev, legacy);
                 st.free.insert(base, l, e);
                 r?;
             }

@@ -1947,3 +1947,48 @@ fn blocks_of_another_allocator_at_addresses_this_one_released_are_refused() {
         assert_all_returned(&a, Some(&sim), bad);
     });
 }
+
+// ---------------------------------------------------------------------------------------------
+// Found by helper-7's reading of every place memory goes back to the driver.
+
+/// A `trim` whose identity query of the legacy stream fails (needed to record the lazy legacy
+/// fence of a pool extent freed on the legacy stream) returns that error and loses nothing: the
+/// extent stays in the pool, and the next `trim` releases its chunk. Before the fix the extent
+/// was taken out of the free map before the query and dropped by its `?`: the chunk was never
+/// wholly free again, and stayed reserved until the allocator's drop.
+#[test]
+fn a_trim_whose_legacy_identity_query_fails_keeps_the_extent() {
+    within(60, || {
+        let sim = sim(0);
+        let fail = Arc::new(AtomicBool::new(false));
+        let fail_h = Arc::clone(&fail);
+        let key: cuarena_testkit::hooked::KeyHook = Box::new(move |sim, s| {
+            if s.is_legacy() && fail_h.load(Ordering::SeqCst) {
+                return Err(Error::Driver { call: "cuStreamGetId (injected)", code: 999 });
+            }
+            sim.stream_key(s)
+        });
+        let dev = cuarena_testkit::HookedDevice::new(
+            sim.clone(),
+            cuarena_testkit::Hooks { stream_key: Some(key), ..Default::default() },
+        );
+        // Every request over 64 KiB is the pool's: a 1 MiB block freed on the legacy stream
+        // leaves its chunk wholly free behind a lazy legacy fence, and nothing has asked the
+        // legacy stream's identity for the pool yet.
+        let a = Allocator::new(dev, parse("superblock=64KiB,small_max=64KiB,large_max=64KiB,chunk=2MiB"))
+            .unwrap();
+        let p = a.allocate(1 << 20, Stream::LEGACY).unwrap();
+        a.deallocate(p, 1 << 20, Stream::LEGACY).unwrap();
+        let reserved = a.stats().reserved_bytes;
+        assert!(reserved >= 1 << 20);
+        fail.store(true, Ordering::SeqCst);
+        let r = a.trim(false);
+        assert!(matches!(r, Err(Error::Driver { code: 999, .. })), "the query's error, not {r:?}");
+        assert_eq!(a.stats().reserved_bytes, reserved, "nothing released under the failed trim");
+        fail.store(false, Ordering::SeqCst);
+        a.trim(true).unwrap();
+        assert_eq!(a.stats().reserved_bytes, 0, "the extent stayed in the pool: its chunk goes back");
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        assert_all_returned(&a, Some(&sim), 0);
+    });
+}
