@@ -19,6 +19,10 @@
  *    the memory cuarena has reserved is refused (error set, nothing kept), as is a declaration
  *    beyond 2^20 blocks with declarations or 1024 streams per block. A declaration survives a
  *    refused free, so a corrected retry of the free is still fenced after those streams.
+ *    cudaStreamPerThread names the declaring thread's per-thread stream: a free made by
+ *    another thread cannot fence it and synchronises the device once instead (the host
+ *    blocks). A declared stream must not be destroyed before the block's free, whose fence is
+ *    recorded on it (as PyTorch's streams, which live as long as the process).
  *
  * OWNERSHIP AND ERRORS
  *  - A block belongs to the caller from cuarena_malloc until cuarena_free; free it once, with

@@ -1553,7 +1553,10 @@ impl Allocator {
     /// [`Allocator::deallocate`] for a block also used on the streams `used_on` (what
     /// `record_stream` declares). Each of those streams, if not `stream` itself, gets an event
     /// that `stream` is made to wait on first, so the free's fence covers their work too. No
-    /// host block.
+    /// host block. Like every stream passed here, `Stream::PER_THREAD` in `used_on` names the
+    /// calling thread's per-thread stream: a declaration made on another thread's must not be
+    /// passed as one (`DeviceBuffer` and the C ABI keep the declaring thread, and synchronise
+    /// the device for it instead).
     pub fn deallocate_used_on(
         &self,
         ptr: DeviceAddr,

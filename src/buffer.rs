@@ -4,6 +4,7 @@ use crate::allocator::Allocator;
 use crate::error::Result;
 use crate::ptr::DeviceAddr;
 use crate::stream::Stream;
+use std::thread::ThreadId;
 
 // Here rather than in `allocator.rs`, so that the allocator does not name the buffer built on it.
 impl Allocator {
@@ -16,22 +17,29 @@ impl Allocator {
 
 /// `size` bytes of device memory, freed on [`DeviceBuffer::stream`] when dropped.
 ///
-/// A buffer on [`Stream::PER_THREAD`] is freed on the per-thread stream of the thread that
-/// drops it. If it moves to another thread, first call [`DeviceBuffer::set_stream`] or make sure
-/// the old thread's work on it has finished: the free promises that every earlier use is
-/// ordered before later work on the stream it names.
+/// [`Stream::PER_THREAD`] names a different stream in every thread: a buffer on it, or declared
+/// on it ([`DeviceBuffer::record_stream`]), was used on the per-thread stream of the thread
+/// that made it (or moved it there with [`DeviceBuffer::set_stream`]) or declared it, and the
+/// buffer remembers which threads those are. Dropped on another thread, it cannot fence their
+/// streams from there, so its drop synchronises the device once before the free (made on the
+/// dropping thread's per-thread stream, for a buffer on `PER_THREAD`). `set_stream` on the new
+/// thread avoids that wait for the buffer's own stream, for the price of its promise.
 pub struct DeviceBuffer {
     alloc: Allocator,
     ptr: DeviceAddr,
     len: usize,
     stream: Stream,
     /// Other streams that used the buffer (`record_stream`); the free fences them too.
-    used_on: Vec<Stream>,
+    used_on: UsedOn,
+    /// Invariant: `Some` exactly when `stream` is `PER_THREAD`: the thread whose per-thread
+    /// stream that is (the one that made the buffer, or called `set_stream`).
+    home: Option<ThreadId>,
 }
 
 impl DeviceBuffer {
     pub(crate) fn from_parts(alloc: Allocator, ptr: DeviceAddr, len: usize, stream: Stream) -> DeviceBuffer {
-        DeviceBuffer { alloc, ptr, len, stream, used_on: Vec::new() }
+        let home = (stream == Stream::PER_THREAD).then(|| std::thread::current().id());
+        DeviceBuffer { alloc, ptr, len, stream, used_on: UsedOn::default(), home }
     }
 
     /// The device address (null for an empty buffer).
@@ -54,18 +62,21 @@ impl DeviceBuffer {
         self.stream
     }
 
-    /// Frees on `stream` instead. The caller promises that every use so far is ordered before
-    /// later work on `stream`.
+    /// Frees on `stream` instead (`PER_THREAD`: the calling thread's). The caller promises
+    /// that every use so far on the buffer's stream is ordered before later work on `stream`;
+    /// streams declared with [`DeviceBuffer::record_stream`] stay declared.
     pub fn set_stream(&mut self, stream: Stream) {
         self.stream = stream;
+        self.home = (stream == Stream::PER_THREAD).then(|| std::thread::current().id());
     }
 
     /// Declares that work on `stream` uses the buffer: the free will be fenced after that work
     /// as well as after the work on the buffer's own stream (like PyTorch's `record_stream`).
+    /// `PER_THREAD` names the calling thread's per-thread stream (see [`DeviceBuffer`]). The
+    /// stream must not be destroyed before the buffer is freed: the free records its fence
+    /// there.
     pub fn record_stream(&mut self, stream: Stream) {
-        if stream != self.stream && !self.used_on.contains(&stream) {
-            self.used_on.push(stream);
-        }
+        self.used_on.record(stream, self.stream);
     }
 
     /// Gives up ownership: the caller must free the block with `deallocate`.
@@ -82,7 +93,7 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // A failed free keeps the block (never reused): the error is kept for
         // `take_deferred_error` rather than lost.
-        if let Err(e) = self.alloc.deallocate_used_on(self.ptr, self.len, self.stream, &self.used_on) {
+        if let Err(e) = self.used_on.free(&self.alloc, self.ptr, self.len, self.stream, self.home) {
             self.alloc.defer_error(e);
         }
     }
@@ -95,5 +106,63 @@ impl std::fmt::Debug for DeviceBuffer {
             .field("len", &self.len)
             .field("stream", &self.stream)
             .finish()
+    }
+}
+
+/// The streams a buffer was used on besides its own (`record_stream`), which its free fences
+/// too: one rule for [`DeviceBuffer`] and `CudaBuffer`.
+///
+/// [`Stream::PER_THREAD`] names the calling thread's per-thread stream, a different stream in
+/// every thread, so a declaration of it is kept as the declaring thread (`per_thread`), never
+/// in `streams`. Invariant: `streams` holds no duplicate, not `PER_THREAD`, and not the
+/// buffer's own stream as it was when declared.
+#[derive(Default, Debug)]
+pub(crate) struct UsedOn {
+    streams: Vec<Stream>,
+    per_thread: Vec<ThreadId>,
+}
+
+impl UsedOn {
+    /// Declares `s` for a buffer on stream `own`, by the calling thread.
+    pub(crate) fn record(&mut self, s: Stream, own: Stream) {
+        if s == Stream::PER_THREAD {
+            let me = std::thread::current().id();
+            if !self.per_thread.contains(&me) {
+                self.per_thread.push(me);
+            }
+        } else if s != own && !self.streams.contains(&s) {
+            self.streams.push(s);
+        }
+    }
+
+    /// Frees `ptr` (`len` bytes) on `stream`, fenced after every declared stream. `home` is
+    /// the thread whose per-thread stream `stream` is, if it is `PER_THREAD`. If another
+    /// thread's per-thread stream used the block (`home`, or a declaration), it cannot be fenced
+    /// from here (this thread's `0x2` is its own): one device synchronise first completes its
+    /// work, all queued before this free by the contract of the declaration and of the
+    /// buffer's stream, and the free does not happen if the synchronise fails. The calling
+    /// thread's own per-thread stream, if declared, is fenced as usual, without a synchronise.
+    /// The mutation `buffer_per_thread_anywhere` skips the synchronise: the test
+    /// `a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_for_it` in
+    /// `tests/adversarial_s15.rs` must then fail.
+    pub(crate) fn free(
+        &self,
+        alloc: &Allocator,
+        ptr: DeviceAddr,
+        len: usize,
+        stream: Stream,
+        home: Option<ThreadId>,
+    ) -> Result<()> {
+        let me = std::thread::current().id();
+        let elsewhere = home.iter().chain(&self.per_thread).any(|&t| t != me);
+        if !cfg!(cuarena_mutant = "buffer_per_thread_anywhere") && elsewhere {
+            alloc.device().synchronize()?;
+        }
+        if self.per_thread.contains(&me) {
+            let mut used = self.streams.clone();
+            used.push(Stream::PER_THREAD);
+            return alloc.deallocate_used_on(ptr, len, stream, &used);
+        }
+        alloc.deallocate_used_on(ptr, len, stream, &self.streams)
     }
 }

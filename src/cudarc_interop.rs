@@ -15,6 +15,7 @@
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 
 use cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr as CudarcDevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs,
@@ -22,6 +23,7 @@ use cudarc::driver::{
 };
 
 use crate::allocator::Allocator;
+use crate::buffer::UsedOn;
 use crate::error::{Error, Result};
 use crate::ptr::DeviceAddr;
 use crate::stream::Stream;
@@ -32,7 +34,10 @@ pub struct CudaBuffer<T> {
     ptr: u64,
     len: usize,
     stream: Arc<CudaStream>,
-    used_on: Mutex<Vec<Stream>>,
+    /// The thread whose per-thread stream `stream` is, if it is cudarc's per-thread stream
+    /// (`0x2`; see [`crate::DeviceBuffer`]).
+    home: Option<ThreadId>,
+    used_on: Mutex<UsedOn>,
     _t: PhantomData<T>,
 }
 
@@ -52,13 +57,15 @@ impl Allocator {
             largest_free: 0,
             limit: 0,
         })?;
-        let ptr = self.allocate(bytes, Stream::from_raw(stream.cu_stream() as usize))?;
+        let own = Stream::from(&**stream);
+        let ptr = self.allocate(bytes, own)?;
         Ok(CudaBuffer {
             alloc: self.clone(),
             ptr: ptr.0,
             len,
             stream: Arc::clone(stream),
-            used_on: Mutex::new(Vec::new()),
+            home: (own == Stream::PER_THREAD).then(|| std::thread::current().id()),
+            used_on: Mutex::new(UsedOn::default()),
             _t: PhantomData,
         })
     }
@@ -70,14 +77,14 @@ impl<T> CudaBuffer<T> {
     }
 
     /// Declares that work on `stream` uses the buffer: the free is fenced after it too.
+    /// cudarc's per-thread stream names the calling thread's (see [`crate::DeviceBuffer`]).
+    /// The stream must not be destroyed (its last `Arc` dropped) before the buffer is freed:
+    /// the free records its fence there, by the stream's handle, which CUDA gives to the next
+    /// stream made once it is destroyed. The same holds for every stream passed to the
+    /// buffer's `device_ptr` and `device_ptr_mut` (cudarc's launches), which declare it.
     pub fn record_stream(&self, stream: &CudaStream) {
-        let s = Stream::from_raw(stream.cu_stream() as usize);
-        if s != self.own() {
-            let mut v = self.used_on.lock().unwrap_or_else(|p| p.into_inner());
-            if !v.contains(&s) {
-                v.push(s);
-            }
-        }
+        let mut v = self.used_on.lock().unwrap_or_else(|p| p.into_inner());
+        v.record(Stream::from(stream), self.own());
     }
 
     /// The device address.
@@ -156,9 +163,10 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut CudaBuffer<T>> for LaunchArgs<'
 
 impl<T> Drop for CudaBuffer<T> {
     fn drop(&mut self) {
-        let used = std::mem::take(&mut *self.used_on.lock().unwrap_or_else(|p| p.into_inner()));
+        let own = self.own();
+        let used = self.used_on.get_mut().unwrap_or_else(|p| p.into_inner());
         let bytes = self.len * size_of::<T>();
-        if let Err(e) = self.alloc.deallocate_used_on(DeviceAddr(self.ptr), bytes, self.own(), &used) {
+        if let Err(e) = used.free(&self.alloc, DeviceAddr(self.ptr), bytes, own, self.home) {
             self.alloc.defer_error(e);
         }
     }

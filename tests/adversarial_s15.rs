@@ -1992,3 +1992,83 @@ fn a_trim_whose_legacy_identity_query_fails_keeps_the_extent() {
         assert_all_returned(&a, Some(&sim), 0);
     });
 }
+
+/// A `DeviceBuffer` declared on the per-thread stream (`record_stream(PER_THREAD)`) by one
+/// thread and dropped on another: the declaration names the first thread's per-thread stream,
+/// which the dropping thread cannot fence (its `0x2` is its own), so the drop synchronises the
+/// device first. Found by helper-7's reading: the drop fenced the dropping thread's per-thread
+/// stream instead, and the block was handed out again under the first thread's running work.
+/// Thread A makes the buffer on a user stream, holds it with work on its per-thread stream and
+/// declares that stream; thread B drops it (batches of one: the free's fence is recorded at
+/// once, on the user stream); A allocates on the user stream until it gets the block back and
+/// writes it there. With the mutation `buffer_per_thread_anywhere` the write lands under A's
+/// work.
+#[test]
+fn a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_for_it() {
+    within(60, || {
+        let sim = sim(0);
+        let a = host_allocator(sim.clone(), parse("superblock=64KiB,small_max=32KiB,batch=1")).unwrap();
+        let user = sim.create_stream();
+        let size = 32 << 10;
+        let mut buf = a.buffer(size, user).unwrap();
+        let p = buf.ptr();
+        sim.hold_and_check(p.0, size, 7, Duration::from_millis(300), Stream::PER_THREAD).unwrap();
+        buf.record_stream(Stream::PER_THREAD);
+        std::thread::spawn(move || drop(buf)).join().unwrap();
+        assert!(a.take_deferred_error().is_none());
+        let mut got = Vec::new();
+        let reused = (0..8).any(|_| {
+            let q = a.allocate(size, user).unwrap();
+            got.push(q);
+            q == p
+        });
+        assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
+        sim.write_tag(p.0, size, 9, user).unwrap();
+        sim.synchronize();
+        assert_eq!(sim.tag_errors(), 0, "the block was overwritten under the declaring thread's work");
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        for q in got {
+            a.deallocate(q, size, user).unwrap();
+        }
+        sim.destroy_stream(user).unwrap();
+        assert_all_returned(&a, Some(&sim), 0);
+    });
+}
+
+/// The same buffer dropped by the thread that declared its per-thread stream: no synchronise
+/// (the host never blocks: the work on that stream waits behind a closed gate here, which a
+/// synchronise would wait for until the test times out), and the declared stream is fenced as
+/// usual, so the block comes back only after that work.
+#[test]
+fn a_buffer_dropped_by_the_thread_that_declared_its_per_thread_stream_is_fenced_without_a_synchronise() {
+    within(60, || {
+        let sim = sim(0);
+        let a = host_allocator(sim.clone(), parse("superblock=64KiB,small_max=32KiB,batch=1")).unwrap();
+        let user = sim.create_stream();
+        let size = 32 << 10;
+        let mut buf = a.buffer(size, user).unwrap();
+        let p = buf.ptr();
+        let gate = sim.gate(Stream::PER_THREAD).unwrap();
+        sim.hold_and_check(p.0, size, 7, Duration::from_millis(50), Stream::PER_THREAD).unwrap();
+        buf.record_stream(Stream::PER_THREAD);
+        drop(buf);
+        assert!(a.take_deferred_error().is_none());
+        let mut got = Vec::new();
+        for _ in 0..8 {
+            let q = a.allocate(size, user).unwrap();
+            if q == p {
+                sim.write_tag(p.0, size, 9, user).unwrap();
+            }
+            got.push(q);
+        }
+        gate.open();
+        sim.synchronize();
+        assert_eq!(sim.tag_errors(), 0);
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        for q in got {
+            a.deallocate(q, size, user).unwrap();
+        }
+        sim.destroy_stream(user).unwrap();
+        assert_all_returned(&a, Some(&sim), 0);
+    });
+}

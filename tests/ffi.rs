@@ -533,3 +533,49 @@ fn set_defaults_refuses_bad_items_and_counts_the_devices_it_misses() {
     // SAFETY: NUL-terminated.
     unsafe { cuarena_set_defaults(std::ffi::CString::new(before).unwrap().as_ptr()) };
 }
+
+/// `cuarena_record_stream(p, cudaStreamPerThread)` declares the *declaring* thread's per-thread
+/// stream, a different stream in every thread. Found by helper-7's reading: a free of `p` by
+/// another thread resolved the declaration there, as its own per-thread stream, so the work on
+/// the declaring thread's stream was fenced by nothing and the block was handed out again under
+/// it. Now such a free synchronises the device first (`free_with`). On the simulated device:
+/// thread A allocates `p` on a user stream, holds it with work on its per-thread stream and
+/// declares that stream; thread B frees `p` on the user stream (batches of one, so its fence is
+/// recorded at once, on the user stream); A then allocates on the user stream until it gets `p`
+/// back and writes it there. With the mutation `ptds_declared_anywhere` (the declaration taken
+/// as the freeing thread's) the write lands under A's running work.
+#[test]
+fn a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees() {
+    use cuarena::{Config, Stream};
+    use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
+    use std::time::Duration;
+
+    let sim = HostDevice::new(HostConfig { capacity: 1 << 30, ..HostConfig::default() });
+    let a = host_allocator(sim.clone(), Config::parse("superblock=64KiB,small_max=32KiB,batch=1").unwrap())
+        .unwrap();
+    let recorded = Recorded::new(16);
+    let user = sim.create_stream();
+    let size = 32 << 10;
+    let p = a.allocate(size, user).unwrap();
+    sim.hold_and_check(p.0, size, 7, Duration::from_millis(300), Stream::PER_THREAD).unwrap();
+    recorded.record(p.0, Declared::here(Stream::PER_THREAD)).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| free_with(&a, &recorded, p.0, size, user).unwrap()).join().unwrap();
+    });
+    // Allocations on the user stream until `p` comes back (a superblock holds two blocks: the
+    // third allocation takes in the remote free).
+    let mut got = Vec::new();
+    let reused = (0..8).any(|_| {
+        let q = a.allocate(size, user).unwrap();
+        got.push(q);
+        q == p
+    });
+    assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
+    sim.write_tag(p.0, size, 9, user).unwrap();
+    sim.synchronize();
+    assert_eq!(sim.tag_errors(), 0, "the block was overwritten under the declaring thread's work");
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    for q in got {
+        a.deallocate(q, size, user).unwrap();
+    }
+}

@@ -11,10 +11,11 @@ use std::ffi::{CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
+use std::thread::ThreadId;
 
 use cuarena::global::{created, global, set_defaults};
 use cuarena::shutdown::process_exiting;
-use cuarena::{DeviceAddr, Error, Stats, Stream};
+use cuarena::{Allocator, DeviceAddr, Error, Stats, Stream};
 
 thread_local! {
     static LAST_ERROR: std::cell::RefCell<Option<CString>> = const { std::cell::RefCell::new(None) };
@@ -29,21 +30,43 @@ pub const MAX_RECORDED_BLOCKS: usize = 1 << 20;
 /// Distinct streams one block may be declared on.
 pub const MAX_RECORDED_STREAMS: usize = 1024;
 
-/// The `record_stream` declarations: block address → streams. `len` lets frees skip the lock
-/// when nobody uses `record_stream`.
-struct Recorded {
-    map: Mutex<HashMap<u64, Vec<Stream>>>,
+/// One `record_stream` declaration: the stream, and for the per-thread default stream (`0x2`,
+/// a different stream in every thread) the thread that declared it, whose per-thread stream it
+/// names. A free on another thread cannot fence that stream (its `0x2` is its own), so it
+/// synchronises the device first (`free`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct Declared {
+    stream: Stream,
+    thread: Option<ThreadId>,
+}
+
+impl Declared {
+    /// A declaration of `s` made by the calling thread.
+    pub(crate) fn here(s: Stream) -> Declared {
+        Declared { stream: s, thread: (s == Stream::PER_THREAD).then(|| std::thread::current().id()) }
+    }
+
+    /// True if it names another thread's per-thread stream.
+    fn foreign(&self) -> bool {
+        self.thread.is_some_and(|t| t != std::thread::current().id())
+    }
+}
+
+/// The `record_stream` declarations: block address → declarations. `len` lets frees skip the
+/// lock when nobody uses `record_stream`.
+pub(crate) struct Recorded {
+    map: Mutex<HashMap<u64, Vec<Declared>>>,
     len: AtomicUsize,
     cap: usize,
 }
 
 impl Recorded {
-    fn new(cap: usize) -> Recorded {
+    pub(crate) fn new(cap: usize) -> Recorded {
         Recorded { map: Mutex::new(HashMap::new()), len: AtomicUsize::new(0), cap }
     }
 
-    /// Adds `s` to `ptr`'s streams; refused (nothing changes) past the caps.
-    fn record(&self, ptr: u64, s: Stream) -> Result<(), String> {
+    /// Adds `s` to `ptr`'s declarations; refused (nothing changes) past the caps.
+    pub(crate) fn record(&self, ptr: u64, s: Declared) -> Result<(), String> {
         let mut m = lock(&self.map);
         let n = m.len();
         match m.get_mut(&ptr) {
@@ -69,8 +92,8 @@ impl Recorded {
         Ok(())
     }
 
-    /// Removes and returns `ptr`'s streams.
-    fn take(&self, ptr: u64) -> Vec<Stream> {
+    /// Removes and returns `ptr`'s declarations.
+    fn take(&self, ptr: u64) -> Vec<Declared> {
         if self.len.load(Ordering::Acquire) == 0 {
             return Vec::new();
         }
@@ -82,7 +105,7 @@ impl Recorded {
 
     /// Puts back what [`Recorded::take`] returned, merged with anything declared since
     /// (used when the free it was taken for was refused: the block is still live).
-    fn restore(&self, ptr: u64, streams: Vec<Stream>) {
+    fn restore(&self, ptr: u64, streams: Vec<Declared>) {
         if streams.is_empty() {
             return;
         }
@@ -197,19 +220,37 @@ fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) -> c
             return Ok(0);
         }
         let a = global(device).map_err(|e| e.to_string())?;
-        let p = ptr as u64;
-        // Taken before the free, so that once the block can be handed out again no newer
-        // declaration for the same address is lost; put back if the free is refused (the
-        // block is then still live, and a corrected retry must still be fenced after them).
-        let used = if ptr.is_null() { Vec::new() } else { RECORDED.take(p) };
-        match a.deallocate_used_on(DeviceAddr(p), size, stream(stream_), &used) {
-            Ok(()) => Ok(0),
-            Err(e) => {
-                RECORDED.restore(p, used);
-                Err(e.to_string())
-            }
-        }
+        free_with(a, &RECORDED, ptr as u64, size, stream(stream_)).map(|()| 0).map_err(|e| e.to_string())
     })
+}
+
+/// The free of `cuarena_free` on allocator `a`, with the `record_stream` declarations of
+/// `recorded` (the process-wide table; a test's own otherwise).
+pub(crate) fn free_with(
+    a: &Allocator,
+    recorded: &Recorded,
+    p: u64,
+    size: usize,
+    s: Stream,
+) -> cuarena::Result<()> {
+    // Taken before the free, so that once the block can be handed out again no newer
+    // declaration for the same address is lost; put back if the free is refused (the block is
+    // then still live, and a corrected retry must still be fenced after them).
+    let used = if p == 0 { Vec::new() } else { recorded.take(p) };
+    // Another thread's per-thread stream cannot be fenced from here (this thread's `0x2` is
+    // its own): one device synchronise completes its work, all queued before this free by the
+    // declaration's contract. The others are fenced as usual. The mutation
+    // `ptds_declared_anywhere` takes every declaration as this thread's: the test
+    // `a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees` in
+    // `tests/ffi.rs` must then fail.
+    let foreign = |d: &Declared| !cfg!(cuarena_mutant = "ptds_declared_anywhere") && d.foreign();
+    let synced = if used.iter().any(foreign) { a.device().synchronize() } else { Ok(()) };
+    let streams: Vec<Stream> = used.iter().filter(|d| !foreign(d)).map(|d| d.stream).collect();
+    let r = synced.and_then(|()| a.deallocate_used_on(DeviceAddr(p), size, s, &streams));
+    if r.is_err() {
+        recorded.restore(p, used);
+    }
+    r
 }
 
 /// Declares that work on `stream` uses the block at `ptr`: its free is fenced after that work.
@@ -227,7 +268,7 @@ pub extern "C" fn cuarena_record_stream(ptr: *mut c_void, stream_: *mut c_void) 
                 "cuarena_record_stream: {p:#x} is not inside memory reserved by cuarena on any device; refused"
             ));
         }
-        RECORDED.record(p, stream(stream_))
+        RECORDED.record(p, Declared::here(stream(stream_)))
     })
 }
 
@@ -537,23 +578,35 @@ mod tests {
     #[test]
     fn recorded_caps_blocks_and_streams_and_refuses_cleanly() {
         let r = Recorded::new(3);
+        let here = Declared::here;
         for p in [0x100, 0x200, 0x300] {
-            r.record(p, Stream::LEGACY).unwrap();
+            r.record(p, here(Stream::LEGACY)).unwrap();
         }
-        r.record(0x100, Stream::LEGACY).unwrap(); // already there: no new entry
-        let e = r.record(0x400, Stream::PER_THREAD).unwrap_err();
+        r.record(0x100, here(Stream::LEGACY)).unwrap(); // already there: no new entry
+        let e = r.record(0x400, here(Stream::PER_THREAD)).unwrap_err();
         assert!(e.contains("(the limit)") && e.contains("0x400"), "{e}");
         assert_eq!(r.len(), 3);
         // A declaration for a block already there still works at the block cap.
-        r.record(0x100, Stream::PER_THREAD).unwrap();
-        assert_eq!(r.take(0x100), vec![Stream::LEGACY, Stream::PER_THREAD]);
-        r.record(0x400, Stream::PER_THREAD).unwrap(); // room again
+        r.record(0x100, here(Stream::PER_THREAD)).unwrap();
+        assert_eq!(r.take(0x100), vec![here(Stream::LEGACY), here(Stream::PER_THREAD)]);
+        r.record(0x400, here(Stream::PER_THREAD)).unwrap(); // room again
         for i in 1..MAX_RECORDED_STREAMS {
-            r.record(0x200, Stream::from_raw(0x1000 + i)).unwrap();
+            r.record(0x200, here(Stream::from_raw(0x1000 + i))).unwrap();
         }
-        assert!(r.record(0x200, Stream::from_raw(0x10_0000)).unwrap_err().contains("streams"));
+        assert!(r.record(0x200, here(Stream::from_raw(0x10_0000))).unwrap_err().contains("streams"));
         assert_eq!(r.take(0x200).len(), MAX_RECORDED_STREAMS);
         assert!(r.take(0x200).is_empty());
+        // The per-thread stream, declared by two threads: two declarations, each naming its
+        // thread's stream, and only the other thread's is foreign here.
+        let there = std::thread::spawn(|| Declared::here(Stream::PER_THREAD)).join().unwrap();
+        let r = Recorded::new(1);
+        r.record(0x500, here(Stream::PER_THREAD)).unwrap();
+        r.record(0x500, there).unwrap();
+        r.record(0x500, here(Stream::PER_THREAD)).unwrap(); // already there
+        let v = r.take(0x500);
+        assert_eq!(v.len(), 2);
+        assert_eq!(v.iter().map(Declared::foreign).collect::<Vec<_>>(), [false, true]);
+        assert!(!here(Stream::LEGACY).foreign() && !there.stream.is_legacy());
     }
 
     #[test]
@@ -591,12 +644,13 @@ mod tests {
     #[test]
     fn restore_merges_with_declarations_made_meanwhile() {
         let r = Recorded::new(8);
-        r.record(0x100, Stream::from_raw(7)).unwrap();
+        let d = |h| Declared::here(Stream::from_raw(h));
+        r.record(0x100, d(7)).unwrap();
         let taken = r.take(0x100);
         assert!(r.take(0x100).is_empty());
-        r.record(0x100, Stream::from_raw(9)).unwrap();
+        r.record(0x100, d(9)).unwrap();
         r.restore(0x100, taken);
-        assert_eq!(r.take(0x100), vec![Stream::from_raw(9), Stream::from_raw(7)]);
+        assert_eq!(r.take(0x100), vec![d(9), d(7)]);
         r.restore(0x100, Vec::new());
         assert_eq!(r.len(), 0);
         assert_eq!(r.len.load(Ordering::Relaxed), 0, "the lock-free emptiness hint follows the map");
