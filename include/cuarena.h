@@ -20,9 +20,10 @@
  *    beyond 2^20 blocks with declarations or 1024 streams per block. A declaration survives a
  *    refused free, so a corrected retry of the free is still fenced after those streams.
  *    cudaStreamPerThread names the declaring thread's per-thread stream: a free made by
- *    another thread cannot fence it and synchronises the device once instead (the host
- *    blocks). A declared stream must not be destroyed before the block's free, whose fence is
- *    recorded on it (as PyTorch's streams, which live as long as the process).
+ *    another thread, which cannot name that stream, is fenced through the legacy stream
+ *    instead (an event there follows all earlier per-thread-stream work; no host block). A
+ *    declared stream must not be destroyed before the block's free, whose fence is recorded
+ *    on it (as PyTorch's streams, which live as long as the process).
  *
  * OWNERSHIP AND ERRORS
  *  - A block belongs to the caller from cuarena_malloc until cuarena_free; free it once, with

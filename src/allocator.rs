@@ -1555,8 +1555,9 @@ impl Allocator {
     /// that `stream` is made to wait on first, so the free's fence covers their work too. No
     /// host block. Like every stream passed here, `Stream::PER_THREAD` in `used_on` names the
     /// calling thread's per-thread stream: a declaration made on another thread's must not be
-    /// passed as one (`DeviceBuffer` and the C ABI keep the declaring thread, and synchronise
-    /// the device for it instead).
+    /// passed as one (`DeviceBuffer`, `CudaBuffer` and the C ABI keep the declaring thread, and
+    /// pass [`Stream::LEGACY`] for it instead, whose event follows all earlier work on every
+    /// thread's per-thread stream).
     pub fn deallocate_used_on(
         &self,
         ptr: DeviceAddr,

@@ -20,10 +20,10 @@ impl Allocator {
 /// [`Stream::PER_THREAD`] names a different stream in every thread: a buffer on it, or declared
 /// on it ([`DeviceBuffer::record_stream`]), was used on the per-thread stream of the thread
 /// that made it (or moved it there with [`DeviceBuffer::set_stream`]) or declared it, and the
-/// buffer remembers which threads those are. Dropped on another thread, it cannot fence their
-/// streams from there, so its drop synchronises the device once before the free (made on the
-/// dropping thread's per-thread stream, for a buffer on `PER_THREAD`). `set_stream` on the new
-/// thread avoids that wait for the buffer's own stream, for the price of its promise.
+/// buffer remembers which threads those are. Dropped on another thread, which cannot name their
+/// streams, its free is fenced through the legacy stream instead (see `UsedOn::free`; the
+/// free itself is made on the dropping thread's per-thread stream, for a buffer on
+/// `PER_THREAD`).
 pub struct DeviceBuffer {
     alloc: Allocator,
     ptr: DeviceAddr,
@@ -79,7 +79,9 @@ impl DeviceBuffer {
         self.used_on.record(stream, self.stream);
     }
 
-    /// Gives up ownership: the caller must free the block with `deallocate`.
+    /// Gives up ownership: the caller must free the block with `deallocate`, ordering the
+    /// streams declared with [`DeviceBuffer::record_stream`] itself (they are dropped here,
+    /// with the threads whose per-thread streams used the buffer).
     pub fn into_raw(self) -> (DeviceAddr, usize, Stream) {
         let me = std::mem::ManuallyDrop::new(self);
         // SAFETY: `me` is never dropped, so its allocator handle and stream list are moved out
@@ -136,15 +138,12 @@ impl UsedOn {
     }
 
     /// Frees `ptr` (`len` bytes) on `stream`, fenced after every declared stream. `home` is
-    /// the thread whose per-thread stream `stream` is, if it is `PER_THREAD`. If another
-    /// thread's per-thread stream used the block (`home`, or a declaration), it cannot be fenced
-    /// from here (this thread's `0x2` is its own): one device synchronise first completes its
-    /// work, all queued before this free by the contract of the declaration and of the
-    /// buffer's stream, and the free does not happen if the synchronise fails. The calling
-    /// thread's own per-thread stream, if declared, is fenced as usual, without a synchronise.
-    /// The mutation `buffer_per_thread_anywhere` skips the synchronise: the test
-    /// `a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_for_it` in
-    /// `tests/adversarial_s15.rs` must then fail.
+    /// the thread whose per-thread stream `stream` is, if it is `PER_THREAD`. The calling
+    /// thread's own per-thread stream, if declared, is fenced as any stream; another thread's
+    /// (`home`, or a declaration) cannot be named from here, and is fenced through the legacy
+    /// stream ([`per_thread_elsewhere`]). The mutation `buffer_per_thread_anywhere` skips that:
+    /// the test `a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_for_it`
+    /// in `tests/adversarial_s15.rs` must then fail.
     pub(crate) fn free(
         &self,
         alloc: &Allocator,
@@ -155,14 +154,29 @@ impl UsedOn {
     ) -> Result<()> {
         let me = std::thread::current().id();
         let elsewhere = home.iter().chain(&self.per_thread).any(|&t| t != me);
-        if !cfg!(cuarena_mutant = "buffer_per_thread_anywhere") && elsewhere {
-            alloc.device().synchronize()?;
-        }
+        let mut used = self.streams.clone();
         if self.per_thread.contains(&me) {
-            let mut used = self.streams.clone();
             used.push(Stream::PER_THREAD);
-            return alloc.deallocate_used_on(ptr, len, stream, &used);
         }
-        alloc.deallocate_used_on(ptr, len, stream, &self.streams)
+        if !cfg!(cuarena_mutant = "buffer_per_thread_anywhere")
+            && elsewhere
+            && !used.contains(&Stream::LEGACY)
+        {
+            used.push(per_thread_elsewhere());
+        }
+        alloc.deallocate_used_on(ptr, len, stream, &used)
     }
+}
+
+/// The stream whose fence covers work already queued on *another* thread's per-thread stream,
+/// which no other thread can name (each thread's `0x2` is its own): the legacy stream. The
+/// per-thread streams are blocking streams, so an event recorded on the legacy stream follows
+/// all work queued before it on every one of them (CUDA's implicit synchronisation with the
+/// legacy stream; `fence.rs` relies on the same rule for its lazy legacy fences), and the
+/// free's stream is made to wait on it (`Allocator::deallocate_used_on`): no host block, and no
+/// capture broken (the legacy stream cannot be captured; a free on a capturing stream is still
+/// refused first). The work is queued before the free by the contract of `record_stream` and
+/// of the buffer's stream.
+pub(crate) fn per_thread_elsewhere() -> Stream {
+    Stream::LEGACY
 }

@@ -81,7 +81,10 @@ impl<T> CudaBuffer<T> {
     /// The stream must not be destroyed (its last `Arc` dropped) before the buffer is freed:
     /// the free records its fence there, by the stream's handle, which CUDA gives to the next
     /// stream made once it is destroyed. The same holds for every stream passed to the
-    /// buffer's `device_ptr` and `device_ptr_mut` (cudarc's launches), which declare it.
+    /// buffer's `device_ptr` and `device_ptr_mut` (cudarc's launches), which declare it; on
+    /// the per-thread stream they declare the launching thread's. Work that
+    /// [`CudaBuffer::with_cuda_slice`] queues on the buffer's own per-thread stream from a
+    /// thread other than the one that made the buffer must be declared from that thread.
     pub fn record_stream(&self, stream: &CudaStream) {
         let mut v = self.used_on.lock().unwrap_or_else(|p| p.into_inner());
         v.record(Stream::from(stream), self.own());

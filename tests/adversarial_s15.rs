@@ -1995,8 +1995,8 @@ fn a_trim_whose_legacy_identity_query_fails_keeps_the_extent() {
 
 /// A `DeviceBuffer` declared on the per-thread stream (`record_stream(PER_THREAD)`) by one
 /// thread and dropped on another: the declaration names the first thread's per-thread stream,
-/// which the dropping thread cannot fence (its `0x2` is its own), so the drop synchronises the
-/// device first. Found by helper-7's reading: the drop fenced the dropping thread's per-thread
+/// which the dropping thread cannot name (its `0x2` is its own), so the drop fences it through
+/// the legacy stream. Found by helper-7's reading: the drop fenced the dropping thread's per-thread
 /// stream instead, and the block was handed out again under the first thread's running work.
 /// Thread A makes the buffer on a user stream, holds it with work on its per-thread stream and
 /// declares that stream; thread B drops it (batches of one: the free's fence is recorded at
@@ -2035,12 +2035,12 @@ fn a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_f
     });
 }
 
-/// The same buffer dropped by the thread that declared its per-thread stream: no synchronise
-/// (the host never blocks: the work on that stream waits behind a closed gate here, which a
-/// synchronise would wait for until the test times out), and the declared stream is fenced as
-/// usual, so the block comes back only after that work.
+/// The same buffer dropped by the thread that declared its per-thread stream: no host block
+/// (the work on that stream waits behind a closed gate here, which a synchronise would wait
+/// for until the test times out), and the declared stream is fenced as any stream, so the
+/// block comes back only after that work.
 #[test]
-fn a_buffer_dropped_by_the_thread_that_declared_its_per_thread_stream_is_fenced_without_a_synchronise() {
+fn a_buffer_dropped_by_the_thread_that_declared_its_per_thread_stream_is_fenced_without_blocking() {
     within(60, || {
         let sim = sim(0);
         let a = host_allocator(sim.clone(), parse("superblock=64KiB,small_max=32KiB,batch=1")).unwrap();

@@ -538,7 +538,7 @@ fn set_defaults_refuses_bad_items_and_counts_the_devices_it_misses() {
 /// stream, a different stream in every thread. Found by helper-7's reading: a free of `p` by
 /// another thread resolved the declaration there, as its own per-thread stream, so the work on
 /// the declaring thread's stream was fenced by nothing and the block was handed out again under
-/// it. Now such a free synchronises the device first (`free_with`). On the simulated device:
+/// it. Now such a free is fenced through the legacy stream (`free_with`). On the simulated device:
 /// thread A allocates `p` on a user stream, holds it with work on its per-thread stream and
 /// declares that stream; thread B frees `p` on the user stream (batches of one, so its fence is
 /// recorded at once, on the user stream); A then allocates on the user stream until it gets `p`

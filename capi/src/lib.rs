@@ -32,8 +32,8 @@ pub const MAX_RECORDED_STREAMS: usize = 1024;
 
 /// One `record_stream` declaration: the stream, and for the per-thread default stream (`0x2`,
 /// a different stream in every thread) the thread that declared it, whose per-thread stream it
-/// names. A free on another thread cannot fence that stream (its `0x2` is its own), so it
-/// synchronises the device first (`free`).
+/// names. A free on another thread cannot name that stream (its `0x2` is its own), so it
+/// fences the legacy stream instead (`free_with`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct Declared {
     stream: Stream,
@@ -237,16 +237,18 @@ pub(crate) fn free_with(
     // declaration for the same address is lost; put back if the free is refused (the block is
     // then still live, and a corrected retry must still be fenced after them).
     let used = if p == 0 { Vec::new() } else { recorded.take(p) };
-    // Another thread's per-thread stream cannot be fenced from here (this thread's `0x2` is
-    // its own): one device synchronise completes its work, all queued before this free by the
-    // declaration's contract. The others are fenced as usual. The mutation
-    // `ptds_declared_anywhere` takes every declaration as this thread's: the test
+    // Another thread's per-thread stream cannot be named from here (this thread's `0x2` is its
+    // own): it is fenced through the legacy stream instead (`buffer::per_thread_elsewhere`).
+    // The others are fenced as usual. The mutation `ptds_declared_anywhere` takes every
+    // declaration as this thread's: the test
     // `a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees` in
     // `tests/ffi.rs` must then fail.
     let foreign = |d: &Declared| !cfg!(cuarena_mutant = "ptds_declared_anywhere") && d.foreign();
-    let synced = if used.iter().any(foreign) { a.device().synchronize() } else { Ok(()) };
-    let streams: Vec<Stream> = used.iter().filter(|d| !foreign(d)).map(|d| d.stream).collect();
-    let r = synced.and_then(|()| a.deallocate_used_on(DeviceAddr(p), size, s, &streams));
+    let mut streams: Vec<Stream> = used.iter().filter(|d| !foreign(d)).map(|d| d.stream).collect();
+    if used.iter().any(foreign) && !streams.contains(&Stream::LEGACY) {
+        streams.push(Stream::LEGACY);
+    }
+    let r = a.deallocate_used_on(DeviceAddr(p), size, s, &streams);
     if r.is_err() {
         recorded.restore(p, used);
     }
