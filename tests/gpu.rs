@@ -476,3 +476,41 @@ fn multi_gpu_torture_on_both_devices_at_once() {
         assert_eq!(r.tag_errors_per_device, vec![0, 0]);
     }
 }
+
+/// A buffer on a user stream, used by this thread's per-thread stream and declared there
+/// (`record_stream(PER_THREAD)`), dropped by another thread: its free is fenced through the
+/// legacy stream (`buffer::per_thread_elsewhere`), whose event follows this thread's
+/// per-thread-stream work on the GPU too. A 200 ms kernel on this thread's per-thread stream
+/// writes tag 7 and checks it stays; the other thread drops the buffer (batches of one: the
+/// fence goes out at once); this thread gets the block back on the user stream and writes tag 9
+/// there. Written before the first kernel ends, tag 9 would show as changed words.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn gpu_a_per_thread_stream_declared_by_one_thread_is_fenced_when_another_drops_the_buffer() {
+    let Some(dev) = gpu() else { return };
+    let k = cuarena_testkit::cuda_kernels::CudaKernels::load(Arc::clone(&dev)).unwrap();
+    let a = Allocator::new(dev, Config::parse("superblock=64KiB,small_max=32KiB,batch=1").unwrap()).unwrap();
+    let x = k.create_stream().unwrap();
+    let size = 32 << 10;
+    let mut buf = a.buffer(size, x).unwrap();
+    let p = buf.ptr();
+    k.tag_hold_check(p.0, size, 7, 200_000_000, Stream::PER_THREAD).unwrap();
+    buf.record_stream(Stream::PER_THREAD);
+    std::thread::spawn(move || drop(buf)).join().unwrap();
+    assert!(a.take_deferred_error().is_none());
+    let mut got = Vec::new();
+    let reused = (0..8).any(|_| {
+        let q = a.allocate(size, x).unwrap();
+        got.push(q);
+        q == p
+    });
+    assert!(reused, "the block never came back, so this test checks nothing: {got:?}");
+    k.tag_hold_check(p.0, size, 9, 0, x).unwrap();
+    let (errors, _) = k.take_counters().unwrap();
+    assert_eq!(errors, 0, "the block was written under the declaring thread's kernel");
+    for q in got {
+        a.deallocate(q, size, x).unwrap();
+    }
+    a.trim(true).unwrap();
+    k.destroy_stream(x).unwrap();
+}
