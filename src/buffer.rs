@@ -3,8 +3,7 @@
 use crate::allocator::Allocator;
 use crate::error::Result;
 use crate::ptr::DeviceAddr;
-use crate::stream::Stream;
-use std::thread::ThreadId;
+use crate::stream::{Stream, StreamUse};
 
 // Here rather than in `allocator.rs`, so that the allocator does not name the buffer built on it.
 impl Allocator {
@@ -21,8 +20,8 @@ impl Allocator {
 /// on it ([`DeviceBuffer::record_stream`]), was used on the per-thread stream of the thread
 /// that made it (or moved it there with [`DeviceBuffer::set_stream`]) or declared it, and the
 /// buffer remembers which threads those are. Dropped on another thread, which cannot name their
-/// streams, its free is fenced through the legacy stream instead (see `UsedOn::free`; the
-/// free itself is made on the dropping thread's per-thread stream, for a buffer on
+/// streams, its free is fenced through the legacy stream instead ([`StreamUse::fence_stream`];
+/// the free itself is made on the dropping thread's per-thread stream, for a buffer on
 /// `PER_THREAD`).
 pub struct DeviceBuffer {
     alloc: Allocator,
@@ -31,14 +30,14 @@ pub struct DeviceBuffer {
     stream: Stream,
     /// Other streams that used the buffer (`record_stream`); the free fences them too.
     used_on: UsedOn,
-    /// Invariant: `Some` exactly when `stream` is `PER_THREAD`: the thread whose per-thread
-    /// stream that is (the one that made the buffer, or called `set_stream`).
-    home: Option<ThreadId>,
+    /// Invariant: `Some` exactly when `stream` is `PER_THREAD`: that stream as the thread that
+    /// made the buffer (or called `set_stream`) named it.
+    home: Option<StreamUse>,
 }
 
 impl DeviceBuffer {
     pub(crate) fn from_parts(alloc: Allocator, ptr: DeviceAddr, len: usize, stream: Stream) -> DeviceBuffer {
-        let home = (stream == Stream::PER_THREAD).then(|| std::thread::current().id());
+        let home = stream.is_per_thread().then(|| StreamUse::here(stream));
         DeviceBuffer { alloc, ptr, len, stream, used_on: UsedOn::default(), home }
     }
 
@@ -67,7 +66,7 @@ impl DeviceBuffer {
     /// streams declared with [`DeviceBuffer::record_stream`] stay declared.
     pub fn set_stream(&mut self, stream: Stream) {
         self.stream = stream;
-        self.home = (stream == Stream::PER_THREAD).then(|| std::thread::current().id());
+        self.home = stream.is_per_thread().then(|| StreamUse::here(stream));
     }
 
     /// Declares that work on `stream` uses the buffer: the free will be fenced after that work
@@ -112,71 +111,34 @@ impl std::fmt::Debug for DeviceBuffer {
 }
 
 /// The streams a buffer was used on besides its own (`record_stream`), which its free fences
-/// too: one rule for [`DeviceBuffer`] and `CudaBuffer`.
-///
-/// [`Stream::PER_THREAD`] names the calling thread's per-thread stream, a different stream in
-/// every thread, so a declaration of it is kept as the declaring thread (`per_thread`), never
-/// in `streams`. Invariant: `streams` holds no duplicate, not `PER_THREAD`, and not the
-/// buffer's own stream as it was when declared.
+/// too, each as the declaring thread named it ([`StreamUse`]): one rule for [`DeviceBuffer`]
+/// and `CudaBuffer`. Invariant: no duplicate, and no declaration of the buffer's own stream as
+/// it was when declared (other than `PER_THREAD`, which may name another thread's).
 #[derive(Default, Debug)]
-pub(crate) struct UsedOn {
-    streams: Vec<Stream>,
-    per_thread: Vec<ThreadId>,
-}
+pub(crate) struct UsedOn(Vec<StreamUse>);
 
 impl UsedOn {
     /// Declares `s` for a buffer on stream `own`, by the calling thread.
     pub(crate) fn record(&mut self, s: Stream, own: Stream) {
-        if s == Stream::PER_THREAD {
-            let me = std::thread::current().id();
-            if !self.per_thread.contains(&me) {
-                self.per_thread.push(me);
-            }
-        } else if s != own && !self.streams.contains(&s) {
-            self.streams.push(s);
+        let u = StreamUse::here(s);
+        if (s.is_per_thread() || s != own) && !self.0.contains(&u) {
+            self.0.push(u);
         }
     }
 
-    /// Frees `ptr` (`len` bytes) on `stream`, fenced after every declared stream. `home` is
-    /// the thread whose per-thread stream `stream` is, if it is `PER_THREAD`. The calling
-    /// thread's own per-thread stream, if declared, is fenced as any stream; another thread's
-    /// (`home`, or a declaration) cannot be named from here, and is fenced through the legacy
-    /// stream ([`per_thread_elsewhere`]). The mutation `buffer_per_thread_anywhere` skips that:
-    /// the test `a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_for_it`
-    /// in `tests/adversarial_s15.rs` must then fail.
+    /// Frees `ptr` (`len` bytes) on `stream`, fenced after every declared stream and after
+    /// `home`, the buffer's own stream as its maker named it if that is `PER_THREAD` (dropped
+    /// on another thread, the free's `0x2` is not that one): another thread's per-thread stream
+    /// through the legacy stream ([`StreamUse::fence_stream`]).
     pub(crate) fn free(
         &self,
         alloc: &Allocator,
         ptr: DeviceAddr,
         len: usize,
         stream: Stream,
-        home: Option<ThreadId>,
+        home: Option<StreamUse>,
     ) -> Result<()> {
-        let me = std::thread::current().id();
-        let elsewhere = home.iter().chain(&self.per_thread).any(|&t| t != me);
-        let mut used = self.streams.clone();
-        if self.per_thread.contains(&me) {
-            used.push(Stream::PER_THREAD);
-        }
-        if !cfg!(cuarena_mutant = "buffer_per_thread_anywhere")
-            && elsewhere
-            && !used.contains(&Stream::LEGACY)
-        {
-            used.push(per_thread_elsewhere());
-        }
-        alloc.deallocate_used_on(ptr, len, stream, &used)
+        let fence = StreamUse::fence_streams(home.iter().chain(&self.0), stream);
+        alloc.deallocate_used_on(ptr, len, stream, &fence)
     }
-}
-
-/// The stream whose fence covers work already queued on *another* thread's per-thread stream,
-/// which no other thread can name (each thread's `0x2` is its own): the legacy stream. The
-/// per-thread streams are blocking streams, so an event recorded on the legacy stream follows
-/// all work queued before it on every one of them (CUDA's implicit synchronisation with the
-/// legacy stream; `fence.rs` relies on the same rule for its lazy legacy fences), and the
-/// free's stream is made to wait on it (`Allocator::deallocate_used_on`): no host block, and no
-/// capture broken (the legacy stream cannot be captured; a free on a capturing stream is still
-/// refused first). The work is queued before the free by the contract of `record_stream` and
-/// of the buffer's stream.
-pub(crate) fn per_thread_elsewhere() -> Stream {
-    Stream::LEGACY
 }

@@ -15,7 +15,6 @@
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
-use std::thread::ThreadId;
 
 use cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr as CudarcDevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs,
@@ -26,7 +25,7 @@ use crate::allocator::Allocator;
 use crate::buffer::UsedOn;
 use crate::error::{Error, Result};
 use crate::ptr::DeviceAddr;
-use crate::stream::Stream;
+use crate::stream::{Stream, StreamUse};
 
 /// `len` values of `T` in cuarena memory, on a cudarc stream; freed on that stream on drop.
 pub struct CudaBuffer<T> {
@@ -34,9 +33,9 @@ pub struct CudaBuffer<T> {
     ptr: u64,
     len: usize,
     stream: Arc<CudaStream>,
-    /// The thread whose per-thread stream `stream` is, if it is cudarc's per-thread stream
-    /// (`0x2`; see [`crate::DeviceBuffer`]).
-    home: Option<ThreadId>,
+    /// `stream` as the thread that made the buffer named it, if it is cudarc's per-thread
+    /// stream (`0x2`; see [`crate::DeviceBuffer`]).
+    home: Option<StreamUse>,
     used_on: Mutex<UsedOn>,
     _t: PhantomData<T>,
 }
@@ -64,7 +63,7 @@ impl Allocator {
             ptr: ptr.0,
             len,
             stream: Arc::clone(stream),
-            home: (own == Stream::PER_THREAD).then(|| std::thread::current().id()),
+            home: own.is_per_thread().then(|| StreamUse::here(own)),
             used_on: Mutex::new(UsedOn::default()),
             _t: PhantomData,
         })

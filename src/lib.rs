@@ -48,5 +48,5 @@ pub use error::{Error, InvalidFree, Result};
 pub use global::global;
 pub use ptr::DeviceAddr;
 pub use stats::Stats;
-pub use stream::{Stream, StreamKey};
+pub use stream::{Stream, StreamKey, StreamUse};
 pub use trace::TraceSummary;

@@ -53,3 +53,59 @@ impl Stream {
 /// A stream's identity, unique for the life of the process (never reused).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StreamKey(pub u64);
+
+/// A stream as a thread named it: the handle, and for [`Stream::PER_THREAD`] the thread whose
+/// per-thread stream it names. What a `record_stream` declaration keeps (the C ABI,
+/// [`crate::DeviceBuffer`], [`crate::CudaBuffer`]): the block may be freed by another thread,
+/// whose `0x2` names its own stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StreamUse {
+    stream: Stream,
+    /// `crate::sync::thread_id` of the naming thread, for `PER_THREAD` only.
+    thread: Option<u64>,
+}
+
+impl StreamUse {
+    /// `stream` as the calling thread names it.
+    pub fn here(stream: Stream) -> StreamUse {
+        StreamUse { stream, thread: stream.is_per_thread().then(crate::sync::thread_id) }
+    }
+
+    /// The handle as it was given.
+    pub fn stream(self) -> Stream {
+        self.stream
+    }
+
+    /// The stream whose event, recorded by the calling thread now, follows the work queued on
+    /// this one so far: the stream itself, except another thread's per-thread stream, which the
+    /// calling thread cannot name; then the legacy stream. The per-thread streams are blocking
+    /// streams, so an event recorded on the legacy stream follows all work queued before it on
+    /// every one of them (CUDA's implicit synchronisation with the legacy stream; `fence.rs`
+    /// relies on the same rule for its lazy legacy fences): no host block, and no capture
+    /// broken (the legacy stream cannot be captured). The mutation `per_thread_anywhere` takes
+    /// every thread's per-thread stream as the caller's: the tests
+    /// `a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees`
+    /// (`tests/ffi.rs`) and `a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_for_it`
+    /// (`tests/adversarial_s15.rs`) must then fail.
+    pub fn fence_stream(self) -> Stream {
+        match self.thread {
+            Some(t) if !cfg!(cuarena_mutant = "per_thread_anywhere") && t != crate::sync::thread_id() => {
+                Stream::LEGACY
+            }
+            _ => self.stream,
+        }
+    }
+
+    /// What `Allocator::deallocate_used_on` needs for a free on `free_on` of a block used on
+    /// `uses`: each use's [`StreamUse::fence_stream`], once, leaving out `free_on` itself.
+    pub fn fence_streams<'a>(uses: impl IntoIterator<Item = &'a StreamUse>, free_on: Stream) -> Vec<Stream> {
+        let mut v = Vec::new();
+        for u in uses {
+            let s = u.fence_stream();
+            if s != free_on && !v.contains(&s) {
+                v.push(s);
+            }
+        }
+        v
+    }
+}

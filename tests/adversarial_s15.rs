@@ -2001,7 +2001,7 @@ fn a_trim_whose_legacy_identity_query_fails_keeps_the_extent() {
 /// Thread A makes the buffer on a user stream, holds it with work on its per-thread stream and
 /// declares that stream; thread B drops it (batches of one: the free's fence is recorded at
 /// once, on the user stream); A allocates on the user stream until it gets the block back and
-/// writes it there. With the mutation `buffer_per_thread_anywhere` the write lands under A's
+/// writes it there. With the mutation `per_thread_anywhere` the write lands under A's
 /// work.
 #[test]
 fn a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_for_it() {

@@ -542,7 +542,7 @@ fn set_defaults_refuses_bad_items_and_counts_the_devices_it_misses() {
 /// thread A allocates `p` on a user stream, holds it with work on its per-thread stream and
 /// declares that stream; thread B frees `p` on the user stream (batches of one, so its fence is
 /// recorded at once, on the user stream); A then allocates on the user stream until it gets `p`
-/// back and writes it there. With the mutation `ptds_declared_anywhere` (the declaration taken
+/// back and writes it there. With the mutation `per_thread_anywhere` (the declaration taken
 /// as the freeing thread's) the write lands under A's running work.
 #[test]
 fn a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees() {
@@ -558,7 +558,7 @@ fn a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees()
     let size = 32 << 10;
     let p = a.allocate(size, user).unwrap();
     sim.hold_and_check(p.0, size, 7, Duration::from_millis(300), Stream::PER_THREAD).unwrap();
-    recorded.record(p.0, Declared::here(Stream::PER_THREAD)).unwrap();
+    recorded.record(p.0, cuarena::StreamUse::here(Stream::PER_THREAD)).unwrap();
     std::thread::scope(|s| {
         s.spawn(|| free_with(&a, &recorded, p.0, size, user).unwrap()).join().unwrap();
     });

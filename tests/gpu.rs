@@ -479,7 +479,7 @@ fn multi_gpu_torture_on_both_devices_at_once() {
 
 /// A buffer on a user stream, used by this thread's per-thread stream and declared there
 /// (`record_stream(PER_THREAD)`), dropped by another thread: its free is fenced through the
-/// legacy stream (`buffer::per_thread_elsewhere`), whose event follows this thread's
+/// legacy stream (`StreamUse::fence_stream`), whose event follows this thread's
 /// per-thread-stream work on the GPU too. A 200 ms kernel on this thread's per-thread stream
 /// writes tag 7 and checks it stays; the other thread drops the buffer (batches of one: the
 /// fence goes out at once); this thread gets the block back on the user stream and writes tag 9

@@ -11,11 +11,10 @@ use std::ffi::{CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
-use std::thread::ThreadId;
 
 use cuarena::global::{created, global, set_defaults};
 use cuarena::shutdown::process_exiting;
-use cuarena::{Allocator, DeviceAddr, Error, Stats, Stream};
+use cuarena::{Allocator, DeviceAddr, Error, Stats, Stream, StreamUse};
 
 thread_local! {
     static LAST_ERROR: std::cell::RefCell<Option<CString>> = const { std::cell::RefCell::new(None) };
@@ -30,32 +29,11 @@ pub const MAX_RECORDED_BLOCKS: usize = 1 << 20;
 /// Distinct streams one block may be declared on.
 pub const MAX_RECORDED_STREAMS: usize = 1024;
 
-/// One `record_stream` declaration: the stream, and for the per-thread default stream (`0x2`,
-/// a different stream in every thread) the thread that declared it, whose per-thread stream it
-/// names. A free on another thread cannot name that stream (its `0x2` is its own), so it
-/// fences the legacy stream instead (`free_with`).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) struct Declared {
-    stream: Stream,
-    thread: Option<ThreadId>,
-}
-
-impl Declared {
-    /// A declaration of `s` made by the calling thread.
-    pub(crate) fn here(s: Stream) -> Declared {
-        Declared { stream: s, thread: (s == Stream::PER_THREAD).then(|| std::thread::current().id()) }
-    }
-
-    /// True if it names another thread's per-thread stream.
-    fn foreign(&self) -> bool {
-        self.thread.is_some_and(|t| t != std::thread::current().id())
-    }
-}
-
-/// The `record_stream` declarations: block address → declarations. `len` lets frees skip the
-/// lock when nobody uses `record_stream`.
+/// The `record_stream` declarations: block address → the streams as their declaring threads
+/// named them (`StreamUse`: `0x2` names a different stream in every thread). `len` lets frees
+/// skip the lock when nobody uses `record_stream`.
 pub(crate) struct Recorded {
-    map: Mutex<HashMap<u64, Vec<Declared>>>,
+    map: Mutex<HashMap<u64, Vec<StreamUse>>>,
     len: AtomicUsize,
     cap: usize,
 }
@@ -66,7 +44,7 @@ impl Recorded {
     }
 
     /// Adds `s` to `ptr`'s declarations; refused (nothing changes) past the caps.
-    pub(crate) fn record(&self, ptr: u64, s: Declared) -> Result<(), String> {
+    pub(crate) fn record(&self, ptr: u64, s: StreamUse) -> Result<(), String> {
         let mut m = lock(&self.map);
         let n = m.len();
         match m.get_mut(&ptr) {
@@ -93,7 +71,7 @@ impl Recorded {
     }
 
     /// Removes and returns `ptr`'s declarations.
-    fn take(&self, ptr: u64) -> Vec<Declared> {
+    fn take(&self, ptr: u64) -> Vec<StreamUse> {
         if self.len.load(Ordering::Acquire) == 0 {
             return Vec::new();
         }
@@ -105,7 +83,7 @@ impl Recorded {
 
     /// Puts back what [`Recorded::take`] returned, merged with anything declared since
     /// (used when the free it was taken for was refused: the block is still live).
-    fn restore(&self, ptr: u64, streams: Vec<Declared>) {
+    fn restore(&self, ptr: u64, streams: Vec<StreamUse>) {
         if streams.is_empty() {
             return;
         }
@@ -237,18 +215,8 @@ pub(crate) fn free_with(
     // declaration for the same address is lost; put back if the free is refused (the block is
     // then still live, and a corrected retry must still be fenced after them).
     let used = if p == 0 { Vec::new() } else { recorded.take(p) };
-    // Another thread's per-thread stream cannot be named from here (this thread's `0x2` is its
-    // own): it is fenced through the legacy stream instead (`buffer::per_thread_elsewhere`).
-    // The others are fenced as usual. The mutation `ptds_declared_anywhere` takes every
-    // declaration as this thread's: the test
-    // `a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees` in
-    // `tests/ffi.rs` must then fail.
-    let foreign = |d: &Declared| !cfg!(cuarena_mutant = "ptds_declared_anywhere") && d.foreign();
-    let mut streams: Vec<Stream> = used.iter().filter(|d| !foreign(d)).map(|d| d.stream).collect();
-    if used.iter().any(foreign) && !streams.contains(&Stream::LEGACY) {
-        streams.push(Stream::LEGACY);
-    }
-    let r = a.deallocate_used_on(DeviceAddr(p), size, s, &streams);
+    // Another thread's per-thread stream is fenced through the legacy stream (`StreamUse`).
+    let r = a.deallocate_used_on(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s));
     if r.is_err() {
         recorded.restore(p, used);
     }
@@ -270,7 +238,7 @@ pub extern "C" fn cuarena_record_stream(ptr: *mut c_void, stream_: *mut c_void) 
                 "cuarena_record_stream: {p:#x} is not inside memory reserved by cuarena on any device; refused"
             ));
         }
-        RECORDED.record(p, Declared::here(stream(stream_)))
+        RECORDED.record(p, StreamUse::here(stream(stream_)))
     })
 }
 
@@ -580,7 +548,7 @@ mod tests {
     #[test]
     fn recorded_caps_blocks_and_streams_and_refuses_cleanly() {
         let r = Recorded::new(3);
-        let here = Declared::here;
+        let here = StreamUse::here;
         for p in [0x100, 0x200, 0x300] {
             r.record(p, here(Stream::LEGACY)).unwrap();
         }
@@ -599,16 +567,19 @@ mod tests {
         assert_eq!(r.take(0x200).len(), MAX_RECORDED_STREAMS);
         assert!(r.take(0x200).is_empty());
         // The per-thread stream, declared by two threads: two declarations, each naming its
-        // thread's stream, and only the other thread's is foreign here.
-        let there = std::thread::spawn(|| Declared::here(Stream::PER_THREAD)).join().unwrap();
+        // thread's stream, and only the other thread's is fenced through the legacy stream here.
+        let there = std::thread::spawn(|| StreamUse::here(Stream::PER_THREAD)).join().unwrap();
         let r = Recorded::new(1);
         r.record(0x500, here(Stream::PER_THREAD)).unwrap();
         r.record(0x500, there).unwrap();
         r.record(0x500, here(Stream::PER_THREAD)).unwrap(); // already there
         let v = r.take(0x500);
         assert_eq!(v.len(), 2);
-        assert_eq!(v.iter().map(Declared::foreign).collect::<Vec<_>>(), [false, true]);
-        assert!(!here(Stream::LEGACY).foreign() && !there.stream.is_legacy());
+        assert_eq!(
+            v.iter().map(|u| u.fence_stream()).collect::<Vec<_>>(),
+            [Stream::PER_THREAD, Stream::LEGACY]
+        );
+        assert!(here(Stream::LEGACY).fence_stream() == Stream::LEGACY && !there.stream().is_legacy());
     }
 
     #[test]
@@ -646,7 +617,7 @@ mod tests {
     #[test]
     fn restore_merges_with_declarations_made_meanwhile() {
         let r = Recorded::new(8);
-        let d = |h| Declared::here(Stream::from_raw(h));
+        let d = |h| StreamUse::here(Stream::from_raw(h));
         r.record(0x100, d(7)).unwrap();
         let taken = r.take(0x100);
         assert!(r.take(0x100).is_empty());
