@@ -583,22 +583,16 @@ impl Inner {
 }
 
 impl Drop for Inner {
-    /// Arenas still parked hold memory under work queued on their destroyed streams, which no
-    /// fence covers: they are given back after a device synchronise before the pool (dropped
-    /// after this) releases the chunks, as the pool waits for its own fences.
+    /// Ends a running trace. Arenas still parked hold memory under work queued on their
+    /// destroyed streams, which no fence covers, and need nothing here: the pool (dropped after
+    /// this) synchronises the device once before it releases any chunk (`GlobalPool::drop`),
+    /// which covers their memory with the rest. (Burying them here synchronised a second time.)
     fn drop(&mut self) {
         // A trace still running ends with its allocator (no CUDA call; an error has no one to
         // go to: the file then ends early, which `trace::read` reports).
         if self.trace.running() {
             let _ = self.trace.stop();
         }
-        if crate::shutdown::process_exiting() {
-            return; // the driver is going away; the process teardown frees the memory
-        }
-        let counters = Counters::new_shared();
-        let env = self.env(&counters);
-        // An error leaves them parked: their memory goes with the pool's chunks regardless.
-        let _ = self.bury_zombies(&env);
     }
 }
 
