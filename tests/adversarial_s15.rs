@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use cuarena::size_class::block_bytes;
 use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Event, InvalidFree, Stream};
-use cuarena_testkit::{HostConfig, HostDevice, assert_all_returned, host_allocator};
+use cuarena_testkit::{HostConfig, HostDevice, allocate_until_back, assert_all_returned, host_allocator};
 
 mod common;
 use common::{Live, check, is_double, is_invalid, rng, tag, within};
@@ -2016,12 +2016,7 @@ fn a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_f
         buf.record_stream(Stream::PER_THREAD);
         std::thread::spawn(move || drop(buf)).join().unwrap();
         assert!(a.take_deferred_error().is_none());
-        let mut got = Vec::new();
-        let reused = (0..8).any(|_| {
-            let q = a.allocate(size, user).unwrap();
-            got.push(q);
-            q == p
-        });
+        let (got, reused) = allocate_until_back(&a, size, user, p, 8);
         assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
         sim.write_tag(p.0, size, 9, user).unwrap();
         sim.synchronize();
@@ -2053,13 +2048,9 @@ fn a_buffer_dropped_by_the_thread_that_declared_its_per_thread_stream_is_fenced_
         buf.record_stream(Stream::PER_THREAD);
         drop(buf);
         assert!(a.take_deferred_error().is_none());
-        let mut got = Vec::new();
-        for _ in 0..8 {
-            let q = a.allocate(size, user).unwrap();
-            if q == p {
-                sim.write_tag(p.0, size, 9, user).unwrap();
-            }
-            got.push(q);
+        let (got, reused) = allocate_until_back(&a, size, user, p, 8);
+        if reused {
+            sim.write_tag(p.0, size, 9, user).unwrap();
         }
         gate.open();
         sim.synchronize();

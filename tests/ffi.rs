@@ -564,12 +564,7 @@ fn a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees()
     });
     // Allocations on the user stream until `p` comes back (a superblock holds two blocks: the
     // third allocation takes in the remote free).
-    let mut got = Vec::new();
-    let reused = (0..8).any(|_| {
-        let q = a.allocate(size, user).unwrap();
-        got.push(q);
-        q == p
-    });
+    let (got, reused) = cuarena_testkit::allocate_until_back(&a, size, user, p, 8);
     assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
     sim.write_tag(p.0, size, 9, user).unwrap();
     sim.synchronize();

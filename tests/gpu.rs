@@ -498,12 +498,7 @@ fn gpu_a_per_thread_stream_declared_by_one_thread_is_fenced_when_another_drops_t
     buf.record_stream(Stream::PER_THREAD);
     std::thread::spawn(move || drop(buf)).join().unwrap();
     assert!(a.take_deferred_error().is_none());
-    let mut got = Vec::new();
-    let reused = (0..8).any(|_| {
-        let q = a.allocate(size, x).unwrap();
-        got.push(q);
-        q == p
-    });
+    let (got, reused) = cuarena_testkit::allocate_until_back(&a, size, x, p, 8);
     assert!(reused, "the block never came back, so this test checks nothing: {got:?}");
     k.tag_hold_check(p.0, size, 9, 0, x).unwrap();
     let (errors, _) = k.take_counters().unwrap();

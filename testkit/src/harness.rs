@@ -355,6 +355,27 @@ pub fn gpus_or_skip(n: usize) -> Option<Vec<Arc<CudaDevice>>> {
     )
 }
 
+/// Allocates `size` bytes on `stream` up to `tries` times, until the block at `p` comes back:
+/// for a test that checks what happens when a freed block is handed out again. Returns every
+/// block it allocated (the caller frees them), `p` last if it came back, and whether it did.
+pub fn allocate_until_back(
+    a: &Allocator,
+    size: usize,
+    stream: Stream,
+    p: DeviceAddr,
+    tries: usize,
+) -> (Vec<DeviceAddr>, bool) {
+    let mut got = Vec::new();
+    for _ in 0..tries {
+        let q = a.allocate(size, stream).unwrap_or_else(|e| panic!("allocate {size} on {stream:?}: {e}"));
+        got.push(q);
+        if q == p {
+            return (got, true);
+        }
+    }
+    (got, false)
+}
+
 /// Asserts that everything `a` handed out came back, and, on a simulated device `sim`, that the
 /// device saw no race and holds no memory. The one end-of-test check of every test.
 ///
