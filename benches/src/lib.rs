@@ -379,19 +379,15 @@ impl BenchAlloc for MutexPool {
         "mutex-first-fit"
     }
     fn alloc(&self, size: usize, _s: Stream) -> Result<u64> {
-        let len = size.next_multiple_of(256) as u64;
+        let too_big =
+            || Error::OutOfMemory { requested: size, reserved: 0, in_use: 0, largest_free: 0, limit: 0 };
+        let len = size.checked_next_multiple_of(256).ok_or_else(too_big)? as u64;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let a = match st.0.first_fit(len) {
             Some(a) => a,
             None => {
                 let chunk = len.max(32 << 20);
-                let p = self.dev.reserve(chunk as usize)?.ok_or(Error::OutOfMemory {
-                    requested: size,
-                    reserved: 0,
-                    in_use: 0,
-                    largest_free: 0,
-                    limit: 0,
-                })?;
+                let p = self.dev.reserve(chunk as usize)?.ok_or_else(too_big)?;
                 self.reserved.fetch_add(chunk, Ordering::Relaxed);
                 self.tally.add(0, 1, 0);
                 st.0.insert(p, chunk, ());

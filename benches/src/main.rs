@@ -34,6 +34,18 @@ const LEGEND: &[(&str, &str)] = &[
     ("arena", "cuarena: share of its allocations served by a thread's arena (the rest by the pool)"),
 ];
 
+/// `println!` that ends the process with an error (status 1), not a panic, when standard output
+/// is gone: a closed pipe (`cuarena replay t.bin | head -1`) or a full disk.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($t)*) {
+            eprintln!("error: writing standard output: {e}");
+            std::process::exit(1);
+        }
+    }};
+}
+
 /// The stream modes and the workloads, for `--help`.
 fn choices() -> String {
     let modes: String =
@@ -276,7 +288,7 @@ fn main() -> ExitCode {
         match bench.run(&a, w, touch, mode, t, s) {
             Ok(p) => {
                 if args.json {
-                    println!("{}", p.json());
+                    out!("{}", p.json());
                 }
                 points.push(p);
             }
@@ -307,14 +319,14 @@ fn main() -> ExitCode {
 }
 
 fn print_table(bench: &Bench, points: &[Point]) {
-    println!("device: {}", bench.description);
+    out!("device: {}", bench.description);
     if bench.kind() == DeviceKind::Host {
-        println!(
+        out!(
             "note: these figures time cuarena and the baseline over a simulated device in host memory; \
              they are not GPU figures."
         );
     }
-    println!(
+    out!(
         "{:<24} {:<6} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6} {:>10} {:>6} {:>5} {:>6} {:>6}",
         "workload",
         "stream",
@@ -332,7 +344,7 @@ fn print_table(bench: &Bench, points: &[Point]) {
         "arena"
     );
     for p in points {
-        println!(
+        out!(
             "{:<24} {:<6} {:>3} {:<16} {:>10} {:>8} {:>8} {:>10} {:>6.2} {:>10.1} {:>6} {:>5} {:>6} {:>6}",
             p.workload,
             p.streams,
@@ -350,8 +362,8 @@ fn print_table(bench: &Bench, points: &[Point]) {
             arena_share(p)
         );
     }
-    println!();
-    print!("{}", legend());
+    out!("");
+    out!("{}", legend().trim_end_matches('\n'));
 }
 
 /// The table's legend: one line per column.
@@ -449,7 +461,7 @@ fn replay(
         match bench.replay(a, &plan) {
             Ok(p) => {
                 if json {
-                    println!("{}", p.json());
+                    out!("{}", p.json());
                 }
                 failed |= p.failed_allocs + p.failed_frees > 0;
                 points.push(p);
@@ -461,8 +473,8 @@ fn replay(
         }
     }
     if !json {
-        println!("device: {}", bench.description);
-        println!(
+        out!("device: {}", bench.description);
+        out!(
             "{:<16} {:>4} {:>10} {:>10} {:>8} {:>8} {:>10} {:>7} {:>8} {:>8}",
             "allocator",
             "thr",
@@ -476,7 +488,7 @@ fn replay(
             "failures"
         );
         for p in &points {
-            println!(
+            out!(
                 "{:<16} {:>4} {:>10} {:>10} {:>8} {:>8} {:>10} {:>7.2} {:>8} {:>8}",
                 p.allocator,
                 p.threads,
@@ -490,7 +502,7 @@ fn replay(
                 p.failed_allocs + p.failed_frees
             );
         }
-        println!(
+        out!(
             "\ncolumns: pairs/s: matched alloc+free pairs over the play's wall time; p50/p99: one call \
              (alloc or free); peak live: the trace's own peak; res/pk: peak reserved over it; failures: \
              allocations or frees the allocator refused"

@@ -29,7 +29,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::BufRead;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use cuarena::trace::{self, Action, StreamKind};
@@ -158,9 +158,45 @@ fn for_each_row(
     Ok(())
 }
 
+/// The longest line a CSV trace may have: a real row is under a hundred bytes, and reading an
+/// input with no line ends (a device, a binary file) must end long before host memory does.
+pub const MAX_LINE: usize = 1 << 16;
+
+/// `input`'s lines, numbered from 0, each at most [`MAX_LINE`] bytes: a longer one is an error,
+/// and nothing is read after an error.
+fn bounded_lines(mut input: impl BufRead) -> impl Iterator<Item = (usize, std::io::Result<String>)> {
+    let mut i = 0;
+    let mut done = false;
+    std::iter::from_fn(move || {
+        if done {
+            return None;
+        }
+        let mut buf = Vec::new();
+        let r = match std::io::Read::take(&mut input, MAX_LINE as u64 + 1).read_until(b'\n', &mut buf) {
+            Ok(0) => return None,
+            Ok(_) if buf.len() > MAX_LINE && buf.last() != Some(&b'\n') => Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("line {} is longer than {MAX_LINE} bytes: not a CSV trace", i + 1),
+            )),
+            Ok(_) => {
+                while matches!(buf.last(), Some(b'\n' | b'\r')) {
+                    buf.pop();
+                }
+                String::from_utf8(buf).map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, "stream did not contain valid UTF-8")
+                })
+            }
+            Err(e) => Err(e),
+        };
+        done = r.is_err();
+        i += 1;
+        Some((i - 1, r))
+    })
+}
+
 /// Reads `cuarena trace-csv` output back into records.
 pub fn read_cuarena_csv(input: impl BufRead) -> Result<Vec<trace::Record>> {
-    let mut lines = input.lines().enumerate();
+    let mut lines = bounded_lines(input);
     match lines.next() {
         Some((_, Ok(h))) if h.trim() == trace::CSV_HEADER => {}
         Some((_, Ok(h))) => {
@@ -214,12 +250,17 @@ fn rmm_time(s: &str) -> Option<u64> {
         Some(_) => return None,
         None => 0,
     };
-    Some(((h * 60 + m) * 60 + sec) * 1_000_000_000 + frac)
+    h.checked_mul(60)?
+        .checked_add(m)?
+        .checked_mul(60)?
+        .checked_add(sec)?
+        .checked_mul(1_000_000_000)?
+        .checked_add(frac)
 }
 
 /// Reads an RMM logging-adaptor CSV (module comment).
 pub fn read_rmm_csv(input: impl BufRead) -> Result<Trace> {
-    let mut lines = input.lines().enumerate();
+    let mut lines = bounded_lines(input);
     let cols: Vec<String> = match lines.next() {
         Some((_, Ok(h))) => h.split(',').map(|c| c.trim().to_ascii_lowercase()).collect(),
         Some((_, Err(e))) => return Err(err(e)),
@@ -330,7 +371,7 @@ impl Plan {
                 let id = owner_of.len();
                 owner_of.push(th);
                 threads[th].push(Step::Alloc { id, size: op.size as usize, stream: op.stream });
-                now += op.size;
+                now = now.saturating_add(op.size);
                 peak = peak.max(now);
                 // An address allocated again while live (a trace missing a free): the older
                 // block is kept live to the end.
@@ -342,7 +383,7 @@ impl Plan {
                     unmatched += 1;
                     continue;
                 };
-                now -= size as u64;
+                now = now.saturating_sub(size as u64);
                 let wait = ath != th;
                 cross += u64::from(wait);
                 pairs += 1;
@@ -420,6 +461,9 @@ impl ReplayPoint {
     }
 }
 
+/// The most recorded threads a replay plays (one OS thread each).
+pub const MAX_THREADS: usize = 1024;
+
 /// A replay slot: not yet allocated, failed, or the live pointer.
 const PENDING: u64 = 0;
 const FAILED: u64 = u64::MAX;
@@ -437,55 +481,88 @@ impl Bench {
             StreamId::PerThread => Stream::PER_THREAD,
             StreamId::User(k) => streams[&k],
         };
+        if plan.threads() > MAX_THREADS {
+            return Err(err(format!(
+                "the trace has {} threads; the replay plays each on a thread of its own, and refuses more than {MAX_THREADS}",
+                plan.threads()
+            )));
+        }
         let slots: Vec<AtomicU64> = (0..plan.allocations).map(|_| AtomicU64::new(PENDING)).collect();
+        // Set when a player cannot go on (its thread could not be made, or it panicked): a
+        // free waiting for an allocation that player owed gives up instead of spinning forever.
+        let abandoned = AtomicBool::new(false);
         let t0 = Instant::now();
-        let results: Vec<(Vec<u64>, u64, u64)> = std::thread::scope(|sc| {
-            let hs: Vec<_> = plan
-                .threads
-                .iter()
-                .map(|steps| {
-                    let (alloc, slots, stream_of) = (&alloc, &slots, &stream_of);
-                    sc.spawn(move || {
-                        let mut lat = Vec::with_capacity(steps.len());
-                        let (mut fa, mut ff) = (0u64, 0u64);
-                        for &step in steps {
-                            match step {
-                                Step::Alloc { id, size, stream } => {
-                                    let t = Instant::now();
-                                    let r = alloc.alloc(size, stream_of(stream));
-                                    lat.push(t.elapsed().as_nanos() as u64);
-                                    let v = match r {
-                                        Ok(p) if p != PENDING && p != FAILED => p,
-                                        _ => {
-                                            fa += 1;
-                                            FAILED
-                                        }
-                                    };
-                                    slots[id].store(v, Ordering::Release);
-                                }
-                                Step::Free { id, size, stream, wait } => {
-                                    let mut p = slots[id].load(Ordering::Acquire);
-                                    while wait && p == PENDING {
-                                        std::thread::yield_now();
-                                        p = slots[id].load(Ordering::Acquire);
-                                    }
-                                    if p == FAILED || p == PENDING {
-                                        continue;
-                                    }
-                                    let t = Instant::now();
-                                    let r = alloc.free(p, size, stream_of(stream));
-                                    lat.push(t.elapsed().as_nanos() as u64);
-                                    ff += u64::from(r.is_err());
-                                }
+        let results: Vec<Option<(Vec<u64>, u64, u64)>> = std::thread::scope(|sc| {
+            let mut hs = Vec::new();
+            for steps in &plan.threads {
+                let (alloc, slots, stream_of, abandoned) = (&alloc, &slots, &stream_of, &abandoned);
+                let play = move || {
+                    // If the player panics (an allocator's bug), the others must not wait for it.
+                    struct Abandon<'a>(&'a AtomicBool);
+                    impl Drop for Abandon<'_> {
+                        fn drop(&mut self) {
+                            if std::thread::panicking() {
+                                self.0.store(true, Ordering::Release);
                             }
                         }
-                        alloc.thread_end();
-                        (lat, fa, ff)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("a replay thread panicked")).collect()
+                    }
+                    let _abandon = Abandon(abandoned);
+                    let mut lat = Vec::with_capacity(steps.len());
+                    let (mut fa, mut ff) = (0u64, 0u64);
+                    for &step in steps {
+                        match step {
+                            Step::Alloc { id, size, stream } => {
+                                let t = Instant::now();
+                                let r = alloc.alloc(size, stream_of(stream));
+                                lat.push(t.elapsed().as_nanos() as u64);
+                                let v = match r {
+                                    Ok(p) if p != PENDING && p != FAILED => p,
+                                    _ => {
+                                        fa += 1;
+                                        FAILED
+                                    }
+                                };
+                                slots[id].store(v, Ordering::Release);
+                            }
+                            Step::Free { id, size, stream, wait } => {
+                                let mut p = slots[id].load(Ordering::Acquire);
+                                while wait && p == PENDING && !abandoned.load(Ordering::Acquire) {
+                                    std::thread::yield_now();
+                                    p = slots[id].load(Ordering::Acquire);
+                                }
+                                if p == FAILED || p == PENDING {
+                                    continue;
+                                }
+                                let t = Instant::now();
+                                let r = alloc.free(p, size, stream_of(stream));
+                                lat.push(t.elapsed().as_nanos() as u64);
+                                ff += u64::from(r.is_err());
+                            }
+                        }
+                    }
+                    alloc.thread_end();
+                    (lat, fa, ff)
+                };
+                match std::thread::Builder::new().spawn_scoped(sc, play) {
+                    Ok(h) => hs.push(h),
+                    Err(e) => {
+                        abandoned.store(true, Ordering::Release);
+                        eprintln!("replay: cannot start a thread for recorded thread {}: {e}", hs.len());
+                        break;
+                    }
+                }
+            }
+            let started = hs.len();
+            let mut r: Vec<_> = hs.into_iter().map(|h| h.join().ok()).collect();
+            r.resize(plan.threads().max(started), None);
+            r
         });
+        if abandoned.load(Ordering::Acquire) || results.iter().any(Option::is_none) {
+            return Err(err(
+                "the replay did not finish: a thread could not be started, or a player panicked (see above)",
+            ));
+        }
+        let results: Vec<(Vec<u64>, u64, u64)> = results.into_iter().flatten().collect();
         let secs = t0.elapsed().as_secs_f64();
         let counts = alloc.counts();
         // Blocks the trace never freed: freed now, outside the timing.
