@@ -23,7 +23,10 @@
  *    another thread, which cannot name that stream, is fenced through the legacy stream
  *    instead (an event there follows all earlier per-thread-stream work; no host block). A
  *    declared stream must not be destroyed before the block's free, whose fence is recorded
- *    on it (as PyTorch's streams, which live as long as the process).
+ *    on it (as PyTorch's streams, which live as long as the process). A pointer inside
+ *    reserved memory where no live block starts (a freed block, an interior pointer) cannot
+ *    be told from a live block's start by every thread, so it is accepted; its declaration
+ *    belongs to no block and is dropped when a block is next handed out at that address.
  *
  * OWNERSHIP AND ERRORS
  *  - A block belongs to the caller from cuarena_malloc until cuarena_free; free it once, with

@@ -109,9 +109,23 @@ const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sp
                     aliases: max_bytes = max, sparse_fraction = sparse, batch_blocks = batch, legacy_batch_blocks = legacy_batch; \
                     items are key=value or key:value, separated by commas";
 
-/// A configuration error that says where configuration comes from and what the keys are.
+/// A configuration error that says where configuration comes from and what the keys are. The
+/// message is shortened to [`MAX_ECHO`] characters: it may echo an item of any length.
 fn config_error(msg: impl std::fmt::Display) -> Error {
+    let msg = clip(&msg.to_string(), MAX_ECHO);
     Error::Config(format!("{msg} (set in CUARENA_CONF or Config::builder(); valid keys: {KEYS})"))
+}
+
+/// The most characters of the user's text an error echoes: a configuration string can be
+/// megabytes long, and a message that repeats it whole is no help.
+const MAX_ECHO: usize = 400;
+
+/// `s`, cut after `max` characters (never inside one) with `…` where it was cut.
+pub(crate) fn clip(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s.to_owned(),
+    }
 }
 
 /// The cap on reserved memory.
@@ -202,8 +216,9 @@ impl Config {
         };
         match r {
             Err(Error::Config(m)) if !defaults.is_empty() => Err(Error::Config(format!(
-                "{m} [read over the defaults `{defaults}` that global::set_defaults (C: cuarena_set_defaults) set, \
-                 which CUARENA_CONF's items override]"
+                "{m} [read over the defaults `{}` that global::set_defaults (C: cuarena_set_defaults) set, \
+                 which CUARENA_CONF's items override]",
+                clip(defaults, MAX_ECHO)
             ))),
             r => r,
         }

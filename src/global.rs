@@ -25,7 +25,8 @@ static CREATING: Mutex<()> = Mutex::new(());
 /// (empty: none). Valid on their own (checked by [`set_defaults`]).
 static DEFAULTS: Mutex<String> = Mutex::new(String::new());
 
-/// The process-wide allocator of CUDA device `device`, created on first use.
+/// The process-wide allocator of CUDA device `device`, created on first use ([`Error::ShutDown`]
+/// instead once process exit has begun).
 pub fn global(device: i32) -> Result<&'static Allocator> {
     let Some(slot) = usize::try_from(device).ok().and_then(|d| ALLOCATORS.get(d)) else {
         return Err(out_of_range(device));
@@ -38,6 +39,11 @@ pub fn global(device: i32) -> Result<&'static Allocator> {
     let _g = lock(&CREATING);
     if let Some(a) = slot.get() {
         return Ok(a);
+    }
+    // Once exit has begun no allocator is made: that would load the driver, initialise it and
+    // make a context from an `atexit` handler or a late destructor (`shutdown.rs`).
+    if crate::shutdown::process_exiting() {
+        return Err(Error::ShutDown);
     }
     let config = Config::from_env_over(&lock(&DEFAULTS))?;
     let a = Allocator::cuda(device, config)?;
@@ -53,10 +59,9 @@ pub fn global(device: i32) -> Result<&'static Allocator> {
 /// item (a trace is the user's to ask for, and `CUARENA_CONF` could not turn a default one
 /// off), are refused ([`Error::Config`], naming this call) and change nothing.
 pub fn set_defaults(items: &str) -> Result<usize> {
-    let shown: String = items.chars().take(200).collect();
-    let more = if shown.len() < items.len() { "…" } else { "" };
+    let shown = crate::config::clip(items, 200);
     let refused = |why: String| {
-        Error::Config(format!("set_defaults (C: cuarena_set_defaults) refused `{shown}{more}`: {why}"))
+        Error::Config(format!("set_defaults (C: cuarena_set_defaults) refused `{shown}`: {why}"))
     };
     let c = Config::parse(items).map_err(|e| match e {
         Error::Config(m) => refused(m),

@@ -253,37 +253,75 @@ pub fn header() -> [u8; HEADER_SIZE] {
 /// Reads a trace from its bytes. Refuses a wrong magic, another version or record size, and a
 /// truncated record, saying which.
 pub fn parse(bytes: &[u8]) -> Result<Vec<Record>> {
+    read_from(bytes)
+}
+
+/// Checks a trace's header.
+fn check_header(h: &[u8]) -> Result<()> {
     let bad = |m: String| Error::Trace(m);
-    if bytes.len() < HEADER_SIZE || bytes[..8] != MAGIC {
+    if h.len() < HEADER_SIZE || h[..8] != MAGIC {
         return Err(bad("not a cuarena trace: no CUATRACE header".into()));
     }
-    let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-    let size = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
+    let version = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+    let size = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes")) as usize;
     if version != VERSION || size != RECORD_SIZE {
         return Err(bad(format!(
             "trace version {version} with {size}-byte records; this build reads version {VERSION} with {RECORD_SIZE}-byte records"
         )));
     }
-    let body = &bytes[HEADER_SIZE..];
-    if !body.len().is_multiple_of(RECORD_SIZE) {
-        return Err(bad(format!(
-            "truncated trace: {} bytes after the header is not a whole number of {RECORD_SIZE}-byte records",
-            body.len()
-        )));
+    Ok(())
+}
+
+/// Reads `buf.len()` bytes or up to the end of `input`; how many it read.
+fn fill(input: &mut impl std::io::Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match input.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
-    body.chunks_exact(RECORD_SIZE)
-        .enumerate()
-        .map(|(i, c)| {
-            Record::decode(c.try_into().expect("chunks_exact")).map_err(|e| bad(format!("record {i}: {e}")))
-        })
-        .collect()
+    Ok(n)
+}
+
+/// Reads a trace from `input` a record at a time: the header is checked before anything else
+/// is read, so an input that is not a trace (a device that never ends, a huge file of another
+/// kind) is refused at once, and memory grows only with the records read.
+fn read_from(mut input: impl std::io::Read) -> Result<Vec<Record>> {
+    let io = |e: std::io::Error| Error::Trace(format!("reading the trace: {e}"));
+    let mut h = [0u8; HEADER_SIZE];
+    let n = fill(&mut input, &mut h).map_err(io)?;
+    check_header(&h[..n])?;
+    let mut out = Vec::new();
+    let mut r = [0u8; RECORD_SIZE];
+    loop {
+        match fill(&mut input, &mut r).map_err(io)? {
+            0 => return Ok(out),
+            RECORD_SIZE => {
+                let i = out.len();
+                out.push(Record::decode(&r).map_err(|e| Error::Trace(format!("record {i}: {e}")))?);
+            }
+            k => {
+                return Err(Error::Trace(format!(
+                    "truncated trace: {} bytes after the header is not a whole number of {RECORD_SIZE}-byte records",
+                    out.len() * RECORD_SIZE + k
+                )));
+            }
+        }
+    }
 }
 
 /// Reads the trace file at `path`.
 pub fn read(path: impl AsRef<std::path::Path>) -> Result<Vec<Record>> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|e| Error::Trace(format!("reading {}: {e}", path.display())))?;
-    parse(&bytes).map_err(|e| match e {
+    let at = |m: String| Error::Trace(format!("reading {}: {m}", path.display()));
+    let f = std::fs::File::open(path).map_err(|e| at(e.to_string()))?;
+    if f.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+        return Err(at("is a directory".into()));
+    }
+    read_from(std::io::BufReader::with_capacity(1 << 20, f)).map_err(|e| match e {
         Error::Trace(m) => Error::Trace(format!("{}: {m}", path.display())),
         e => e,
     })
@@ -375,16 +413,39 @@ pub(crate) struct Shared {
     session: Mutex<Option<Session>>,
     /// One `start` or `stop` at a time.
     control: Mutex<()>,
-    /// The file's path, if it is one (for the process-wide busy check).
-    path: Mutex<Option<std::path::PathBuf>>,
+    /// The file's identity, if it is one (for the process-wide busy check).
+    path: Mutex<Option<FileId>>,
 }
 
-/// Paths of traces running in this process (two traces must not write one file).
-static BUSY: std::sync::Mutex<Vec<std::path::PathBuf>> = std::sync::Mutex::new(Vec::new());
+/// Files of traces running in this process (two traces must not write one file).
+static BUSY: std::sync::Mutex<Vec<FileId>> = std::sync::Mutex::new(Vec::new());
+
+/// What makes two opened files one: on Unix the device and inode (so `d/../t.bin`, a link and
+/// the plain path are one file), elsewhere the canonical path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum FileId {
+    #[cfg_attr(not(unix), allow(dead_code))]
+    Inode(u64, u64),
+    #[cfg_attr(unix, allow(dead_code))]
+    Path(std::path::PathBuf),
+}
+
+impl FileId {
+    fn of(f: &std::fs::File, path: &std::path::Path) -> FileId {
+        #[cfg(unix)]
+        if let Ok(m) = f.metadata() {
+            use std::os::unix::fs::MetadataExt;
+            return FileId::Inode(m.dev(), m.ino());
+        }
+        let _ = f;
+        FileId::Path(std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()))
+    }
+}
 
 /// Tracers with a running trace, for the exit hook.
 static RUNNING: std::sync::Mutex<Vec<Weak<Shared>>> = std::sync::Mutex::new(Vec::new());
 
+#[cfg_attr(loom, allow(dead_code))] // the loom build registers no exit hook
 extern "C" fn stop_all_at_exit() {
     let running: Vec<Weak<Shared>> = std::mem::take(&mut *RUNNING.lock().unwrap_or_else(|p| p.into_inner()));
     for t in running.iter().filter_map(Weak::upgrade) {
@@ -428,31 +489,48 @@ impl Shared {
         self.on.load(Ordering::Relaxed)
     }
 
-    /// Starts a trace into the file at `path` (created or truncated).
+    /// Starts a trace into the file at `path` (created or truncated). Refused once process exit
+    /// has begun (the exit hook that finishes traces may have run already), and for a file
+    /// another trace of this process writes, however the two paths name it (`..`, links).
     pub(crate) fn start_file(self: &Arc<Self>, path: &std::path::Path) -> Result<()> {
         let _c = lock(&self.control);
+        if crate::shutdown::process_exiting() {
+            return Err(Error::ShutDown);
+        }
         if lock(&self.session).is_some() {
             return Err(Error::Trace("a trace is already running on this allocator".into()));
         }
-        let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        // Opened without truncation: a file another trace writes must be left as it is.
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| Error::Trace(format!("creating {}: {e}", path.display())))?;
+        let id = FileId::of(&f, path);
         {
             let mut busy = BUSY.lock().unwrap_or_else(|p| p.into_inner());
-            if busy.contains(&abs) {
+            if busy.contains(&id) {
                 return Err(Error::Trace(format!(
                     "{} is already being written by another trace in this process (give each allocator its own path)",
                     path.display()
                 )));
             }
-            busy.push(abs.clone());
+            busy.push(id.clone());
         }
-        let file = std::fs::File::create(path)
-            .map_err(|e| Error::Trace(format!("creating {}: {e}", path.display())))
-            .and_then(|f| self.start_locked(Box::new(std::io::BufWriter::with_capacity(1 << 20, f))));
-        if let Err(e) = file {
-            BUSY.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| *p != abs);
+        let started = match f.metadata() {
+            // Only a regular file is truncated (a device such as /dev/null cannot be).
+            Ok(m) if m.is_file() => f.set_len(0),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| Error::Trace(format!("creating {}: {e}", path.display())))
+        .and_then(|()| self.start_locked(Box::new(std::io::BufWriter::with_capacity(1 << 20, f))));
+        if let Err(e) = started {
+            BUSY.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| *p != id);
             return Err(e);
         }
-        *lock(&self.path) = Some(abs);
+        *lock(&self.path) = Some(id);
         install_exit_hook();
         RUNNING.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(self));
         Ok(())

@@ -81,6 +81,18 @@ impl Recorded {
         v
     }
 
+    /// Drops `ptr`'s declarations: called when a block is handed out at `ptr`, whose
+    /// declarations, if any, were made while no live block started there.
+    fn forget(&self, ptr: u64) {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut m = lock(&self.map);
+        if m.remove(&ptr).is_some() {
+            self.len.store(m.len(), Ordering::Release);
+        }
+    }
+
     /// Puts back what [`Recorded::take`] returned, merged with anything declared since
     /// (used when the free it was taken for was refused: the block is still live).
     fn restore(&self, ptr: u64, streams: Vec<StreamUse>) {
@@ -165,8 +177,25 @@ pub extern "C" fn cuarena_malloc(size: usize, device: c_int, stream_: *mut c_voi
             return Err(Error::ShutDown.to_string());
         }
         let a = global(device).map_err(|e| e.to_string())?;
-        a.allocate(size, stream(stream_)).map(|p| p.0 as *mut c_void).map_err(|e| e.to_string())
+        malloc_with(a, &RECORDED, size, stream(stream_)).map(|p| p as *mut c_void).map_err(|e| e.to_string())
     })
+}
+
+/// The allocation of `cuarena_malloc` on allocator `a`, with the `record_stream` declarations
+/// of `recorded` (the process-wide table; a test's own otherwise).
+pub(crate) fn malloc_with(
+    a: &Allocator,
+    recorded: &Recorded,
+    size: usize,
+    s: Stream,
+) -> cuarena::Result<u64> {
+    let p = a.allocate(size, s)?.0;
+    // A declaration at this address was made while no live block started here (on a block
+    // since freed, or an interior pointer: `cuarena_record_stream` cannot tell them from a live
+    // block's start from any thread). It belongs to no block, and must neither fence nor fail
+    // the free of this one (its stream may be gone by then).
+    recorded.forget(p);
+    Ok(p)
 }
 
 /// Frees a block from `cuarena_malloc`; see the header for the contract. `(NULL, 0)` is a
@@ -225,7 +254,10 @@ pub(crate) fn free_with(
 
 /// Declares that work on `stream` uses the block at `ptr`: its free is fenced after that work.
 /// Refused (with an error) for a pointer outside the memory cuarena has reserved, and beyond
-/// [`MAX_RECORDED_BLOCKS`] blocks or [`MAX_RECORDED_STREAMS`] streams per block.
+/// [`MAX_RECORDED_BLOCKS`] blocks or [`MAX_RECORDED_STREAMS`] streams per block. A pointer
+/// inside reserved memory where no live block starts is accepted (no thread but a block's
+/// owner can tell); its declaration is dropped when a block is handed out there
+/// ([`malloc_with`]).
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_record_stream(ptr: *mut c_void, stream_: *mut c_void) {
     guard((), || {
