@@ -12,7 +12,13 @@
 //! - `large_max = 64 MiB`: requests in `small_max < size <= large_max` on a stream with an arena
 //!   are served by that arena too, from *large superblocks* it borrows from the pool (see
 //!   `arena.rs`). 64 MiB is the largest size the arena's size classes reach
-//!   ([`MAX_CLASSED_GRANULES`]); above it, the global pool serves.
+//!   ([`MAX_CLASSED_GRANULES`]); above it, the global pool serves. `large_max=off`
+//!   ([`ConfigBuilder::no_large`]) turns large superblocks off: every request over `small_max`
+//!   goes to the pool (a lock and an event a free, and no memory kept per thread for large
+//!   blocks). The Python glue for PyTorch and CuPy gives it as a default: its large superblocks
+//!   (4 times the request or more, kept while the thread may reuse them) cost a training run a
+//!   third more reserved memory, for a speed frameworks, at thousands of allocations a second,
+//!   do not need (`python/cuarena/__init__.py`, `FRAMEWORK_CONF`; `BENCHMARKS.md`).
 //! - `chunk = 32 MiB`: the pool grows by at least this much per driver call, enough to serve 16
 //!   superblocks and keep driver calls rare, small next to a GPU shared with other processes.
 //! - `max = 100%`: the cap is the device's memory; nothing is reserved up front.
@@ -58,8 +64,9 @@
 //!
 //! ## Ranges (checked by [`ConfigBuilder::build`])
 //! `superblock`: a power of two, 64 KiB ..= 64 MiB; `small_max`: 1 ..= superblock; `large_max`:
-//! small_max ..= 64 MiB (`large_max = small_max` sends every request over `small_max` to the
-//! global pool, as before large superblocks); `chunk`: a
+//! small_max ..= 64 MiB, or `off` (`large_max = small_max` sends every request over `small_max`
+//! to the global pool, as before large superblocks; `off` does so whatever `small_max` is);
+//! `chunk`: a
 //! positive multiple of the superblock; `max`: at least one superblock, or a fraction in (0, 1];
 //! `keep_empty`: 0 ..= [`MAX_KEEP_EMPTY`]; `sparse`: in (0, 1); `batch`: 1 ..= [`MAX_BATCH`];
 //! `batch_bytes`: at least 1; `legacy_batch`: 1 ..= [`MAX_BATCH`]; `legacy_batch_bytes`: at least 1.
@@ -183,7 +190,7 @@ impl Default for Config {
 impl Config {
     /// A builder starting from the defaults.
     pub fn builder() -> ConfigBuilder {
-        ConfigBuilder(Config::default())
+        ConfigBuilder(Config::default(), false)
     }
 
     /// The defaults overridden by `CUARENA_CONF`, if set.
@@ -228,7 +235,8 @@ impl Config {
     /// or, in `PYTORCH_CUDA_ALLOC_CONF`'s form, `max:80%,small_max:1MiB`.
     ///
     /// Items are `key=value` or `key:value`, separated by commas; a later item overrides an
-    /// earlier one. Keys (exact, lowercase): `small_max`, `large_max`, `superblock`, `chunk`,
+    /// earlier one. Keys (exact, lowercase): `small_max`, `large_max` (a size, or `off`),
+    /// `superblock`, `chunk`,
     /// `max` (alias `max_bytes`), `keep_empty`, `sparse` (alias `sparse_fraction`), `batch`
     /// (alias `batch_blocks`), `batch_bytes`, `legacy_batch` (alias `legacy_batch_blocks`),
     /// `legacy_batch_bytes`, `stats` (`exact` or `sampled`), `passthrough` (a bare key, or
@@ -272,6 +280,7 @@ impl Config {
             let number = |x: &str| parse_f64(x).map_err(|e| config_error(format!("{k}{sep}{v}: {e}")));
             b = match k {
                 "small_max" => b.small_max(size(v)?),
+                "large_max" if v.eq_ignore_ascii_case("off") => b.no_large(),
                 "large_max" => b.large_max(size(v)?),
                 "superblock" => b.superblock(size(v)?),
                 "chunk" => b.chunk(size(v)?),
@@ -491,9 +500,10 @@ fn size_of(v: &str) -> Result<usize, String> {
     Ok(bytes)
 }
 
-/// Builds a validated [`Config`].
+/// Builds a validated [`Config`]. The flag: large superblocks are off ([`ConfigBuilder::no_large`]),
+/// so `large_max` is `small_max`, whatever `small_max` the build ends with.
 #[derive(Clone, Debug)]
-pub struct ConfigBuilder(Config);
+pub struct ConfigBuilder(Config, bool);
 
 impl ConfigBuilder {
     /// Largest small request (class-rounded; at most the superblock size). Larger ones up to
@@ -503,9 +513,17 @@ impl ConfigBuilder {
         self
     }
     /// Largest request the arenas serve from large superblocks: in `small_max ..= 64 MiB`
-    /// (`small_max` itself turns large superblocks off).
+    /// (`small_max` itself turns large superblocks off). Undoes an earlier [`Self::no_large`].
     pub fn large_max(mut self, bytes: usize) -> Self {
         self.0.large_max = bytes;
+        self.1 = false;
+        self
+    }
+    /// No large superblocks: every request over `small_max` goes to the global pool, as
+    /// `large_max = small_max` does, for whatever `small_max` the configuration ends with
+    /// (`large_max=off` in `CUARENA_CONF`). Undone by a later [`Self::large_max`].
+    pub fn no_large(mut self) -> Self {
+        self.1 = true;
         self
     }
     /// Superblock size: a power of two from 64 KiB to 64 MiB.
@@ -597,7 +615,10 @@ impl ConfigBuilder {
     /// Validates and returns the configuration. Every field is range-checked (see the module
     /// comment); an error names the field, its value and the valid range.
     pub fn build(self) -> Result<Config> {
-        let c = self.0;
+        let mut c = self.0;
+        if self.1 {
+            c.large_max = c.small_max;
+        }
         let err = |m: String| Err(config_error(m));
         if !c.superblock.is_power_of_two() || c.superblock < (64 << 10) {
             return err(format!("superblock {} must be a power of two of at least 64 KiB", c.superblock));
@@ -1108,5 +1129,24 @@ mod tests {
         assert_helpful(&message(Config::parse("small_max=1MiB,large_max=512KiB")), "large_max");
         assert_helpful(&message(Config::parse("large_max=65MiB")), "large_max");
         assert_helpful(&message(Config::builder().large_max(128 << 20).build()), "64 MiB");
+    }
+
+    #[test]
+    fn large_max_off_follows_small_max_and_the_later_item_wins() {
+        let off = |s: &str| Config::parse(s).unwrap();
+        assert_eq!(off("large_max=off").large_max(), off("large_max=off").small_max());
+        assert_eq!(off("large_max=OFF").large_max(), 1 << 20);
+        // Whatever small_max the configuration ends with, before or after the item.
+        assert_eq!(off("large_max=off,superblock=4MiB,small_max=2MiB").large_max(), 2 << 20);
+        assert_eq!(off("superblock=4MiB,small_max=2MiB,large_max=off").large_max(), 2 << 20);
+        assert_eq!(off("small_max=64KiB,large_max=off").large_max(), 64 << 10);
+        // A later size turns large superblocks back on, and a later `off` off again.
+        assert_eq!(off("large_max=off,large_max=8MiB").large_max(), 8 << 20);
+        assert_eq!(off("large_max=8MiB,large_max=off").large_max(), 1 << 20);
+        // Under the glue's defaults, a user's larger small_max is not refused.
+        let c =
+            Config::layered("legacy_batch_bytes=16MiB,large_max=off", Some("superblock=8MiB,small_max=4MiB"));
+        assert_eq!(c.unwrap().large_max(), 4 << 20);
+        assert_helpful(&message(Config::parse("large_max=of")), "large_max");
     }
 }

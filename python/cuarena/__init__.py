@@ -313,12 +313,18 @@ def set_oom_hook(fn, device=0):
 
 # The defaults the framework glue (cuarena.torch.use, cuarena.cupy.use) gives the library, under
 # CUARENA_CONF (cuarena_set_defaults: the user's own CUARENA_CONF items override them; no
-# environment variable is changed). PyTorch and CuPy free tensors of megabytes on the legacy
-# stream, where a thread's frees are kept back until a legacy action (the library's default cap,
-# 64 MiB a thread, suits many threads freeing small blocks there). At 16 MiB the training of
-# examples/torch_train.py peaked at 416 MiB reserved instead of 480, for about 8 more driver calls
-# a step (H200, 2026-12-02, BENCHMARKS.md).
-FRAMEWORK_CONF = "legacy_batch_bytes=16MiB"
+# environment variable is changed). Frameworks allocate thousands of blocks a second, not
+# millions, so the library's defaults, made for many threads churning, trade memory for speed
+# they do not need:
+# - PyTorch and CuPy free tensors of megabytes on the legacy stream, where a thread's frees are
+#   kept back until a legacy action (the library's cap, 64 MiB a thread, suits many threads
+#   freeing small blocks there): 16 MiB;
+# - blocks over small_max (1 MiB) come from the global pool instead of the arenas' large
+#   superblocks (each 4 times the request or more, and kept while the thread may reuse them).
+# examples/torch_train.py peaked at 480 MiB reserved with the library's defaults, 416 with the
+# first and 320 with both (PyTorch's own allocator: 274), at a step time within the noise of
+# the machine (H200, 2026-12-02 and 2026-12-03, BENCHMARKS.md).
+FRAMEWORK_CONF = "legacy_batch_bytes=16MiB,large_max=off"
 
 
 _defaults_given = False
