@@ -17,8 +17,10 @@
  *  - cuarena_record_stream(ptr, stream) declares that work on another `stream` uses the block;
  *    its free is then fenced after that work too (PyTorch's record_stream). A pointer outside
  *    the memory cuarena has reserved is refused (error set, nothing kept), as is a declaration
- *    beyond 2^20 blocks with declarations or 1024 streams per block. A declaration survives a
- *    refused free, so a corrected retry of the free is still fenced after those streams.
+ *    beyond 2^20 live blocks with declarations or 1024 streams per block. A declaration
+ *    survives a refused free, and one accepted but found invalid later by the block's owner (a
+ *    wrong size freed by another thread), so a corrected free is still fenced after those
+ *    streams; it goes when a block is next handed out at that address.
  *    cudaStreamPerThread names the declaring thread's per-thread stream: a free made by
  *    another thread, which cannot name that stream, is fenced through the legacy stream
  *    instead (an event there follows all earlier per-thread-stream work; no host block). A

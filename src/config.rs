@@ -117,15 +117,15 @@ const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sp
                     items are key=value or key:value, separated by commas";
 
 /// A configuration error that says where configuration comes from and what the keys are. The
-/// message is shortened to [`MAX_ECHO`] characters: it may echo an item of any length.
+/// user's text in `msg` is already clipped to [`MAX_ECHO`] characters where it is echoed.
 fn config_error(msg: impl std::fmt::Display) -> Error {
-    let msg = clip(&msg.to_string(), MAX_ECHO);
     Error::Config(format!("{msg} (set in CUARENA_CONF or Config::builder(); valid keys: {KEYS})"))
 }
 
-/// The most characters of the user's text an error echoes: a configuration string can be
-/// megabytes long, and a message that repeats it whole is no help.
-const MAX_ECHO: usize = 400;
+/// The most characters of one piece of the user's text (an item, a key, a value) that an error
+/// echoes: a configuration string can be megabytes long, and a message that repeats it whole
+/// is no help. The reason around it is kept whole.
+const MAX_ECHO: usize = 200;
 
 /// `s`, cut after `max` characters (never inside one) with `…` where it was cut.
 pub(crate) fn clip(s: &str, max: usize) -> String {
@@ -258,26 +258,29 @@ impl Config {
                 b = b.passthrough(true);
                 continue;
             }
+            // The user's text, as error messages echo it: an item may be of any length.
+            let item_s = clip(item, MAX_ECHO);
             let Some(at) = item.find(['=', ':']) else {
                 return Err(config_error(format!(
-                    "`{item}` is not key=value or key:value (items are separated by commas)"
+                    "`{item_s}` is not key=value or key:value (items are separated by commas)"
                 )));
             };
             let (k, sep, v) = (item[..at].trim(), &item[at..at + 1], item[at + 1..].trim());
+            let (k_s, v_s) = (clip(k, MAX_ECHO), clip(v, MAX_ECHO));
             if k.is_empty() {
-                return Err(config_error(format!("`{item}` has no key")));
+                return Err(config_error(format!("`{item_s}` has no key")));
             }
             if v.is_empty() {
-                return Err(config_error(format!("`{item}` has no value")));
+                return Err(config_error(format!("`{item_s}` has no value")));
             }
             if v.contains(['=', ':', ';']) {
                 return Err(config_error(format!(
-                    "`{item}` holds more than one item: items are separated by commas"
+                    "`{item_s}` holds more than one item: items are separated by commas"
                 )));
             }
-            let size = |x: &str| size_of(x).map_err(|e| config_error(format!("{k}{sep}{v}: {e}")));
-            let whole = |x: &str| parse_usize(x).map_err(|e| config_error(format!("{k}{sep}{v}: {e}")));
-            let number = |x: &str| parse_f64(x).map_err(|e| config_error(format!("{k}{sep}{v}: {e}")));
+            let size = |x: &str| size_of(x).map_err(|e| config_error(format!("{k_s}{sep}{v_s}: {e}")));
+            let whole = |x: &str| parse_usize(x).map_err(|e| config_error(format!("{k_s}{sep}{v_s}: {e}")));
+            let number = |x: &str| parse_f64(x).map_err(|e| config_error(format!("{k_s}{sep}{v_s}: {e}")));
             b = match k {
                 "small_max" => b.small_max(size(v)?),
                 "large_max" if v.eq_ignore_ascii_case("off") => b.no_large(),
@@ -300,16 +303,16 @@ impl Config {
                 "stats" => b.exact_stats(match v {
                     "exact" => true,
                     "sampled" => false,
-                    _ => return Err(config_error(format!("stats=`{v}` is not exact or sampled"))),
+                    _ => return Err(config_error(format!("stats=`{v_s}` is not exact or sampled"))),
                 }),
                 // The value is taken as it is: a path holding `,` `=` `:` or `;` cannot be given here.
                 "trace" => b.trace(v),
                 "passthrough" => b.passthrough(match v {
                     "true" | "1" => true,
                     "false" | "0" => false,
-                    _ => return Err(config_error(format!("passthrough=`{v}` is not true, false, 1 or 0"))),
+                    _ => return Err(config_error(format!("passthrough=`{v_s}` is not true, false, 1 or 0"))),
                 }),
-                _ => return Err(config_error(format!("unknown key `{k}`"))),
+                _ => return Err(config_error(format!("unknown key `{k_s}`"))),
             };
         }
         b.build()
@@ -362,14 +365,16 @@ impl Config {
 }
 
 fn parse_usize(v: &str) -> Result<usize, String> {
+    let vs = clip(v, MAX_ECHO);
     if v.starts_with('-') {
         return Err("must not be negative".into());
     }
-    v.parse().map_err(|_| format!("`{v}` is not a whole number (or is over {})", usize::MAX))
+    v.parse().map_err(|_| format!("`{vs}` is not a whole number (or is over {})", usize::MAX))
 }
 
 fn parse_f64(v: &str) -> Result<f64, String> {
-    v.parse().map_err(|_| format!("`{v}` is not a number"))
+    let vs = clip(v, MAX_ECHO);
+    v.parse().map_err(|_| format!("`{vs}` is not a number"))
 }
 
 /// Refuses a bare number for `max` that is surely a percentage or fraction written without its
@@ -388,9 +393,10 @@ fn check_bare_max(k: &str, sep: &str, v: &str) -> Result<()> {
     } else {
         return Ok(());
     };
-    let pct = if x <= 1.0 { times_100(v) } else { v.to_string() };
+    let vs = clip(v, MAX_ECHO);
+    let pct = clip(&if x <= 1.0 { times_100(v) } else { v.to_string() }, MAX_ECHO);
     Err(config_error(format!(
-        "{k}{sep}{v}: {why}; did you mean {k}{sep}{pct}%? (or a size with a unit, e.g. {k}{sep}8GiB)"
+        "{k}{sep}{vs}: {why}; did you mean {k}{sep}{pct}%? (or a size with a unit, e.g. {k}{sep}8GiB)"
     )))
 }
 
@@ -448,11 +454,12 @@ pub fn parse_bytes(v: &str) -> Result<usize> {
 /// configuration comes from (the caller adds both).
 fn size_of(v: &str) -> Result<usize, String> {
     let v = v.trim();
+    let vs = clip(v, MAX_ECHO);
     if v.is_empty() {
         return Err("no size given".into());
     }
     if v.starts_with('-') {
-        return Err(format!("`{v}` is negative; a size must not be"));
+        return Err(format!("`{vs}` is negative; a size must not be"));
     }
     let int_end = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
     let (int, rest) = v.split_at(int_end);
@@ -461,7 +468,7 @@ fn size_of(v: &str) -> Result<usize, String> {
         None => ("", rest),
     };
     if int.is_empty() || (rest.starts_with('.') && frac.is_empty()) {
-        return Err(format!("`{v}` is not a size (a number and a unit, e.g. 512MiB, 1.5GiB, 4096B)"));
+        return Err(format!("`{vs}` is not a size (a number and a unit, e.g. 512MiB, 1.5GiB, 4096B)"));
     }
     let unit = unit.trim();
     let lower = unit.to_ascii_lowercase();
@@ -470,18 +477,19 @@ fn size_of(v: &str) -> Result<usize, String> {
         None if unit.is_empty() => 1,
         None => {
             return Err(format!(
-                "unknown unit `{unit}` in `{v}` (units, any case: B; K, KiB, M, MiB, G, GiB, T, TiB; KB, MB, GB, TB)"
+                "unknown unit `{}` in `{vs}` (units, any case: B; K, KiB, M, MiB, G, GiB, T, TiB; KB, MB, GB, TB)",
+                clip(unit, MAX_ECHO)
             ));
         }
     };
     if !frac.is_empty() && mul == 1 {
         return Err(if unit.is_empty() {
-            format!("`{v}` has a fraction but no unit (write e.g. {v}MiB or {v}GiB)")
+            format!("`{vs}` has a fraction but no unit (write e.g. {vs}MiB or {vs}GiB)")
         } else {
-            format!("`{v}` is not a whole number of bytes")
+            format!("`{vs}` is not a whole number of bytes")
         });
     }
-    let overflow = || format!("`{v}` overflows (more than {} bytes)", usize::MAX);
+    let overflow = || format!("`{vs}` overflows (more than {} bytes)", usize::MAX);
     let int: u128 = int.parse().map_err(|_| overflow())?;
     // floor(0.frac × mul), exactly, by Horner's rule from the last digit: floor((d·mul + y)/10)
     // equals floor((d·mul + floor(y))/10), so every step may round down.
@@ -493,8 +501,8 @@ fn size_of(v: &str) -> Result<usize, String> {
         .ok_or_else(overflow)?;
     if unit.is_empty() && bytes < MIN_BARE_BYTES {
         return Err(format!(
-            "`{v}` has no unit: a bare number is bytes and must be at least {MIN_BARE_BYTES} \
-             (a forgotten unit is the likelier mistake); write {v}B if bytes are meant, or add a unit (KiB, MiB, GiB)"
+            "`{vs}` has no unit: a bare number is bytes and must be at least {MIN_BARE_BYTES} \
+             (a forgotten unit is the likelier mistake); write {vs}B if bytes are meant, or add a unit (KiB, MiB, GiB)"
         ));
     }
     Ok(bytes)

@@ -420,6 +420,18 @@ pub(crate) struct Shared {
 /// Files of traces running in this process (two traces must not write one file).
 static BUSY: std::sync::Mutex<Vec<FileId>> = std::sync::Mutex::new(Vec::new());
 
+/// Whether a trace may be written to a file of this kind: a regular file, or a character device
+/// (`/dev/null`).
+fn takes_a_trace(m: &std::fs::Metadata) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        m.is_file() || m.file_type().is_char_device()
+    }
+    #[cfg(not(unix))]
+    m.is_file()
+}
+
 /// What makes two opened files one: on Unix the device and inode (so `d/../t.bin`, a link and
 /// the plain path are one file), elsewhere the canonical path.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -442,12 +454,16 @@ impl FileId {
     }
 }
 
-/// Tracers with a running trace, for the exit hook.
-static RUNNING: std::sync::Mutex<Vec<Weak<Shared>>> = std::sync::Mutex::new(Vec::new());
+/// Tracers with a running trace, for the exit hook; `None` once the hook has run: a trace
+/// started after it could never be finished, so none starts (checked and added under this lock,
+/// which `start_file` takes after a tracer's `control` and `stop_all_at_exit` releases before
+/// it stops one).
+static RUNNING: std::sync::Mutex<Option<Vec<Weak<Shared>>>> = std::sync::Mutex::new(Some(Vec::new()));
 
 #[cfg_attr(loom, allow(dead_code))] // the loom build registers no exit hook
 extern "C" fn stop_all_at_exit() {
-    let running: Vec<Weak<Shared>> = std::mem::take(&mut *RUNNING.lock().unwrap_or_else(|p| p.into_inner()));
+    let running: Vec<Weak<Shared>> =
+        RUNNING.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default();
     for t in running.iter().filter_map(Weak::upgrade) {
         let _ = t.stop();
     }
@@ -500,13 +516,32 @@ impl Shared {
         if lock(&self.session).is_some() {
             return Err(Error::Trace("a trace is already running on this allocator".into()));
         }
+        let not_a_file = || {
+            Error::Trace(format!(
+                "{} is not a regular file (nor a character device such as /dev/null): a trace is not written there",
+                path.display()
+            ))
+        };
+        // A FIFO with no reader would block the open (and the allocator's trace control with
+        // it), a socket or a directory cannot be written as a file: refused before the open,
+        // and again after it, from the opened file, in case the path changed in between.
+        if std::fs::metadata(path).is_ok_and(|m| !takes_a_trace(&m)) {
+            return Err(not_a_file());
+        }
         // Opened without truncation: a file another trace writes must be left as it is.
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .map_err(|e| Error::Trace(format!("creating {}: {e}", path.display())))?;
+        let mut o = std::fs::OpenOptions::new();
+        o.write(true).create(true).truncate(false);
+        #[cfg(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
+        {
+            // O_NONBLOCK: a FIFO swapped in after the check fails (ENXIO) instead of blocking;
+            // on a regular file or /dev/null it changes nothing.
+            use std::os::unix::fs::OpenOptionsExt;
+            o.custom_flags(0o4000);
+        }
+        let f = o.open(path).map_err(|e| Error::Trace(format!("creating {}: {e}", path.display())))?;
+        if !f.metadata().is_ok_and(|m| takes_a_trace(&m)) {
+            return Err(not_a_file());
+        }
         let id = FileId::of(&f, path);
         {
             let mut busy = BUSY.lock().unwrap_or_else(|p| p.into_inner());
@@ -518,21 +553,28 @@ impl Shared {
             }
             busy.push(id.clone());
         }
-        let started = match f.metadata() {
-            // Only a regular file is truncated (a device such as /dev/null cannot be).
-            Ok(m) if m.is_file() => f.set_len(0),
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
+        install_exit_hook();
+        let mut running = RUNNING.lock().unwrap_or_else(|p| p.into_inner());
+        let started = match running.as_ref() {
+            None => Err(Error::ShutDown),
+            Some(_) => Ok(()),
         }
-        .map_err(|e| Error::Trace(format!("creating {}: {e}", path.display())))
+        .and_then(|()| {
+            match f.metadata() {
+                // Only a regular file is truncated (a device such as /dev/null cannot be).
+                Ok(m) if m.is_file() => f.set_len(0),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            }
+            .map_err(|e| Error::Trace(format!("creating {}: {e}", path.display())))
+        })
         .and_then(|()| self.start_locked(Box::new(std::io::BufWriter::with_capacity(1 << 20, f))));
         if let Err(e) = started {
             BUSY.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| *p != id);
             return Err(e);
         }
         *lock(&self.path) = Some(id);
-        install_exit_hook();
-        RUNNING.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(self));
+        running.as_mut().expect("checked above, under the lock").push(Arc::downgrade(self));
         Ok(())
     }
 
@@ -706,7 +748,10 @@ impl Shared {
         if let Some(p) = lock(&self.path).take() {
             BUSY.lock().unwrap_or_else(|p| p.into_inner()).retain(|b| *b != p);
         }
-        RUNNING.lock().unwrap_or_else(|p| p.into_inner()).retain(|w| w.strong_count() > 0);
+        if let Some(r) = RUNNING.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            // This tracer's entry too: a start pushes one each time.
+            r.retain(|w| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), self));
+        }
         if let Some(e) = s.error {
             return Err(Error::Trace(format!("writing the trace: {e}")));
         }

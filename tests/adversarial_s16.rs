@@ -11,22 +11,23 @@
 //! with a clear message and a non-zero status, never a panic, an abort, a hang, or an attempt
 //! to allocate absurd host memory. The binary is `target/debug/cuarena` when it is newer than
 //! every source it is built from, else it is built here into a target directory of its own
-//! (`target/adversarial-s16`; the outer cargo holds the default one). `CUARENA_S16_BIN` names
+//! (`target/adversarial-s16`; the outer cargo holds the default one). `CUARENA_CLI` names
 //! another binary.
 
 use std::ffi::{CStr, CString, c_int, c_void};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cuarena::trace::{self, Action, Record, StreamKind, TracePath};
-use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Stream, StreamKey, StreamUse};
-use cuarena_testkit::{HostConfig, HostDevice, allocate_until_back, assert_all_returned, host_allocator};
+use cuarena::{Config, Device, DeviceAddr, Error, Stream, StreamKey};
+use cuarena_testkit::{allocate_until_back, assert_all_returned, host_allocator};
 
 mod common;
-use common::{Live, rng, within};
+use common::cli::{cli, cuarena, cuarena_capped, os, replay_args, run_limited, scratch, write_trace};
+use common::{Live, host, rng, within};
 
 /// The C ABI (`capi/`, built as libcuarena.so), compiled into this test to be called as Rust.
 #[allow(dead_code)] // this test calls a subset of it
@@ -65,36 +66,8 @@ fn gpu_present() -> bool {
     cuarena::CudaDevice::new(0).is_ok()
 }
 
-fn sim() -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity: 1 << 30,
-        min_delay: Duration::ZERO,
-        max_delay: Duration::from_micros(50),
-        ..HostConfig::default()
-    })
-}
-
 fn parse(s: &str) -> Config {
     Config::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"))
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cuarena-s16-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// What `cuarena_record_stream` does with a live allocator `a` and the table `rec`: the same
-/// check (inside memory `a` has reserved) and the same insertion.
-fn record_stream_like(a: &Allocator, rec: &Recorded, p: u64, s: Stream) -> Result<(), String> {
-    if p == 0 {
-        return Ok(());
-    }
-    if !a.contains_reserved(p) {
-        return Err(format!("{p:#x} is not inside memory reserved by cuarena"));
-    }
-    rec.record(p, StreamUse::here(s))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -248,8 +221,8 @@ fn concurrent_calls_without_a_driver_fail_cleanly_and_do_not_deadlock() {
 /// stream's work (the race checker and the tags see a reuse under it). Every byte comes back.
 #[test]
 fn free_with_refuses_every_bad_free_and_the_corrected_free_is_still_fenced() {
-    let dev0 = sim();
-    let dev1 = sim();
+    let dev0 = host(50);
+    let dev1 = host(50);
     let cfg = "superblock=256KiB,small_max=64KiB,chunk=1MiB,batch=1";
     let a = host_allocator(dev0.clone(), parse(cfg)).unwrap();
     let b = host_allocator(dev1.clone(), parse(cfg)).unwrap();
@@ -274,7 +247,7 @@ fn free_with_refuses_every_bad_free_and_the_corrected_free_is_still_fenced() {
             Stream::PER_THREAD,
         )
         .unwrap();
-        record_stream_like(&a, &rec, p.0, Stream::PER_THREAD).unwrap();
+        record_with(std::iter::once(&a), &rec, p.0, Stream::PER_THREAD).unwrap();
         for (q, n, what) in [
             (p.0, size + (8 << 20), "size mismatch"),
             (p.0 + 256, size, "interior pointer"),
@@ -325,7 +298,7 @@ fn free_with_refuses_every_bad_free_and_the_corrected_free_is_still_fenced() {
 /// (`malloc_with`, `cuarena_malloc`'s path) drops it.
 #[test]
 fn a_declaration_on_a_freed_block_cannot_poison_the_next_free() {
-    let dev = sim();
+    let dev = host(50);
     let a =
         host_allocator(dev.clone(), parse("superblock=256KiB,small_max=64KiB,chunk=1MiB,batch=1")).unwrap();
     let rec = Recorded::new(64);
@@ -334,8 +307,8 @@ fn a_declaration_on_a_freed_block_cannot_poison_the_next_free() {
     let p = malloc_with(&a, &rec, size, s1).unwrap();
     free_with(&a, &rec, p, size, s1).unwrap();
     // record_stream on the freed block, and on an interior pointer.
-    let stale = record_stream_like(&a, &rec, p, s2);
-    let interior = record_stream_like(&a, &rec, p + 256, s2);
+    let stale = record_with(std::iter::once(&a), &rec, p, s2);
+    let interior = record_with(std::iter::once(&a), &rec, p + 256, s2);
     assert!(stale.is_ok() && interior.is_ok(), "inside reserved memory: {stale:?} {interior:?}");
     dev.destroy_stream(s2).unwrap();
     // The address is handed out again (through the C ABI's path), and its valid free must be
@@ -383,7 +356,7 @@ fn a_declaration_on_a_freed_block_cannot_poison_the_next_free() {
 /// to a good path works (nothing is left marked busy).
 #[test]
 fn trace_start_and_stop_refuse_misuse_and_recover() {
-    let dev = sim();
+    let dev = host(50);
     let a = host_allocator(dev.clone(), Config::default()).unwrap();
     let dir = scratch("trace-misuse");
     let good = dir.join("t.bin");
@@ -428,7 +401,7 @@ fn trace_start_and_stop_refuse_misuse_and_recover() {
 /// as what either recorded.
 #[test]
 fn one_file_cannot_be_traced_twice_under_another_name() {
-    let dev = sim();
+    let dev = host(50);
     let dir = scratch("trace-alias");
     std::fs::create_dir_all(dir.join("sub")).unwrap();
     let path = dir.join("t.bin");
@@ -472,7 +445,7 @@ fn one_file_cannot_be_traced_twice_under_another_name() {
 /// comes back.
 #[test]
 fn abi_churn_with_concurrent_trim_stats_and_trace_start_stop() {
-    let dev = sim();
+    let dev = host(50);
     let a =
         host_allocator(dev.clone(), parse("superblock=256KiB,small_max=64KiB,chunk=1MiB,batch=4")).unwrap();
     let rec = Recorded::new(1 << 12);
@@ -500,7 +473,7 @@ fn abi_churn_with_concurrent_trim_stats_and_trace_start_stop() {
                                 live.insert(p, size);
                                 if i % 7 == 0 {
                                     dev.write_tag(p.0, 256, i, st).unwrap();
-                                    record_stream_like(a, rec, p.0, Stream::PER_THREAD).unwrap();
+                                    record_with(std::iter::once(a), rec, p.0, Stream::PER_THREAD).unwrap();
                                 }
                                 held.push((p, size, st));
                             } else if let Some((p, size, st)) = held.pop() {
@@ -643,178 +616,6 @@ fn entry_points_during_process_exit_refuse_with_the_shut_down_error() {
 // ---------------------------------------------------------------------------------------------
 // Area 2: trace files as untrusted input to `cuarena replay` and `cuarena trace-csv`.
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The newest modification time of the sources the binary is built from.
-fn newest_source() -> std::time::SystemTime {
-    fn walk(d: &Path, newest: &mut std::time::SystemTime) {
-        for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                walk(&p, newest);
-            } else if let Ok(m) = e.metadata().and_then(|m| m.modified()) {
-                *newest = (*newest).max(m);
-            }
-        }
-    }
-    let mut newest = std::time::SystemTime::UNIX_EPOCH;
-    for d in ["src", "benches/src", "testkit/src"] {
-        walk(&root().join(d), &mut newest);
-    }
-    for f in ["Cargo.toml", "Cargo.lock", "benches/Cargo.toml", "testkit/Cargo.toml"] {
-        if let Ok(m) = std::fs::metadata(root().join(f)).and_then(|m| m.modified()) {
-            newest = newest.max(m);
-        }
-    }
-    newest
-}
-
-/// The `cuarena` binary (module comment).
-fn cli() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(b) = std::env::var_os("CUARENA_S16_BIN") {
-            return PathBuf::from(b);
-        }
-        let exe = std::env::current_exe().unwrap();
-        let sibling = exe.parent().and_then(Path::parent).map(|d| d.join("cuarena"));
-        if let Some(s) = sibling
-            && std::fs::metadata(&s).and_then(|m| m.modified()).is_ok_and(|t| t >= newest_source())
-        {
-            return s;
-        }
-        let target = root().join("target/adversarial-s16");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let o = Command::new(cargo)
-            .args(["build", "-p", "cuarena-bench", "--bin", "cuarena", "--target-dir"])
-            .arg(&target)
-            .current_dir(root())
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "building the cuarena binary: {}", String::from_utf8_lossy(&o.stderr));
-        target.join("debug/cuarena")
-    })
-}
-
-/// How a run of the binary ended.
-struct Run {
-    /// The exit status; `None` if it was killed for running past the time limit.
-    status: Option<std::process::ExitStatus>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    fn code(&self) -> Option<i32> {
-        self.status.and_then(|s| s.code())
-    }
-    fn show(&self) -> String {
-        let status = match self.status {
-            None => "HUNG (killed at the time limit)".to_string(),
-            Some(s) => format!("{s}"),
-        };
-        let tail =
-            |s: &str| s.chars().rev().take(1500).collect::<Vec<_>>().into_iter().rev().collect::<String>();
-        format!(
-            "status: {status}\nstderr (tail): {}\nstdout (tail): {}",
-            tail(&self.stderr),
-            tail(&self.stdout)
-        )
-    }
-    /// Ended on its own, with status 1 and a clear `error` line, no panic and no abort.
-    fn assert_refused(&self, what: &str, needle: &str) {
-        assert!(
-            self.code() == Some(1)
-                && self.stderr.contains(needle)
-                && !self.stderr.contains("panicked")
-                && !self.stderr.contains("memory allocation of"),
-            "{what}: expected status 1 and `{needle}` on stderr, no panic\n{}",
-            self.show()
-        );
-    }
-    /// Ended on its own (status 0 or 1), no panic, no abort.
-    fn assert_clean_end(&self, what: &str) {
-        assert!(
-            matches!(self.code(), Some(0 | 1))
-                && !self.stderr.contains("panicked")
-                && !self.stderr.contains("memory allocation of"),
-            "{what}: expected a clean end (status 0 or 1)\n{}",
-            self.show()
-        );
-    }
-}
-
-/// Runs `program args` with a time limit, stdout and stderr to files (no pipe to fill).
-fn run_limited(program: &Path, args: &[&std::ffi::OsStr], limit: Duration, close_stdout: bool) -> Run {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "cuarena-s16-{}-run{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (o, e) = (dir.join("out"), dir.join("err"));
-    let mut cmd = Command::new(program);
-    cmd.args(args).env_remove("CUARENA_CONF").env("RUST_BACKTRACE", "0").stdin(Stdio::null());
-    cmd.stderr(std::fs::File::create(&e).unwrap());
-    if close_stdout {
-        cmd.stdout(Stdio::piped());
-    } else {
-        cmd.stdout(std::fs::File::create(&o).unwrap());
-    }
-    let mut child = cmd.spawn().unwrap();
-    if close_stdout {
-        drop(child.stdout.take()); // the reader is gone: writes to stdout fail with EPIPE
-    }
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let r = Run {
-        status,
-        stdout: std::fs::read_to_string(&o).unwrap_or_default(),
-        stderr: String::from_utf8_lossy(&std::fs::read(&e).unwrap_or_default()).into_owned(),
-    };
-    let _ = std::fs::remove_dir_all(dir);
-    r
-}
-
-/// `cuarena ARGS` with a time limit.
-fn cuarena(args: &[&std::ffi::OsStr], limit: Duration) -> Run {
-    run_limited(cli(), args, limit, false)
-}
-
-/// `cuarena ARGS` under a cap of `kib` KiB of address space (`ulimit -v`), with a time limit:
-/// an attempt to take absurd host memory fails at once instead of taking the machine.
-fn cuarena_capped(kib: u64, args: &[&std::ffi::OsStr], limit: Duration) -> Run {
-    let script = format!("ulimit -v {kib} && exec \"$0\" \"$@\"");
-    let mut all: Vec<&std::ffi::OsStr> = vec![script.as_ref(), cli().as_os_str()];
-    all.extend_from_slice(args);
-    let mut a: Vec<&std::ffi::OsStr> = vec!["-c".as_ref()];
-    a.extend(all);
-    run_limited(Path::new("/bin/sh"), &a, limit, false)
-}
-
-fn os(s: &str) -> &std::ffi::OsStr {
-    s.as_ref()
-}
-
-fn replay_args<'a>(file: &'a Path, format: &'a str, extra: &[&'a str]) -> Vec<&'a std::ffi::OsStr> {
-    let mut v: Vec<&std::ffi::OsStr> = vec![os("replay"), file.as_os_str(), os("--format"), os(format)];
-    v.extend(extra.iter().map(|s| os(s)));
-    v
-}
-
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// A record for a binary trace.
@@ -829,14 +630,6 @@ fn rec(thread: u32, time_ns: u64, action: Action, ptr: u64, size: u64) -> Record
         path: TracePath::None,
         stream_kind: StreamKind::Legacy,
     }
-}
-
-fn write_trace(path: &Path, recs: &[Record]) {
-    let mut b = trace::header().to_vec();
-    for r in recs {
-        b.extend_from_slice(&r.encode());
-    }
-    std::fs::write(path, b).unwrap();
 }
 
 /// Truncated files, a wrong magic, another version or record size, unknown enum values, an

@@ -52,7 +52,7 @@ set -uo pipefail
 cd "$(dirname "$0")"
 export CUARENA_REQUIRE_GPU=1
 # The CLI tests of adversarial_s16 run this bundle's binary (there is no cargo to build one).
-[ -x cuarena ] && export CUARENA_S16_BIN="$PWD/cuarena"
+[ -x cuarena ] && export CUARENA_CLI="$PWD/cuarena"
 bins=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do bins+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift

@@ -6,11 +6,9 @@
 //! and allocations fail with [`Error::ShutDown`]'s message, so no CUDA call is made into a
 //! driver that is being torn down.
 
-use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{LazyLock, Mutex};
+use std::sync::LazyLock;
 
 use cuarena::global::{created, global, set_defaults};
 use cuarena::shutdown::process_exiting;
@@ -20,104 +18,18 @@ thread_local! {
     static LAST_ERROR: std::cell::RefCell<Option<CString>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Streams declared by `cuarena_record_stream`, per block.
+/// Streams declared by `cuarena_record_stream`, per block (`recorded.rs`).
+mod recorded;
+pub(crate) use recorded::Recorded;
+#[allow(unused_imports)] // the C ABI's constants; unused where a test compiles this file in with #[path]
+pub use recorded::{MAX_RECORDED_BLOCKS, MAX_RECORDED_STREAMS};
+
 static RECORDED: LazyLock<Recorded> = LazyLock::new(|| Recorded::new(MAX_RECORDED_BLOCKS));
 
-/// Blocks that may carry `record_stream` declarations at once: beyond this, a declaration for a
-/// new block is refused (a bound on memory whatever the caller passes).
-pub const MAX_RECORDED_BLOCKS: usize = 1 << 20;
-/// Distinct streams one block may be declared on.
-pub const MAX_RECORDED_STREAMS: usize = 1024;
-
-/// The `record_stream` declarations: block address → the streams as their declaring threads
-/// named them (`StreamUse`: `0x2` names a different stream in every thread). `len` lets frees
-/// skip the lock when nobody uses `record_stream`.
-pub(crate) struct Recorded {
-    map: Mutex<HashMap<u64, Vec<StreamUse>>>,
-    len: AtomicUsize,
-    cap: usize,
-}
-
-impl Recorded {
-    pub(crate) fn new(cap: usize) -> Recorded {
-        Recorded { map: Mutex::new(HashMap::new()), len: AtomicUsize::new(0), cap }
-    }
-
-    /// Adds `s` to `ptr`'s declarations; refused (nothing changes) past the caps.
-    pub(crate) fn record(&self, ptr: u64, s: StreamUse) -> Result<(), String> {
-        let mut m = lock(&self.map);
-        let n = m.len();
-        match m.get_mut(&ptr) {
-            Some(v) if v.contains(&s) => {}
-            Some(v) if v.len() >= MAX_RECORDED_STREAMS => {
-                return Err(format!(
-                    "cuarena_record_stream: {ptr:#x} is already declared on {MAX_RECORDED_STREAMS} streams \
-                     (the limit); refused"
-                ));
-            }
-            Some(v) => v.push(s),
-            None if n >= self.cap => {
-                return Err(format!(
-                    "cuarena_record_stream: {n} blocks already carry record_stream declarations (the limit); \
-                     {ptr:#x} refused"
-                ));
-            }
-            None => {
-                m.insert(ptr, vec![s]);
-                self.len.store(m.len(), Ordering::Release);
-            }
-        }
-        Ok(())
-    }
-
-    /// Removes and returns `ptr`'s declarations.
-    fn take(&self, ptr: u64) -> Vec<StreamUse> {
-        if self.len.load(Ordering::Acquire) == 0 {
-            return Vec::new();
-        }
-        let mut m = lock(&self.map);
-        let v = m.remove(&ptr).unwrap_or_default();
-        self.len.store(m.len(), Ordering::Release);
-        v
-    }
-
-    /// Drops `ptr`'s declarations: called when a block is handed out at `ptr`, whose
-    /// declarations, if any, were made while no live block started there.
-    fn forget(&self, ptr: u64) {
-        if self.len.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        let mut m = lock(&self.map);
-        if m.remove(&ptr).is_some() {
-            self.len.store(m.len(), Ordering::Release);
-        }
-    }
-
-    /// Puts back what [`Recorded::take`] returned, merged with anything declared since
-    /// (used when the free it was taken for was refused: the block is still live).
-    fn restore(&self, ptr: u64, streams: Vec<StreamUse>) {
-        if streams.is_empty() {
-            return;
-        }
-        let mut m = lock(&self.map);
-        let v = m.entry(ptr).or_default();
-        for s in streams {
-            if !v.contains(&s) {
-                v.push(s);
-            }
-        }
-        self.len.store(m.len(), Ordering::Release);
-    }
-
-    fn len(&self) -> usize {
-        lock(&self.map).len()
-    }
-}
-
-/// Blocks that carry `record_stream` declarations now. For tests.
+/// Blocks that carry `record_stream` declarations and have not been freed. For tests.
 #[doc(hidden)]
 pub fn recorded_blocks() -> usize {
-    RECORDED.len()
+    RECORDED.live()
 }
 
 fn set_error(msg: String) {
@@ -159,10 +71,6 @@ unsafe fn utf8_arg<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> 
 
 fn stream(s: *mut c_void) -> Stream {
     Stream::from_raw(s as usize)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Allocates `size` bytes on `device`, ready on `stream`. NULL on failure; NULL without an
@@ -240,16 +148,16 @@ pub(crate) fn free_with(
     size: usize,
     s: Stream,
 ) -> cuarena::Result<()> {
-    // Taken before the free, so that once the block can be handed out again no newer
-    // declaration for the same address is lost; put back if the free is refused (the block is
-    // then still live, and a corrected retry must still be fenced after them).
-    let used = if p == 0 { Vec::new() } else { recorded.take(p) };
+    // Read, not taken: a refused free, or one accepted and later found invalid by the block's
+    // owner, leaves them for the corrected free, and a free racing this one sees them too
+    // (`recorded.rs`).
+    let used = if p == 0 { Vec::new() } else { recorded.uses(p) };
     // Another thread's per-thread stream is fenced through the legacy stream (`StreamUse`).
-    let r = a.deallocate_used_on(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s));
-    if r.is_err() {
-        recorded.restore(p, used);
+    a.deallocate_used_on(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s))?;
+    if !used.is_empty() {
+        recorded.freed(p);
     }
-    r
+    Ok(())
 }
 
 /// Declares that work on `stream` uses the block at `ptr`: its free is fenced after that work.
@@ -264,14 +172,25 @@ pub extern "C" fn cuarena_record_stream(ptr: *mut c_void, stream_: *mut c_void) 
         if ptr.is_null() || process_exiting() {
             return Ok(());
         }
-        let p = ptr as u64;
-        if !created().any(|(_, a)| a.contains_reserved(p)) {
-            return Err(format!(
-                "cuarena_record_stream: {p:#x} is not inside memory reserved by cuarena on any device; refused"
-            ));
-        }
-        RECORDED.record(p, StreamUse::here(stream(stream_)))
+        record_with(created().map(|(_, a)| a), &RECORDED, ptr as u64, stream(stream_))
     })
+}
+
+/// The declaration of `cuarena_record_stream` against the allocators `allocs` (the process-wide
+/// ones; a test's own otherwise) into `recorded`: refused for a pointer outside the memory
+/// they have reserved.
+pub(crate) fn record_with<'a>(
+    mut allocs: impl Iterator<Item = &'a Allocator>,
+    recorded: &Recorded,
+    p: u64,
+    s: Stream,
+) -> Result<(), String> {
+    if !allocs.any(|a| a.contains_reserved(p)) {
+        return Err(format!(
+            "cuarena_record_stream: {p:#x} is not inside memory reserved by cuarena on any device; refused"
+        ));
+    }
+    recorded.record(p, StreamUse::here(s))
 }
 
 /// Sends this thread's pending remote frees and releases every wholly free chunk of every
@@ -286,6 +205,8 @@ pub extern "C" fn cuarena_empty_cache() {
             a.flush().map_err(|e| e.to_string())?;
             a.trim(true).map_err(|e| e.to_string())?;
         }
+        // Freed declarations at addresses given back to the driver can serve no later free.
+        RECORDED.purge(|p| created().any(|(_, a)| a.contains_reserved(p)));
         Ok(())
     })
 }
@@ -578,43 +499,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn recorded_caps_blocks_and_streams_and_refuses_cleanly() {
-        let r = Recorded::new(3);
-        let here = StreamUse::here;
-        for p in [0x100, 0x200, 0x300] {
-            r.record(p, here(Stream::LEGACY)).unwrap();
-        }
-        r.record(0x100, here(Stream::LEGACY)).unwrap(); // already there: no new entry
-        let e = r.record(0x400, here(Stream::PER_THREAD)).unwrap_err();
-        assert!(e.contains("(the limit)") && e.contains("0x400"), "{e}");
-        assert_eq!(r.len(), 3);
-        // A declaration for a block already there still works at the block cap.
-        r.record(0x100, here(Stream::PER_THREAD)).unwrap();
-        assert_eq!(r.take(0x100), vec![here(Stream::LEGACY), here(Stream::PER_THREAD)]);
-        r.record(0x400, here(Stream::PER_THREAD)).unwrap(); // room again
-        for i in 1..MAX_RECORDED_STREAMS {
-            r.record(0x200, here(Stream::from_raw(0x1000 + i))).unwrap();
-        }
-        assert!(r.record(0x200, here(Stream::from_raw(0x10_0000))).unwrap_err().contains("streams"));
-        assert_eq!(r.take(0x200).len(), MAX_RECORDED_STREAMS);
-        assert!(r.take(0x200).is_empty());
-        // The per-thread stream, declared by two threads: two declarations, each naming its
-        // thread's stream, and only the other thread's is fenced through the legacy stream here.
-        let there = std::thread::spawn(|| StreamUse::here(Stream::PER_THREAD)).join().unwrap();
-        let r = Recorded::new(1);
-        r.record(0x500, here(Stream::PER_THREAD)).unwrap();
-        r.record(0x500, there).unwrap();
-        r.record(0x500, here(Stream::PER_THREAD)).unwrap(); // already there
-        let v = r.take(0x500);
-        assert_eq!(v.len(), 2);
-        assert_eq!(
-            v.iter().map(|u| u.fence_stream()).collect::<Vec<_>>(),
-            [Stream::PER_THREAD, Stream::LEGACY]
-        );
-        assert!(here(Stream::LEGACY).fence_stream() == Stream::LEGACY && !there.stream().is_legacy());
-    }
-
-    #[test]
     fn write_stats_fills_whole_fields_within_the_callers_size_only() {
         let mut stats = Stats::default();
         (stats.live_bytes, stats.invalid_frees, stats.pool_allocations) = (11, 17, 24);
@@ -644,20 +528,5 @@ mod tests {
         assert_eq!(VERSION_STRING.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
         assert_eq!(parse_decimal("0"), 0);
         assert_eq!(parse_decimal("907"), 907);
-    }
-
-    #[test]
-    fn restore_merges_with_declarations_made_meanwhile() {
-        let r = Recorded::new(8);
-        let d = |h| StreamUse::here(Stream::from_raw(h));
-        r.record(0x100, d(7)).unwrap();
-        let taken = r.take(0x100);
-        assert!(r.take(0x100).is_empty());
-        r.record(0x100, d(9)).unwrap();
-        r.restore(0x100, taken);
-        assert_eq!(r.take(0x100), vec![d(9), d(7)]);
-        r.restore(0x100, Vec::new());
-        assert_eq!(r.len(), 0);
-        assert_eq!(r.len.load(Ordering::Relaxed), 0, "the lock-free emptiness hint follows the map");
     }
 }

@@ -3,6 +3,8 @@
 //! check is `cuarena_testkit::assert_all_returned`.
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod cli;
+
 use std::collections::BTreeMap;
 use std::sync::{Mutex, mpsc};
 use std::time::Duration;
