@@ -681,11 +681,16 @@ impl Bench {
                     description: format!("cuda: GPU 0 ({} GiB)", total >> 30),
                 }
             }
-            Err(e) => Bench::on_host(
-                HostConfig { capacity: 1 << 40, max_delay: Duration::ZERO, ..HostConfig::default() },
-                format!("host-simulated device (no GPU: {e})"),
-            ),
+            Err(e) => Bench::host_default(format!("host-simulated device (no GPU: {e})")),
         }
+    }
+
+    /// The simulated device the suite runs on without a GPU (1 TiB, completion at once).
+    pub fn host_default(description: String) -> Bench {
+        Bench::on_host(
+            HostConfig { capacity: 1 << 40, max_delay: Duration::ZERO, ..HostConfig::default() },
+            description,
+        )
     }
 
     /// The suite on a simulated device with these settings.

@@ -95,6 +95,10 @@ struct Args {
     /// Only the variants with a 4 KiB memset per allocation.
     #[arg(long)]
     touch_only: bool,
+    /// Run on the host-simulated device even where a GPU is present (its race checker, and
+    /// its baseline `mutex-first-fit`; a replay's memory there does not depend on GPU timing).
+    #[arg(long, global = true)]
+    host: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -201,7 +205,11 @@ fn main() -> ExitCode {
     if let Some(Command::TraceCsv { input, output }) = &args.command {
         return trace_csv(input, output);
     }
-    let bench = Bench::detect();
+    let bench = if args.host {
+        Bench::host_default("host-simulated device (--host)".into())
+    } else {
+        Bench::detect()
+    };
     eprintln!("cuarena benchmark on {}", bench.description);
     let known: Vec<&str> = bench.allocator_names().into_iter().chain(ON_REQUEST.iter().copied()).collect();
     if let Some(Command::Replay { file, format, allocators, json }) = &args.command {

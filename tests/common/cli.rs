@@ -187,8 +187,11 @@ pub fn os(s: &str) -> &std::ffi::OsStr {
     s.as_ref()
 }
 
+/// `replay FILE --format FORMAT EXTRA...`, on the host-simulated device.
 pub fn replay_args<'a>(file: &'a Path, format: &'a str, extra: &[&'a str]) -> Vec<&'a std::ffi::OsStr> {
-    let mut v: Vec<&std::ffi::OsStr> = vec![os("replay"), file.as_os_str(), os("--format"), os(format)];
+    // `--host`: the host-simulated device (and its baselines) even on a GPU machine.
+    let mut v: Vec<&std::ffi::OsStr> =
+        vec![os("replay"), os("--host"), file.as_os_str(), os("--format"), os(format)];
     v.extend(extra.iter().map(|s| os(s)));
     v
 }
