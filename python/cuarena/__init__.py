@@ -15,8 +15,10 @@ If none is there, load() raises LibraryNotFoundError (an ImportError) listing wh
 A failure raises CuarenaError (a RuntimeError) carrying cuarena's message, or OutOfMemoryError
 (also a MemoryError) when out of memory; no call returns a null pointer silently.
 """
+import atexit
 import ctypes
 import os
+import sys
 import threading
 import warnings
 
@@ -61,9 +63,6 @@ class _Stats(ctypes.Structure):
 
 # include/cuarena.h's OOM hook type: int (*)(size_t requested, int device, void *user).
 _OOM_HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-# Every ctypes callback handed to the library, kept alive for good: an allocation already in its
-# out-of-memory path may still call a hook after it was replaced.
-_oom_hooks = []
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIB_NAME = "libcuarena.so"
@@ -292,23 +291,58 @@ def set_oom_hook(fn, device=0):
     held. It may free memory (move tensors to the host, drop caches) and return True to have the
     allocation retried (at most 3 times), or False to let it fail. `None` removes the hook.
 
-    An exception raised by `fn` counts as False (it is printed by ctypes, not raised into the
-    allocation). Every callback ever installed is kept alive by this module (an allocation already
-    in its out-of-memory path may still call one after it is replaced)."""
-    if fn is None:
-        cb = _OOM_HOOK()  # a NULL function pointer
-    else:
-        def call(requested, dev, _user):
-            try:
-                return 1 if fn(requested, dev) else 0
-            except BaseException as e:  # never unwind into the allocator
-                warnings.warn(f"cuarena: the OOM hook raised {e!r}; the allocation fails", RuntimeWarning,
-                              stacklevel=1)
-                return 0
-        cb = _OOM_HOOK(call)
-    if load().cuarena_set_oom_hook(device, cb, None) != 0:
-        raise _error(f"cannot set the OOM hook of CUDA device {device}")
-    _oom_hooks.append(cb)
+    An exception raised by `fn` counts as False (a RuntimeWarning says so; nothing is raised into
+    the allocation). The library holds one callback per device, made once and kept for the
+    process, which calls the `fn` set last: replacing or removing the hook lets the old `fn`
+    (and what it holds) go. Once the interpreter is finalizing, the callback returns False
+    without calling Python code, and at exit the hooks are removed from the library."""
+    with _oom_lock:
+        if fn is None:
+            _oom_fns.pop(device, None)
+            if device in _oom_thunks and load().cuarena_set_oom_hook(device, _OOM_HOOK(), None) != 0:
+                raise _error(f"cannot remove the OOM hook of CUDA device {device}")
+            return
+        thunk = _oom_thunks.get(device)
+        if thunk is None:
+            thunk = _OOM_HOOK(_oom_call)
+        _oom_fns[device] = fn
+        if load().cuarena_set_oom_hook(device, thunk, None) != 0:
+            _oom_fns.pop(device, None)
+            raise _error(f"cannot set the OOM hook of CUDA device {device}")
+        if device not in _oom_thunks:
+            _oom_thunks[device] = thunk  # kept for the process: an allocation may be calling it
+            if len(_oom_thunks) == 1:
+                atexit.register(_remove_oom_hooks)
+
+
+_oom_lock = threading.Lock()
+_oom_fns = {}     # device -> the hook set last
+_oom_thunks = {}  # device -> its ctypes callback (never released)
+
+
+def _oom_call(requested, dev, _user):
+    """The library's callback: the device's current hook, never raising into the allocator."""
+    try:
+        if sys.is_finalizing():
+            return 0
+        fn = _oom_fns.get(dev)
+        return 1 if fn is not None and fn(requested, dev) else 0
+    except BaseException as e:  # never unwind into the allocator
+        try:
+            warnings.warn(f"cuarena: the OOM hook raised {e!r}; the allocation fails", RuntimeWarning,
+                          stacklevel=1)
+        except BaseException:  # warnings turned into errors: still nothing may escape
+            pass
+        return 0
+
+
+def _remove_oom_hooks():
+    """At interpreter exit, before finalization: no thread may call into Python afterwards."""
+    for device in list(_oom_thunks):
+        try:
+            load().cuarena_set_oom_hook(device, _OOM_HOOK(), None)
+        except BaseException:
+            pass
 
 
 # The defaults the framework glue (cuarena.torch.use, cuarena.cupy.use) gives the library, under

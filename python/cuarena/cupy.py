@@ -14,16 +14,36 @@ under CUARENA_CONF (a key set there wins).
 
 Importing this module does not import cupy; use() does.
 """
+import threading
+
 from . import CuarenaError, _framework_defaults, _is_oom, last_error, load, stats
 
 __all__ = ["use"]
 
+# cudaStreamPerThread and cudaStreamLegacy: CuPy's Stream.ptds (and its default stream under
+# CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) has the handle 0x2, which names the calling thread's
+# own per-thread stream.
+_PER_THREAD, _LEGACY = 2, 1
+_thread = threading.local()
+
+
+def _thread_token():
+    """An object unique to the calling thread for as long as it lives (thread ids are reused)."""
+    t = getattr(_thread, "token", None)
+    if t is None:
+        t = _thread.token = object()
+    return t
+
 
 class _Block:
     """Owner of one CuPy block: frees it, on the stream it was allocated on, when CuPy drops
-    the last reference. Holds the cupy Stream so that stream outlives the free."""
+    the last reference. Holds the cupy Stream so that stream outlives the free. A block of a
+    per-thread stream (0x2) remembers its thread: dropped on another thread (CuPy frees where
+    the last reference goes, or where the garbage collector runs), where 0x2 names another
+    stream, it is freed on the legacy stream instead, whose event follows all earlier work on
+    every per-thread stream (the C ABI's rule for record_stream of 0x2, include/cuarena.h)."""
 
-    __slots__ = ("ptr", "size", "device", "stream")
+    __slots__ = ("ptr", "size", "device", "stream", "home")
     _free = None  # cuarena_free, set by use() (a class attribute survives module teardown)
 
     def __init__(self, ptr, size, device, stream):
@@ -31,10 +51,14 @@ class _Block:
         self.size = size
         self.device = device
         self.stream = stream
+        self.home = _thread_token() if stream.ptr == _PER_THREAD else None
 
     def __del__(self):
         try:
-            _Block._free(self.ptr, self.size, self.device, self.stream.ptr)
+            s = self.stream.ptr
+            if s == _PER_THREAD and self.home is not _thread_token():
+                s = _LEGACY
+            _Block._free(self.ptr, self.size, self.device, s)
         except Exception:  # a finaliser must not raise; a refused free is in cuarena's stats
             pass
 

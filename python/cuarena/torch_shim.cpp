@@ -22,7 +22,10 @@ extern "C" void *cuarena_torch_malloc(size_t size, int device, void *stream) {
     if (p == nullptr && size > 0) {
         const char *e = cuarena_last_error();
         std::string why = e != nullptr ? e : "no reason recorded";
-        std::string what = why.rfind("out of device memory", 0) == 0 ? "cuarena: out of memory: " : "cuarena: ";
+        // "CUDA out of memory." as PyTorch's own message starts, which code that retries with a
+        // smaller batch looks for (a c10::OutOfMemoryError would need PyTorch's headers here).
+        std::string what =
+            why.rfind("out of device memory", 0) == 0 ? "CUDA out of memory. cuarena: out of memory: " : "cuarena: ";
         what += "cannot allocate " + std::to_string(size) + " bytes on CUDA device " + std::to_string(device) + ": " +
                 why;
         throw std::runtime_error(what);
