@@ -25,7 +25,7 @@ import sys
 import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from cupy_stream_check import KERNEL  # noqa: E402  (this script's directory is on sys.path)
+from cupy_stream_check import spin_kernel  # noqa: E402  (this script's directory is on sys.path)
 
 
 def run_one(mode, rounds, nbytes):
@@ -41,17 +41,7 @@ def run_one(mode, rounds, nbytes):
             cuarena.cupy._Block._free(self.ptr, self.size, self.device, self.stream.ptr)
         cuarena.cupy._Block.__del__ = free_on_dropping_thread
 
-    n = nbytes // 4
-    threads = 256
-    blocks = (n + threads - 1) // threads
-    try:
-        clock_khz = int(cp.cuda.Device().attributes.get("ClockRate", 0)) or 1_800_000
-    except Exception:
-        clock_khz = 1_800_000
-    spin = clock_khz // 10  # cycles in 0.1 ms
-    kern = cp.RawKernel(KERNEL, "tag_spin_check")
-    changed = cp.zeros(1, dtype=cp.uint64)
-    cp.cuda.Device().synchronize()
+    n, blocks, threads, spin, kern, changed = spin_kernel(cp, nbytes)
     handoff, done = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
 
     def a():

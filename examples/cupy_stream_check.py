@@ -37,6 +37,23 @@ extern "C" __global__ void tag_spin_check(unsigned int *buf, int n, unsigned int
 """
 
 
+def spin_kernel(cp, nbytes):
+    """The tag-spin-check kernel over `nbytes`: (words, grid, block, spin cycles for ~0.1 ms, the
+    kernel, the device counter of changed words), the device synchronised."""
+    n = nbytes // 4
+    threads = 256
+    blocks = (n + threads - 1) // threads
+    try:
+        clock_khz = int(cp.cuda.Device().attributes.get("ClockRate", 0)) or 1_800_000
+    except Exception:
+        clock_khz = 1_800_000
+    spin = clock_khz // 10  # cycles in 0.1 ms
+    kern = cp.RawKernel(KERNEL, "tag_spin_check")
+    changed = cp.zeros(1, dtype=cp.uint64)
+    cp.cuda.Device().synchronize()
+    return n, blocks, threads, spin, kern, changed
+
+
 def install_legacy_control(cp):
     """The glue before the fix: every block on the legacy stream, whatever stream is current."""
     import ctypes
@@ -80,17 +97,7 @@ def run_one(allocator, rounds, pairs):
         cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
 
     nbytes = 256 << 10
-    n = nbytes // 4
-    threads = 256
-    blocks = (n + threads - 1) // threads
-    try:
-        clock_khz = int(cp.cuda.Device().attributes.get("ClockRate", 0)) or 1_800_000
-    except Exception:
-        clock_khz = 1_800_000
-    spin = clock_khz // 10  # cycles in 0.1 ms
-    kern = cp.RawKernel(KERNEL, "tag_spin_check")
-    changed = cp.zeros(1, dtype=cp.uint64)
-    cp.cuda.Device().synchronize()
+    n, blocks, threads, spin, kern, changed = spin_kernel(cp, nbytes)
 
     s = cp.cuda.Stream(non_blocking=True)
     t0 = time.perf_counter()
