@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import subprocess
+import tempfile
 import threading
 import warnings
 
@@ -59,12 +60,19 @@ def shim_path():
     if os.path.isfile(out):
         return out
     os.makedirs(cache, exist_ok=True)
-    tmp = f"{out}.{os.getpid()}.tmp"
+    # A name of its own per call: two threads (or processes) building at once each write their
+    # own file, and os.replace below makes one of them the shim.
+    fd, tmp = tempfile.mkstemp(prefix=f"libcuarena_torch-{key}.", suffix=".tmp", dir=cache)
+    os.close(fd)
     cmd = [compiler, "-O2", "-shared", "-fPIC", _SHIM_SOURCE, "-o", tmp,
            f"-L{libdir}", f"-l:{libname}", f"-Wl,-rpath,{libdir}"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
         raise RuntimeError(
             f"cuarena: cannot compile the PyTorch shim ({' '.join(cmd)}): {e}. Install a C++ compiler "
             "or set CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so") from e
