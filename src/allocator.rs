@@ -118,6 +118,10 @@ pub(crate) struct Inner {
     /// Arenas of destroyed user streams, waiting for a device synchronise (see [`Zombies`]).
     zombies: Mutex<Zombies>,
     deferred: Mutex<Option<Error>>,
+    /// Frees of dropped buffers refused because a stream was being captured into a CUDA graph
+    /// (see [`Allocator::free_or_hold`]): made again by the next `flush`, `trim` or
+    /// `release_thread`, until no capture refuses them. Their blocks count as live meanwhile.
+    held: Mutex<Vec<HeldFree>>,
     arenas: AtomicUsize,
     /// Pass-through mode (passthrough.rs): when set, every request goes straight to it.
     passthrough: Option<crate::passthrough::Passthrough>,
@@ -125,6 +129,15 @@ pub(crate) struct Inner {
     oom_hook: Mutex<Option<OomHook>>,
     /// Allocation traces (trace.rs): off, it costs `allocate` and `deallocate` one `Relaxed` load.
     trace: Arc<crate::trace::Shared>,
+}
+
+/// A free held back by a capture: the block, and the streams its free orders after, with no
+/// per-thread stream among them (`0x2` would name the retrying thread's: see `free_or_hold`).
+struct HeldFree {
+    ptr: DeviceAddr,
+    size: usize,
+    stream: Stream,
+    used_on: Vec<Stream>,
 }
 
 /// Arena shells: every one ever made (kept so `owner` pointers never dangle) and the idle ones.
@@ -1300,6 +1313,7 @@ impl Allocator {
                 shells: Mutex::new(Shells::default()),
                 zombies: Mutex::new(Zombies::default()),
                 deferred: Mutex::new(None),
+                held: Mutex::new(Vec::new()),
                 arenas: AtomicUsize::new(0),
                 oom_hook: Mutex::new(None),
                 trace: crate::trace::Shared::new(crate::trace::BUFFER_RECORDS),
@@ -1617,6 +1631,7 @@ impl Allocator {
     /// they are parked, and reach their owners after the next device synchronise (more than
     /// 64 MiB parked, out of memory, `trim(true)`). Never blocks.
     pub fn flush(&self) -> Result<()> {
+        self.retry_held();
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
             Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, inner, &env)?;
@@ -1636,6 +1651,7 @@ impl Allocator {
     /// to the global pool and folds its counters. The thread may go on allocating; it then
     /// gets a new arena.
     pub fn release_thread(&self) -> Result<()> {
+        self.retry_held();
         let id = self.inner.id;
         let slot = SLOTS.try_with(|cell| {
             let mut v = cell.borrow_mut();
@@ -1656,6 +1672,7 @@ impl Allocator {
     /// stream was destroyed, after a device synchronise. Returns the bytes released to the
     /// device.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
+        self.retry_held();
         if self.inner.passthrough.is_some() {
             return Ok(0); // pass-through mode holds nothing to release
         }
@@ -1785,6 +1802,40 @@ impl Allocator {
 impl Allocator {
     pub(crate) fn defer_error(&self, e: Error) {
         *lock(&self.inner.deferred) = Some(e);
+    }
+
+    /// The free of an owning buffer's drop ([`crate::DeviceBuffer`], `CudaBuffer`), which
+    /// cannot be made again by its caller: refused because a stream is being captured into a
+    /// CUDA graph, it is held and made again by the next [`Allocator::flush`], [`Allocator::trim`]
+    /// or [`Allocator::release_thread`] after the capture (on any thread: a per-thread stream
+    /// here, which names this thread's, is held as the legacy stream, whose event follows all
+    /// earlier work on every per-thread stream). Any other refusal is deferred
+    /// ([`Allocator::take_deferred_error`]).
+    pub(crate) fn free_or_hold(&self, ptr: DeviceAddr, size: usize, stream: Stream, used_on: &[Stream]) {
+        match self.deallocate_used_on(ptr, size, stream, used_on) {
+            Ok(()) => {}
+            Err(Error::StreamCapturing { .. }) => {
+                let anywhere = |s: Stream| if s.is_per_thread() { Stream::LEGACY } else { s };
+                let mut used: Vec<Stream> = Vec::new();
+                for s in used_on.iter().map(|&s| anywhere(s)) {
+                    if !used.contains(&s) {
+                        used.push(s);
+                    }
+                }
+                let stream = anywhere(stream);
+                used.retain(|&s| s != stream);
+                lock(&self.inner.held).push(HeldFree { ptr, size, stream, used_on: used });
+            }
+            Err(e) => self.defer_error(e),
+        }
+    }
+
+    /// Makes the held frees again (see [`Allocator::free_or_hold`]).
+    fn retry_held(&self) {
+        let held = std::mem::take(&mut *lock(&self.inner.held));
+        for h in held {
+            self.free_or_hold(h.ptr, h.size, h.stream, &h.used_on);
+        }
     }
 }
 

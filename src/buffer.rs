@@ -92,11 +92,10 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        // A failed free keeps the block (never reused): the error is kept for
+        // A free refused by a capture is held and made again after it (`free_or_hold`); any
+        // other failure keeps the block (never reused), its error kept for
         // `take_deferred_error` rather than lost.
-        if let Err(e) = self.used_on.free(&self.alloc, self.ptr, self.len, self.stream, self.home) {
-            self.alloc.defer_error(e);
-        }
+        self.used_on.free(&self.alloc, self.ptr, self.len, self.stream, self.home);
     }
 }
 
@@ -137,8 +136,8 @@ impl UsedOn {
         len: usize,
         stream: Stream,
         home: Option<StreamUse>,
-    ) -> Result<()> {
+    ) {
         let fence = StreamUse::fence_streams(home.iter().chain(&self.0), stream);
-        alloc.deallocate_used_on(ptr, len, stream, &fence)
+        alloc.free_or_hold(ptr, len, stream, &fence);
     }
 }

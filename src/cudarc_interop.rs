@@ -98,23 +98,38 @@ impl<T> CudaBuffer<T> {
     /// cudarc's views (`slice(..)`, `as_view()`, `as_view_mut()`) and every cudarc API that
     /// takes a slice or a view can use cuarena memory. The slice is handed back with cudarc's
     /// `leak` (which frees nothing) when `f` returns or unwinds; work `f` queues on other
-    /// streams must be declared with [`CudaBuffer::record_stream`], as for launches.
+    /// streams must be declared with [`CudaBuffer::record_stream`], as for launches. `f` must
+    /// not move the lent slice out (`std::mem::replace` or `swap` with another): cudarc would
+    /// then free cuarena's memory, so the process is aborted when it is handed back.
     pub fn with_cuda_slice<R>(&mut self, f: impl FnOnce(&mut CudaSlice<T>) -> R) -> R {
         /// Gives the lent slice back without freeing it, on return and on unwinding alike.
-        struct Lent<T>(std::mem::ManuallyDrop<CudaSlice<T>>);
+        struct Lent<T> {
+            slice: std::mem::ManuallyDrop<CudaSlice<T>>,
+            ptr: u64,
+        }
         impl<T> Drop for Lent<T> {
             fn drop(&mut self) {
                 // SAFETY: taken once, here, and never used after.
-                let s = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
-                s.leak();
+                let s = unsafe { std::mem::ManuallyDrop::take(&mut self.slice) };
+                if s.leak() != self.ptr {
+                    // `f` swapped the lent slice out (`std::mem::replace`): its caller holds a
+                    // cudarc slice over cuarena's block, which cudarc would free while cuarena
+                    // hands the block out again. Nothing safe can follow; stop here.
+                    eprintln!(
+                        "cuarena: the CudaSlice lent by CudaBuffer::with_cuda_slice was swapped out of it; aborting \
+                         (cudarc would free cuarena's memory)"
+                    );
+                    std::process::abort();
+                }
             }
         }
         // SAFETY: `ptr` is a live cuarena allocation of `len` values of `T` (this buffer, which
         // the `&mut self` borrow keeps alive and unshared for the closure's length); the slice
-        // is never dropped as cudarc's own (so never freed by cudarc), only leaked by `Lent`.
+        // is never dropped as cudarc's own (so never freed by cudarc), only leaked by `Lent`,
+        // which aborts the process if the closure swapped it for another.
         let slice = unsafe { self.stream.upgrade_device_ptr::<T>(self.ptr, self.len) };
-        let mut lent = Lent(std::mem::ManuallyDrop::new(slice));
-        f(&mut lent.0)
+        let mut lent = Lent { slice: std::mem::ManuallyDrop::new(slice), ptr: self.ptr };
+        f(&mut lent.slice)
     }
 }
 
@@ -168,8 +183,6 @@ impl<T> Drop for CudaBuffer<T> {
         let own = self.own();
         let used = self.used_on.get_mut().unwrap_or_else(|p| p.into_inner());
         let bytes = self.len * size_of::<T>();
-        if let Err(e) = used.free(&self.alloc, DeviceAddr(self.ptr), bytes, own, self.home) {
-            self.alloc.defer_error(e);
-        }
+        used.free(&self.alloc, DeviceAddr(self.ptr), bytes, own, self.home);
     }
 }

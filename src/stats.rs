@@ -401,7 +401,8 @@ impl Counters {
 #[non_exhaustive]
 pub struct Stats {
     /// Bytes in live blocks (after size-class rounding). Exact whenever no allocator call is
-    /// running (at any quiescent point).
+    /// running (at any quiescent point), and with `stats=exact` always; read while blocks pass
+    /// between threads, a sum that would be negative reads 0.
     pub live_bytes: u64,
     /// The largest `live_bytes` since the last peak reset. With `stats=exact`: exact (one shared
     /// counter). By default: the largest sum of the per-thread live counters sampled (on one
@@ -577,6 +578,15 @@ impl CounterRegistry {
             if (s.deallocations as i64) < 0 {
                 s.deallocations = 0;
             }
+            // The per-thread gauges are read one thread after another while threads run: a free
+            // counted on the freeing thread may be read without its allocation on the
+            // allocating thread, and the sum go below zero. A snapshot reports 0 then, never a
+            // wrapped value (at a quiescent point the sum is exact).
+            for g in [&mut s.live_bytes, &mut s.arena_held_bytes] {
+                if (*g as i64) < 0 {
+                    *g = 0;
+                }
+            }
             // Sampled under the list lock: a `reset_peak` (which stores the peak under it)
             // is not undone by a sum read before it.
             s.peak_live_bytes = self.sample_peak(s.live_bytes);
@@ -586,6 +596,8 @@ impl CounterRegistry {
         if self.reg.exact {
             let live = self.reg.exact_live.load(Ordering::SeqCst) as i64;
             let peak = self.reg.exact_peak.load(Ordering::SeqCst) as i64;
+            // The one shared counter: exact at every moment, not only at quiescent points.
+            s.live_bytes = live.max(0) as u64;
             s.peak_live_bytes = peak.max(live).max(0) as u64;
             s.peak_exact = 1;
         }
