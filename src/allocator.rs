@@ -82,7 +82,7 @@ use crate::outbox::{Outbox, ParkedFrees, UserSend};
 use crate::shell::{ArenaShell, Freed};
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
 use crate::stats::{AllocPath, CounterRegistry, Counters, Stats};
-use crate::stream::{Stream, StreamKey};
+use crate::stream::{Stream, StreamKey, StreamUse};
 use crate::superblock::Superblock;
 use std::sync::{Arc, Weak};
 
@@ -131,13 +131,14 @@ pub(crate) struct Inner {
     trace: Arc<crate::trace::Shared>,
 }
 
-/// A free held back by a capture: the block, and the streams its free orders after, with no
-/// per-thread stream among them (`0x2` would name the retrying thread's: see `free_or_hold`).
+/// A free held back by a capture: the block, the free's stream and the streams it orders
+/// after, each as the holding thread named it (`StreamUse`: a retry on another thread fences
+/// that thread's per-thread stream through the legacy stream).
 struct HeldFree {
     ptr: DeviceAddr,
     size: usize,
-    stream: Stream,
-    used_on: Vec<Stream>,
+    stream: StreamUse,
+    used_on: Vec<StreamUse>,
 }
 
 /// Arena shells: every one ever made (kept so `owner` pointers never dangle) and the idle ones.
@@ -1807,25 +1808,18 @@ impl Allocator {
     /// The free of an owning buffer's drop ([`crate::DeviceBuffer`], `CudaBuffer`), which
     /// cannot be made again by its caller: refused because a stream is being captured into a
     /// CUDA graph, it is held and made again by the next [`Allocator::flush`], [`Allocator::trim`]
-    /// or [`Allocator::release_thread`] after the capture (on any thread: a per-thread stream
-    /// here, which names this thread's, is held as the legacy stream, whose event follows all
-    /// earlier work on every per-thread stream). Any other refusal is deferred
+    /// or [`Allocator::release_thread`] after the capture, on whatever thread makes that call
+    /// (its streams kept as [`StreamUse`]s). Any other refusal is deferred
     /// ([`Allocator::take_deferred_error`]).
     pub(crate) fn free_or_hold(&self, ptr: DeviceAddr, size: usize, stream: Stream, used_on: &[Stream]) {
         match self.deallocate_used_on(ptr, size, stream, used_on) {
             Ok(()) => {}
-            Err(Error::StreamCapturing { .. }) => {
-                let anywhere = |s: Stream| if s.is_per_thread() { Stream::LEGACY } else { s };
-                let mut used: Vec<Stream> = Vec::new();
-                for s in used_on.iter().map(|&s| anywhere(s)) {
-                    if !used.contains(&s) {
-                        used.push(s);
-                    }
-                }
-                let stream = anywhere(stream);
-                used.retain(|&s| s != stream);
-                lock(&self.inner.held).push(HeldFree { ptr, size, stream, used_on: used });
-            }
+            Err(Error::StreamCapturing { .. }) => lock(&self.inner.held).push(HeldFree {
+                ptr,
+                size,
+                stream: StreamUse::here(stream),
+                used_on: used_on.iter().map(|&s| StreamUse::here(s)).collect(),
+            }),
             Err(e) => self.defer_error(e),
         }
     }
@@ -1834,7 +1828,8 @@ impl Allocator {
     fn retry_held(&self) {
         let held = std::mem::take(&mut *lock(&self.inner.held));
         for h in held {
-            self.free_or_hold(h.ptr, h.size, h.stream, &h.used_on);
+            let stream = h.stream.fence_stream();
+            self.free_or_hold(h.ptr, h.size, stream, &StreamUse::fence_streams(&h.used_on, stream));
         }
     }
 }

@@ -393,6 +393,50 @@ fn a_buffer_declared_on_a_destroyed_stream_keeps_its_block_and_reports_it() {
     });
 }
 
+/// A held free (below) is made by whichever thread calls `flush` next. A buffer on a user
+/// stream, declared on thread A's per-thread stream (where A's work still runs) and on a
+/// capturing stream, dropped by A (held), and made by thread B: B's `0x2` is B's own stream,
+/// so A's must be fenced through the legacy stream (the held streams are kept as
+/// `StreamUse`s), not as B's per-thread stream. A then gets the block back on the user stream
+/// and writes it: the write must wait for A's work.
+#[test]
+fn a_held_per_thread_free_made_on_another_thread_waits_for_the_owners_stream() {
+    within(60, || {
+        let sim = sim(0);
+        let a = host_allocator(sim.clone(), parse("superblock=64KiB,small_max=32KiB,batch=1")).unwrap();
+        let (user, v) = (sim.create_stream(), sim.create_stream());
+        let size = 32 << 10;
+        let mut buf = a.buffer(size, user).unwrap();
+        let p = buf.ptr();
+        buf.record_stream(Stream::PER_THREAD);
+        buf.record_stream(v);
+        sim.begin_capture(v).unwrap();
+        sim.hold_and_check(p.0, size, 7, Duration::from_millis(300), Stream::PER_THREAD).unwrap();
+        drop(buf); // held: `v` is being captured
+        sim.end_capture(v).unwrap();
+        assert!(a.stats().live_bytes >= size as u64, "the free was not held: {:?}", a.stats());
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                a.flush().unwrap();
+                a.release_thread().unwrap();
+            });
+        });
+        assert!(a.take_deferred_error().is_none());
+        let (got, reused) = allocate_until_back(&a, size, user, p, 8);
+        assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
+        sim.write_tag(p.0, size, 9, user).unwrap();
+        sim.synchronize();
+        assert_eq!(sim.tag_errors(), 0, "the block was overwritten under the owner's per-thread work");
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        for q in got {
+            a.deallocate(q, size, user).unwrap();
+        }
+        sim.destroy_stream(user).unwrap();
+        sim.destroy_stream(v).unwrap();
+        assert_all_returned(&a, Some(&sim), 0);
+    });
+}
+
 /// README ("CUDA graphs"): a free on a stream being captured is refused with
 /// `StreamCapturing`, changes nothing, "and can be made again after the capture". A
 /// `DeviceBuffer` dropped while its stream (or a declared one) is being captured cannot make
