@@ -117,21 +117,28 @@ const KEYS: &str = "small_max, large_max, superblock, chunk, max, keep_empty, sp
                     items are key=value or key:value, separated by commas";
 
 /// A configuration error that says where configuration comes from and what the keys are. The
-/// user's text in `msg` is already clipped to [`MAX_ECHO`] characters where it is echoed.
+/// user's text in `msg` is echoed through [`Echo`], so clipped to [`MAX_ECHO`] characters.
 fn config_error(msg: impl std::fmt::Display) -> Error {
     Error::Config(format!("{msg} (set in CUARENA_CONF or Config::builder(); valid keys: {KEYS})"))
 }
 
-/// The most characters of one piece of the user's text (an item, a key, a value) that an error
-/// echoes: a configuration string can be megabytes long, and a message that repeats it whole
-/// is no help. The reason around it is kept whole.
-const MAX_ECHO: usize = 200;
+/// The most characters of one piece of the user's text (an item, a key, a value, a line) that
+/// an error echoes: a configuration string or a trace line can be megabytes long, and a
+/// message that repeats it whole is no help. The reason around it is kept whole.
+pub const MAX_ECHO: usize = 200;
 
-/// `s`, cut after `max` characters (never inside one) with `…` where it was cut.
-pub(crate) fn clip(s: &str, max: usize) -> String {
-    match s.char_indices().nth(max) {
-        Some((at, _)) => format!("{}…", &s[..at]),
-        None => s.to_owned(),
+/// User text as an error message echoes it: its first [`MAX_ECHO`] characters (never cut
+/// inside one), with `…` where it was cut. Cut only when formatted, so making one costs
+/// nothing on a path that does not fail.
+#[derive(Clone, Copy, Debug)]
+pub struct Echo<'a>(pub &'a str);
+
+impl std::fmt::Display for Echo<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.char_indices().nth(MAX_ECHO) {
+            Some((at, _)) => write!(f, "{}…", &self.0[..at]),
+            None => f.write_str(self.0),
+        }
     }
 }
 
@@ -225,7 +232,7 @@ impl Config {
             Err(Error::Config(m)) if !defaults.is_empty() => Err(Error::Config(format!(
                 "{m} [read over the defaults `{}` that global::set_defaults (C: cuarena_set_defaults) set, \
                  which CUARENA_CONF's items override]",
-                clip(defaults, MAX_ECHO)
+                Echo(defaults)
             ))),
             r => r,
         }
@@ -259,14 +266,14 @@ impl Config {
                 continue;
             }
             // The user's text, as error messages echo it: an item may be of any length.
-            let item_s = clip(item, MAX_ECHO);
+            let item_s = Echo(item);
             let Some(at) = item.find(['=', ':']) else {
                 return Err(config_error(format!(
                     "`{item_s}` is not key=value or key:value (items are separated by commas)"
                 )));
             };
             let (k, sep, v) = (item[..at].trim(), &item[at..at + 1], item[at + 1..].trim());
-            let (k_s, v_s) = (clip(k, MAX_ECHO), clip(v, MAX_ECHO));
+            let (k_s, v_s) = (Echo(k), Echo(v));
             if k.is_empty() {
                 return Err(config_error(format!("`{item_s}` has no key")));
             }
@@ -365,7 +372,7 @@ impl Config {
 }
 
 fn parse_usize(v: &str) -> Result<usize, String> {
-    let vs = clip(v, MAX_ECHO);
+    let vs = Echo(v);
     if v.starts_with('-') {
         return Err("must not be negative".into());
     }
@@ -373,7 +380,7 @@ fn parse_usize(v: &str) -> Result<usize, String> {
 }
 
 fn parse_f64(v: &str) -> Result<f64, String> {
-    let vs = clip(v, MAX_ECHO);
+    let vs = Echo(v);
     v.parse().map_err(|_| format!("`{vs}` is not a number"))
 }
 
@@ -393,8 +400,9 @@ fn check_bare_max(k: &str, sep: &str, v: &str) -> Result<()> {
     } else {
         return Ok(());
     };
-    let vs = clip(v, MAX_ECHO);
-    let pct = clip(&if x <= 1.0 { times_100(v) } else { v.to_string() }, MAX_ECHO);
+    let vs = Echo(v);
+    let pct = if x <= 1.0 { times_100(v) } else { v.to_string() };
+    let pct = Echo(&pct);
     Err(config_error(format!(
         "{k}{sep}{vs}: {why}; did you mean {k}{sep}{pct}%? (or a size with a unit, e.g. {k}{sep}8GiB)"
     )))
@@ -454,7 +462,7 @@ pub fn parse_bytes(v: &str) -> Result<usize> {
 /// configuration comes from (the caller adds both).
 fn size_of(v: &str) -> Result<usize, String> {
     let v = v.trim();
-    let vs = clip(v, MAX_ECHO);
+    let vs = Echo(v);
     if v.is_empty() {
         return Err("no size given".into());
     }
@@ -478,7 +486,7 @@ fn size_of(v: &str) -> Result<usize, String> {
         None => {
             return Err(format!(
                 "unknown unit `{}` in `{vs}` (units, any case: B; K, KiB, M, MiB, G, GiB, T, TiB; KB, MB, GB, TB)",
-                clip(unit, MAX_ECHO)
+                Echo(unit)
             ));
         }
     };

@@ -59,7 +59,7 @@ pub fn global(device: i32) -> Result<&'static Allocator> {
 /// item (a trace is the user's to ask for, and `CUARENA_CONF` could not turn a default one
 /// off), are refused ([`Error::Config`], naming this call) and change nothing.
 pub fn set_defaults(items: &str) -> Result<usize> {
-    let shown = crate::config::clip(items, 200);
+    let shown = crate::config::Echo(items);
     let refused = |why: String| {
         Error::Config(format!("set_defaults (C: cuarena_set_defaults) refused `{shown}`: {why}"))
     };

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
+use cuarena::config::Echo;
 use cuarena::trace::{self, Action, StreamKind};
 use cuarena::{Error, Result, Stream};
 
@@ -148,7 +149,7 @@ fn for_each_row(
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |what: &str| err(format!("line {}: {what}: `{}`", i + 1, clip(&line)));
+        let bad = |what: &str| err(format!("line {}: {what}: `{}`", i + 1, Echo(&line)));
         let f: Vec<&str> = line.split(',').map(str::trim).collect();
         if f.len() < fields || (exact && f.len() != fields) {
             return Err(bad(&format!("expected {fields} fields")));
@@ -194,21 +195,13 @@ fn bounded_lines(mut input: impl BufRead) -> impl Iterator<Item = (usize, std::i
     })
 }
 
-/// `line` as an error message echoes it: its first 200 characters.
-fn clip(line: &str) -> String {
-    match line.char_indices().nth(200) {
-        Some((at, _)) => format!("{}…", &line[..at]),
-        None => line.to_owned(),
-    }
-}
-
 /// Reads `cuarena trace-csv` output back into records.
 pub fn read_cuarena_csv(input: impl BufRead) -> Result<Vec<trace::Record>> {
     let mut lines = bounded_lines(input);
     match lines.next() {
         Some((_, Ok(h))) if h.trim() == trace::CSV_HEADER => {}
         Some((_, Ok(h))) => {
-            return Err(err(format!("line 1: header `{}`, expected `{}`", clip(&h), trace::CSV_HEADER)));
+            return Err(err(format!("line 1: header `{}`, expected `{}`", Echo(&h), trace::CSV_HEADER)));
         }
         Some((_, Err(e))) => return Err(err(e)),
         None => return Err(err("empty file: no header")),
