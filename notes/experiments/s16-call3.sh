@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 16, call 3: the C ABI's tests and the Python package with the GPU required, after this
+# Session 16, calls 3 and 4 (call 4, at the record_stream mends, with ROUNDS=3): the C ABI's tests and the Python package with the GPU required, after this
 # session's fixes and the glue's new defaults (legacy_batch_bytes=16MiB,large_max=off); then
-# examples/torch_train.py, native against the glue's defaults, 5 interleaved rounds; the other
+# examples/torch_train.py, native against the glue's defaults, ROUNDS (5) interleaved rounds; the other
 # framework examples.
 set -u
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ O=${OUT:-/tmp/out}; mkdir -p $O
 grep -E "^== |test result|FAILED|panicked" $O/tests.log >> $O/summary.txt
 ( CUARENA_REQUIRE_GPU=1 bash tools/python-check.sh gpu-bundle/libcuarena.so ) > $O/python.log 2>&1; echo "python rc=$? $(tail -1 $O/python.log)" >> $O/summary.txt
 export CUARENA_LIB=$PWD/gpu-bundle/libcuarena.so PYTHONUNBUFFERED=1
-for i in 1 2 3 4 5; do
+for i in $(seq "${ROUNDS:-5}"); do
   for a in native cuarena; do
     r=$(timeout 120 python3 examples/torch_train.py --allocator $a 2>>$O/train.err | tail -1)
     echo "{\"round\": $i, \"run\": $r}" >> $O/train.jsonl
