@@ -14,7 +14,7 @@
 //! (`target/adversarial-s16`; the outer cargo holds the default one). `CUARENA_CLI` names
 //! another binary.
 
-use std::ffi::{CStr, CString, c_int, c_void};
+use std::ffi::{CString, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
@@ -51,14 +51,8 @@ fn ptr(addr: usize) -> *mut c_void {
     addr as *mut c_void
 }
 
-fn last_error() -> Option<String> {
-    let p = cuarena_last_error();
-    // SAFETY: a non-null result is a NUL-terminated string valid until the next failing call.
-    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-}
-
 fn err() -> String {
-    last_error().unwrap_or_else(|| "<no error set>".into())
+    last_error_message().unwrap_or_else(|| "<no error set>".into())
 }
 
 /// True if a CUDA driver is usable here (then the no-driver tests have nothing to check).

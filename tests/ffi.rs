@@ -19,14 +19,14 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn last_error() -> Option<String> {
+/// This thread's last error, read through the C entry point (and checked against the Rust
+/// helper the other tests use).
+fn err() -> String {
     let p = cuarena_last_error();
     // SAFETY: a non-null result is a NUL-terminated string valid until the next failing call.
-    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-}
-
-fn err() -> String {
-    last_error().unwrap_or_else(|| "<no error set>".into())
+    let c = (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
+    assert_eq!(c, last_error_message(), "cuarena_last_error and last_error_message disagree");
+    c.unwrap_or_else(|| "<no error set>".into())
 }
 
 fn gpu_present() -> bool {
@@ -136,7 +136,7 @@ fn free_of_null_with_size_zero_is_silent_even_without_a_driver() {
             cuarena_free(NULL, 0, dev, ptr(0x2));
             assert!(cuarena_malloc(0, dev, NULL).is_null());
         }
-        assert_eq!(last_error(), None);
+        assert_eq!(last_error_message(), None);
     })
     .join()
     .unwrap();

@@ -446,6 +446,12 @@ pub extern "C" fn cuarena_last_error() -> *const c_char {
         .unwrap_or(std::ptr::null())
 }
 
+/// [`cuarena_last_error`] as a Rust string, for tests that call the C ABI as Rust.
+#[doc(hidden)]
+pub fn last_error_message() -> Option<String> {
+    LAST_ERROR.try_with(|e| e.borrow().as_ref().map(|c| c.to_string_lossy().into_owned())).ok().flatten()
+}
+
 /// Sets defaults under `CUARENA_CONF` for the allocators of devices first used after this call:
 /// `items` in `CUARENA_CONF`'s form (`"legacy_batch_bytes=16MiB"`), which `CUARENA_CONF`'s own
 /// items override; `""` clears them. No environment variable is changed. Returns how many
