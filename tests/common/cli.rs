@@ -138,14 +138,16 @@ pub fn run_limited(program: &Path, args: &[&std::ffi::OsStr], limit: Duration, c
     cmd.args(args).env_remove("CUARENA_CONF").env("RUST_BACKTRACE", "0").stdin(Stdio::null());
     cmd.stderr(std::fs::File::create(&e).unwrap());
     if close_stdout {
-        cmd.stdout(Stdio::piped());
+        // A pipe whose reader is gone before the child starts: every write to stdout fails
+        // with EPIPE (a reader dropped after the spawn would race the child's first writes,
+        // which the pipe's buffer would take).
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        cmd.stdout(writer);
     } else {
         cmd.stdout(std::fs::File::create(&o).unwrap());
     }
     let mut child = cmd.spawn().unwrap();
-    if close_stdout {
-        drop(child.stdout.take()); // the reader is gone: writes to stdout fail with EPIPE
-    }
     let start = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
