@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use cuarena::size_class::block_bytes;
 use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Event, InvalidFree, Stream};
-use cuarena_testkit::{HostConfig, HostDevice, allocate_until_back, assert_all_returned, host_allocator};
+use cuarena_testkit::{
+    HostConfig, HostDevice, allocate_until_back, assert_all_returned, assert_reuse_waits, host_allocator,
+};
 
 mod common;
 use common::{Live, check, is_double, is_invalid, rng, tag, within};
@@ -2016,15 +2018,7 @@ fn a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_f
         buf.record_stream(Stream::PER_THREAD);
         std::thread::spawn(move || drop(buf)).join().unwrap();
         assert!(a.take_deferred_error().is_none());
-        let (got, reused) = allocate_until_back(&a, size, user, p, 8);
-        assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
-        sim.write_tag(p.0, size, 9, user).unwrap();
-        sim.synchronize();
-        assert_eq!(sim.tag_errors(), 0, "the block was overwritten under the declaring thread's work");
-        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-        for q in got {
-            a.deallocate(q, size, user).unwrap();
-        }
+        assert_reuse_waits(&sim, &a, (size, user, p), 8, "the declaring thread's work");
         sim.destroy_stream(user).unwrap();
         assert_all_returned(&a, Some(&sim), 0);
     });

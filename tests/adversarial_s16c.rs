@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 use cuarena::size_class::block_bytes;
 use cuarena::stats::SIZE_HISTOGRAM_BUCKETS;
 use cuarena::{Allocator, Config, Device, DeviceAddr, DeviceBuffer, Error, Event, InvalidFree, Stream};
-use cuarena_testkit::{HostConfig, HostDevice, allocate_until_back, assert_all_returned, host_allocator};
+use cuarena_testkit::{
+    HostConfig, HostDevice, allocate_until_back, assert_all_returned, assert_reuse_waits, host_allocator,
+};
 
 mod common;
 use common::{Live, Worker, rng, within};
@@ -422,15 +424,7 @@ fn a_held_per_thread_free_made_on_another_thread_waits_for_the_owners_stream() {
             });
         });
         assert!(a.take_deferred_error().is_none());
-        let (got, reused) = allocate_until_back(&a, size, user, p, 8);
-        assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
-        sim.write_tag(p.0, size, 9, user).unwrap();
-        sim.synchronize();
-        assert_eq!(sim.tag_errors(), 0, "the block was overwritten under the owner's per-thread work");
-        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-        for q in got {
-            a.deallocate(q, size, user).unwrap();
-        }
+        assert_reuse_waits(&sim, &a, (size, user, p), 8, "the owner's per-thread work");
         sim.destroy_stream(user).unwrap();
         sim.destroy_stream(v).unwrap();
         assert_all_returned(&a, Some(&sim), 0);

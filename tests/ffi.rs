@@ -564,13 +564,5 @@ fn a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees()
     });
     // Allocations on the user stream until `p` comes back (a superblock holds two blocks: the
     // third allocation takes in the remote free).
-    let (got, reused) = cuarena_testkit::allocate_until_back(&a, size, user, p, 8);
-    assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
-    sim.write_tag(p.0, size, 9, user).unwrap();
-    sim.synchronize();
-    assert_eq!(sim.tag_errors(), 0, "the block was overwritten under the declaring thread's work");
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    for q in got {
-        a.deallocate(q, size, user).unwrap();
-    }
+    cuarena_testkit::assert_reuse_waits(&sim, &a, (size, user, p), 8, "the declaring thread's work");
 }

@@ -376,6 +376,29 @@ pub fn allocate_until_back(
     (got, false)
 }
 
+/// Gets the freed block at `p` back on `stream` ([`allocate_until_back`], at most `tries`
+/// allocations of `size`), writes it there, and asserts that the write waited for every
+/// earlier use of the block on the simulated device `sim` (no overwritten tag, no race:
+/// `what` names the work it must have waited for); then frees what it allocated. Panics if
+/// the block never came back: the test would check nothing.
+pub fn assert_reuse_waits(
+    sim: &HostDevice,
+    a: &Allocator,
+    (size, stream, p): (usize, Stream, DeviceAddr),
+    tries: usize,
+    what: &str,
+) {
+    let (got, reused) = allocate_until_back(a, size, stream, p, tries);
+    assert!(reused, "the freed block never came back, so this test checks nothing: {got:?}");
+    sim.write_tag(p.0, size, 9, stream).unwrap();
+    sim.synchronize();
+    assert_eq!(sim.tag_errors(), 0, "the block was overwritten under {what}");
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    for q in got {
+        a.deallocate(q, size, stream).unwrap();
+    }
+}
+
 /// Asserts that everything `a` handed out came back, and, on a simulated device `sim`, that the
 /// device saw no race and holds no memory. The one end-of-test check of every test.
 ///
