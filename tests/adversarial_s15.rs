@@ -20,23 +20,10 @@ use cuarena_testkit::{
 };
 
 mod common;
-use common::{Live, check, is_double, is_invalid, rng, tag, within};
+use common::{Live, check, host, is_double, is_invalid, parse, rng, tag, within};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-fn sim(max_us: u64) -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity: 1 << 30,
-        min_delay: Duration::ZERO,
-        max_delay: Duration::from_micros(max_us),
-        ..HostConfig::default()
-    })
-}
-
-fn parse(s: &str) -> Config {
-    Config::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"))
-}
 
 fn is_oom<T>(r: &cuarena::Result<T>) -> bool {
     matches!(r, Err(Error::OutOfMemory { .. }))
@@ -292,7 +279,7 @@ fn churn(a: &Allocator, sim: &HostDevice, live: &Arc<Live>, p: &Churn) -> u64 {
 fn churn_config(conf: &str, p: Churn) -> u64 {
     let conf = conf.to_string();
     within(120, move || {
-        let sim = sim(20);
+        let sim = host(20);
         let a = host_allocator(sim.clone(), parse(&conf)).unwrap();
         let live = Arc::new(Live::default());
         let ooms = churn(&a, &sim, &live, &p);
@@ -326,7 +313,7 @@ fn default_churn() -> Churn {
 #[test]
 fn three_allocators_interleaved_on_three_threads_stay_apart_and_all_return() {
     within(120, || {
-        let sim = sim(20);
+        let sim = host(20);
         let confs = [
             "superblock=64KiB,small_max=16KiB,chunk=128KiB,max=48MiB",
             "superblock=256KiB,small_max=64KiB,large_max=64KiB,chunk=1MiB,batch=2,legacy_batch=2",
@@ -425,7 +412,7 @@ fn three_allocators_interleaved_on_three_threads_stay_apart_and_all_return() {
 #[test]
 fn frees_through_the_wrong_allocator_are_refused_on_every_stream_and_lose_nothing() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = host_allocator(sim.clone(), parse("superblock=256KiB,small_max=64KiB,chunk=1MiB")).unwrap();
         let b = host_allocator(sim.clone(), parse("superblock=256KiB,small_max=64KiB,chunk=1MiB")).unwrap();
         let u = sim.create_stream();
@@ -492,7 +479,7 @@ fn frees_through_the_wrong_allocator_are_refused_on_every_stream_and_lose_nothin
 #[test]
 fn dropping_one_allocator_while_other_threads_hold_its_slots_leaves_the_rest_working() {
     within(60, || {
-        let sim = sim(20);
+        let sim = host(20);
         let conf = "superblock=256KiB,small_max=64KiB,chunk=1MiB";
         let a = host_allocator(sim.clone(), parse(conf)).unwrap();
         let b = host_allocator(sim.clone(), parse(conf)).unwrap();
@@ -582,7 +569,7 @@ fn dropping_one_allocator_while_other_threads_hold_its_slots_leaves_the_rest_wor
 /// synchronises the device before it releases the chunks; the mutation `drop_without_sync`
 /// skips it) all three cases failed: the pool waited only for its own fences.
 fn drop_after_local_free(case: u32) {
-    let sim = sim(0);
+    let sim = host(0);
     let size = 32 << 10;
     let hold = Duration::from_millis(150);
     {
@@ -731,7 +718,7 @@ fn churn_defaults_with_one_chunk_cap_and_eight_threads() {
 #[test]
 fn destroyed_streams_with_reused_handles_on_four_threads_racing_trims_and_oom() {
     within(120, || {
-        let sim = sim(30);
+        let sim = host(30);
         let a = host_allocator(
             sim.clone(),
             parse("superblock=64KiB,chunk=128KiB,small_max=16KiB,large_max=256KiB,max=3MiB,batch=4"),
@@ -844,7 +831,7 @@ fn destroyed_streams_with_reused_handles_on_four_threads_racing_trims_and_oom() 
 #[test]
 fn a_handle_destroyed_on_one_thread_and_reused_on_another_mid_batch() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = host_allocator(
             sim.clone(),
             parse("superblock=64KiB,chunk=64KiB,small_max=16KiB,large_max=16KiB,batch=64,max=256KiB"),
@@ -968,7 +955,7 @@ fn a_handle_destroyed_on_one_thread_and_reused_on_another_mid_batch() {
 fn thread_exit_with_everything_pending_while_others_free_its_blocks() {
     within(60, || {
         for round in 0..6u64 {
-            let sim = sim(30);
+            let sim = host(30);
             let a = host_allocator(
                 sim.clone(),
                 parse("superblock=64KiB,chunk=256KiB,small_max=16KiB,large_max=128KiB,batch=64,legacy_batch=256"),
@@ -1161,7 +1148,7 @@ thread_local! {
 fn thread_local_destructors_allocate_and_free_before_and_after_the_slots_go() {
     within(60, || {
         for which in 0..3 {
-            let sim = sim(20);
+            let sim = host(20);
             let a = host_allocator(
                 sim.clone(),
                 parse("superblock=64KiB,chunk=256KiB,small_max=16KiB,large_max=1MiB"),
@@ -1248,7 +1235,7 @@ fn boundary_sizes_and_bad_frees_on_every_stream_under_edge_configs() {
             "superblock=64KiB,chunk=64KiB,small_max=32KiB,large_max=1MiB,keep_empty=0,batch=1,legacy_batch=1",
             "superblock=128KiB,chunk=256KiB,small_max=1B,large_max=1B",
         ] {
-            let sim = sim(0);
+            let sim = host(0);
             let a = host_allocator(sim.clone(), parse(conf)).unwrap();
             let cfg = a.config().clone();
             let u = sim.create_stream();
@@ -1354,7 +1341,7 @@ fn absurd_sizes_give_clear_errors_on_every_stream_and_mode() {
             "passthrough,max=4MiB",
             "small_max=1B,large_max=64MiB,superblock=64KiB,chunk=64KiB,max=64MiB",
         ] {
-            let sim = sim(0);
+            let sim = host(0);
             let a = host_allocator(sim.clone(), parse(conf)).unwrap();
             let u = sim.create_stream();
             let lim = 1usize << 20;
@@ -1415,7 +1402,7 @@ fn ordered_double_frees_from_two_threads_in_every_state_of_the_first() {
             "superblock=64KiB,chunk=256KiB,small_max=16KiB,large_max=256KiB,batch=1,legacy_batch=1",
             "superblock=64KiB,chunk=256KiB,small_max=16KiB,large_max=256KiB,batch=64,legacy_batch=256",
         ] {
-            let sim = sim(10);
+            let sim = host(10);
             let a = host_allocator(sim.clone(), parse(conf)).unwrap();
             let mut bad = 0u64;
             let owner_u = sim.create_stream();
@@ -1524,7 +1511,7 @@ fn edge_configurations_parse_and_values_past_the_edges_are_refused() {
 #[test]
 fn churn_while_the_cap_moves_between_nothing_and_plenty() {
     within(120, || {
-        let sim = sim(20);
+        let sim = host(20);
         let a = host_allocator(
             sim.clone(),
             parse("superblock=64KiB,chunk=128KiB,small_max=8KiB,large_max=512KiB,keep_empty=0,batch=2,legacy_batch=2"),
@@ -1565,7 +1552,7 @@ fn churn_while_the_cap_moves_between_nothing_and_plenty() {
 #[test]
 fn four_threads_exit_at_once_with_frees_towards_each_other_pending() {
     within(120, || {
-        let sim = sim(30);
+        let sim = host(30);
         let a = host_allocator(
             sim.clone(),
             parse("superblock=64KiB,chunk=256KiB,small_max=16KiB,large_max=256KiB,batch=64,legacy_batch=256,max=512MiB"),
@@ -1694,7 +1681,7 @@ thread_local! {
 #[test]
 fn the_last_clone_dropped_in_a_late_thread_local_destructor() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let (tx, rx) = mpsc::channel();
         let sim2 = sim.clone();
         std::thread::spawn(move || {
@@ -1745,7 +1732,7 @@ fn the_last_clone_dropped_in_a_late_thread_local_destructor() {
 #[test]
 fn oom_hooks_that_call_into_each_others_allocator() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let conf = "superblock=64KiB,chunk=64KiB,small_max=16KiB,large_max=64KiB,max=256KiB";
         let a = host_allocator(sim.clone(), parse(conf)).unwrap();
         let b = host_allocator(sim.clone(), parse(conf)).unwrap();
@@ -1886,7 +1873,7 @@ fn two_allocators_churn_on_a_small_device_with_unaligned_chunks() {
 #[test]
 fn blocks_of_another_allocator_at_addresses_this_one_released_are_refused() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let conf = "superblock=64KiB,chunk=1MiB,small_max=16KiB,large_max=256KiB";
         let a = host_allocator(sim.clone(), parse(conf)).unwrap();
         let b = host_allocator(sim.clone(), parse(conf)).unwrap();
@@ -1961,7 +1948,7 @@ fn blocks_of_another_allocator_at_addresses_this_one_released_are_refused() {
 #[test]
 fn a_trim_whose_legacy_identity_query_fails_keeps_the_extent() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let fail = Arc::new(AtomicBool::new(false));
         let fail_h = Arc::clone(&fail);
         let key: cuarena_testkit::hooked::KeyHook = Box::new(move |sim, s| {
@@ -2008,7 +1995,7 @@ fn a_trim_whose_legacy_identity_query_fails_keeps_the_extent() {
 #[test]
 fn a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_for_it() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = host_allocator(sim.clone(), parse("superblock=64KiB,small_max=32KiB,batch=1")).unwrap();
         let user = sim.create_stream();
         let size = 32 << 10;
@@ -2031,7 +2018,7 @@ fn a_buffer_used_on_one_threads_per_thread_stream_and_dropped_on_another_waits_f
 #[test]
 fn a_buffer_dropped_by_the_thread_that_declared_its_per_thread_stream_is_fenced_without_blocking() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = host_allocator(sim.clone(), parse("superblock=64KiB,small_max=32KiB,batch=1")).unwrap();
         let user = sim.create_stream();
         let size = 32 << 10;

@@ -27,7 +27,7 @@ use cuarena_testkit::{allocate_until_back, assert_all_returned, host_allocator};
 
 mod common;
 use common::cli::{cli, cuarena, cuarena_capped, os, replay_args, run_limited, scratch, write_trace};
-use common::{Live, host, rng, within};
+use common::{Live, host, parse, rng, within};
 
 /// The C ABI (`capi/`, built as libcuarena.so), compiled into this test to be called as Rust.
 #[allow(dead_code)] // this test calls a subset of it
@@ -58,10 +58,6 @@ fn err() -> String {
 /// True if a CUDA driver is usable here (then the no-driver tests have nothing to check).
 fn gpu_present() -> bool {
     cuarena::CudaDevice::new(0).is_ok()
-}
-
-fn parse(s: &str) -> Config {
-    Config::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"))
 }
 
 // ---------------------------------------------------------------------------------------------

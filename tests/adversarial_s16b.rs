@@ -27,14 +27,10 @@ use cuarena_c::*;
 
 mod common;
 use common::cli::{Run, cuarena, cuarena_capped, os, replay_args, scratch, write_trace};
-use common::host;
+use common::{host, parse};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-fn parse(s: &str) -> Config {
-    Config::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"))
-}
 
 const CFG: &str = "superblock=256KiB,small_max=64KiB,chunk=1MiB,batch=1";
 

@@ -19,29 +19,16 @@ use std::time::{Duration, Instant};
 
 use cuarena::size_class::block_bytes;
 use cuarena::stats::SIZE_HISTOGRAM_BUCKETS;
-use cuarena::{Allocator, Config, Device, DeviceAddr, DeviceBuffer, Error, Event, InvalidFree, Stream};
+use cuarena::{Allocator, Device, DeviceAddr, DeviceBuffer, Error, Event, InvalidFree, Stream};
 use cuarena_testkit::{
-    HostConfig, HostDevice, allocate_until_back, assert_all_returned, assert_reuse_waits, host_allocator,
+    HostDevice, allocate_until_back, assert_all_returned, assert_reuse_waits, host_allocator,
 };
 
 mod common;
-use common::{Live, Worker, rng, within};
+use common::{Live, Worker, host, parse, rng, within};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
-
-fn sim(max_us: u64) -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity: 1 << 30,
-        min_delay: Duration::ZERO,
-        max_delay: Duration::from_micros(max_us),
-        ..HostConfig::default()
-    })
-}
-
-fn parse(s: &str) -> Config {
-    Config::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"))
-}
 
 /// An event after the work queued so far on `s` (for another thread to wait on).
 fn mark(sim: &HostDevice, s: Stream) -> Event {
@@ -82,7 +69,7 @@ enum DropOn {
 fn declared_everywhere(conf: &str, size: usize, drop_on: DropOn) {
     let (conf, label) = (conf.to_string(), format!("{conf} {size} {drop_on:?}"));
     within(60, move || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = host_allocator(sim.clone(), parse(&conf)).unwrap();
         let (u0, u1, u2) = (sim.create_stream(), sim.create_stream(), sim.create_stream());
         let mut buf = a.buffer(size, u0).unwrap();
@@ -173,7 +160,7 @@ fn a_buffer_outliving_every_allocator_handle_frees_and_gives_everything_back() {
     within(60, || {
         for conf in ["superblock=256KiB,small_max=64KiB,chunk=1MiB", "passthrough"] {
             for other_thread in [false, true] {
-                let sim = sim(200);
+                let sim = host(200);
                 let a = host_allocator(sim.clone(), parse(conf)).unwrap();
                 let u = sim.create_stream();
                 let mut keep = Vec::new();
@@ -230,7 +217,7 @@ fn buffers_passed_around_threads_under_churn_never_overlap_or_race() {
         within(120, move || {
             const THREADS: usize = 4;
             const STEPS: usize = 300;
-            let sim = sim(30);
+            let sim = host(30);
             let a = host_allocator(sim.clone(), parse(&conf)).unwrap();
             let live = Arc::new(Live::default());
             type Msg = (DeviceBuffer, Event, u32);
@@ -312,7 +299,7 @@ fn buffers_passed_around_threads_under_churn_never_overlap_or_race() {
 fn empty_and_absurd_buffers_fail_or_succeed_cleanly() {
     within(60, || {
         for conf in ["superblock=256KiB,small_max=64KiB,chunk=1MiB", "passthrough,small_max=64KiB"] {
-            let sim = sim(0);
+            let sim = host(0);
             let a = host_allocator(sim.clone(), parse(conf)).unwrap();
             let u = sim.create_stream();
             for s in [u, Stream::PER_THREAD, Stream::LEGACY, Stream::NULL] {
@@ -372,7 +359,7 @@ fn empty_and_absurd_buffers_fail_or_succeed_cleanly() {
 fn a_buffer_declared_on_a_destroyed_stream_keeps_its_block_and_reports_it() {
     within(60, || {
         for conf in ["superblock=256KiB,small_max=64KiB,chunk=1MiB,batch=1", "passthrough,small_max=64KiB"] {
-            let sim = sim(0);
+            let sim = host(0);
             let a = host_allocator(sim.clone(), parse(conf)).unwrap();
             let (u0, u1) = (sim.create_stream(), sim.create_stream());
             let size = 4096;
@@ -404,7 +391,7 @@ fn a_buffer_declared_on_a_destroyed_stream_keeps_its_block_and_reports_it() {
 #[test]
 fn a_held_per_thread_free_made_on_another_thread_waits_for_the_owners_stream() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = host_allocator(sim.clone(), parse("superblock=64KiB,small_max=32KiB,batch=1")).unwrap();
         let (user, v) = (sim.create_stream(), sim.create_stream());
         let size = 32 << 10;
@@ -440,7 +427,7 @@ fn a_held_per_thread_free_made_on_another_thread_waits_for_the_owners_stream() {
 #[test]
 fn a_buffer_dropped_during_a_capture_is_freed_after_it() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = host_allocator(sim.clone(), parse("superblock=256KiB,small_max=64KiB,chunk=1MiB")).unwrap();
         let (u, v) = (sim.create_stream(), sim.create_stream());
         // A pool block on its own capturing stream, and an arena block declared on a capturing
@@ -487,7 +474,7 @@ thread_local! {
 fn buffers_dropped_by_a_thread_local_destructor_at_exit_are_freed() {
     within(60, || {
         for conf in ["superblock=256KiB,small_max=64KiB,chunk=1MiB", "passthrough"] {
-            let sim = sim(100);
+            let sim = host(100);
             let a = host_allocator(sim.clone(), parse(conf)).unwrap();
             let hs: Vec<_> = (0..4)
                 .map(|t| {
@@ -545,7 +532,7 @@ fn passthrough(sim: &HostDevice) -> Allocator {
 #[test]
 fn passthrough_racing_frees_of_one_block_exactly_one_wins() {
     within(60, || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = passthrough(&sim);
         const THREADS: usize = 8;
         let mut refused = 0u64;
@@ -590,7 +577,7 @@ fn passthrough_racing_frees_of_one_block_exactly_one_wins() {
 #[test]
 fn passthrough_many_threads_exchange_blocks_under_a_cap_with_the_hook() {
     within(120, || {
-        let sim = sim(20);
+        let sim = host(20);
         let a = passthrough(&sim);
         const CAP: usize = 8 << 20;
         a.set_limit_bytes(CAP);
@@ -751,7 +738,7 @@ fn passthrough_many_threads_exchange_blocks_under_a_cap_with_the_hook() {
 #[test]
 fn passthrough_counts_are_exact_after_resets_that_raced_churn() {
     within(120, || {
-        let sim = sim(0);
+        let sim = host(0);
         let a = passthrough(&sim);
         let stop = Arc::new(AtomicBool::new(false));
         let resetter = {
@@ -811,7 +798,7 @@ fn passthrough_counts_are_exact_after_resets_that_raced_churn() {
 /// peaks bracket the workload's known high-water mark (`stats=exact`: equal to it).
 fn stats_quiescent(exact: bool) {
     let label = if exact { "exact" } else { "default" };
-    let sim = sim(0);
+    let sim = host(0);
     let conf =
         format!("superblock=256KiB,small_max=64KiB,chunk=1MiB{}", if exact { ",stats=exact" } else { "" });
     let a = host_allocator(sim.clone(), parse(&conf)).unwrap();
@@ -942,7 +929,7 @@ fn stats_at_quiescence_after_churn_with_racing_resets_and_exits_exact() {
 fn the_peaks_bracket_a_known_high_water_mark_after_cross_thread_churn() {
     within(120, || {
         for exact in [false, true] {
-            let sim = sim(0);
+            let sim = host(0);
             let conf = format!(
                 "superblock=256KiB,small_max=64KiB,chunk=1MiB{}",
                 if exact { ",stats=exact" } else { "" }
@@ -1021,7 +1008,7 @@ fn a_racing_snapshot_never_reports_a_wrapped_live_byte_count() {
     within(120, || {
         let mut found = Vec::new();
         for exact in [false, true] {
-            let sim = sim(0);
+            let sim = host(0);
             let conf = format!(
                 "superblock=1MiB,small_max=64KiB,chunk=4MiB{}",
                 if exact { ",stats=exact" } else { "" }

@@ -21,6 +21,11 @@ pub fn host(max_delay_us: u64) -> HostDevice {
     })
 }
 
+/// A `CUARENA_CONF` string that the test knows to be valid.
+pub fn parse(s: &str) -> Config {
+    Config::parse(s).unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
 pub fn small() -> cuarena::ConfigBuilder {
     Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20)
 }
