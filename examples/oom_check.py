@@ -2,7 +2,8 @@
 
 With CUARENA_CONF=max=256MiB (set here, before cuarena is loaded):
   (a) PyTorch: allocate 16 MiB tensors until one fails. The failure must be
-      torch.OutOfMemoryError, or a RuntimeError whose message contains "cuarena"; no tensor with
+      torch.OutOfMemoryError naming cuarena (or, where the shim was built without PyTorch's
+      headers, a RuntimeError whose message contains "cuarena"); no tensor with
       numel() > 0 may have data_ptr() == 0; an absurd size must fail the same way; after the
       tensors are deleted an allocation succeeds again and its memory works.
   (b) CuPy, in a subprocess of this script (--part cupy): the same, with
@@ -57,6 +58,9 @@ def torch_part():
                                   getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
 
     def acceptable(e):
+        # The shim built with PyTorch's headers throws PyTorch's own type (TorchInstall.oom_error).
+        if inst.oom_error == "torch.OutOfMemoryError":
+            return isinstance(e, oom_types) and "cuarena" in str(e)
         return isinstance(e, oom_types) or (isinstance(e, RuntimeError) and "cuarena" in str(e))
 
     tensors, null_tensors, err = [], 0, None
@@ -99,7 +103,7 @@ def torch_part():
     first = str(err).splitlines()[0] if err is not None else "none"
     print(f"torch OOM: {'OK' if not c.failed else 'FAILED'}: {got} x 16 MiB then {type(err).__name__}: "
           f"{first[:160]}; 0 null tensors: {null_tensors == 0}; recovered: {recovered}; "
-          f"hooks installed {list(inst.hooks_installed)}, missing {list(inst.hooks_missing)}; "
+          f"raises {inst.oom_error}; hooks installed {list(inst.hooks_installed)}, missing {list(inst.hooks_missing)}; "
           f"live now {st['live_bytes']} B, reserved {st['reserved_bytes']} B", flush=True)
     return 0 if not c.failed else 1
 

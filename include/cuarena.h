@@ -133,7 +133,8 @@ void cuarena_record_stream(void *ptr, cudaStream_t stream);
 /* PyTorch set_reset_fn (torch.cuda.empty_cache): sends this thread's pending remote frees and
  * releases every wholly free chunk to the driver, waiting for pending fences (host sync). */
 void cuarena_empty_cache(void);
-/* PyTorch set_memory_fraction_fn: caps the device's reserved memory at fraction (0, 1]. */
+/* PyTorch set_memory_fraction_fn: caps the device's reserved memory at fraction [0, 1] of its total
+   (0: nothing more is reserved); another fraction is refused (cuarena_last_error) and changes nothing. */
 void cuarena_set_memory_fraction(double fraction, int device);
 /* CuPy: python/cuarena's install_cupy() uses cuarena_malloc / cuarena_free on the stream that
  * is current at allocation (CuPy's CFunctionAllocator passes no stream, so the former

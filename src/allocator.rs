@@ -1607,10 +1607,13 @@ impl Allocator {
         self.inner.pool.set_limit(bytes);
     }
 
-    /// Caps reserved memory at `fraction` (0, 1] of the device's memory.
+    /// Caps reserved memory at `fraction` [0, 1] of the device's memory, as PyTorch's
+    /// `set_per_process_memory_fraction` does: at 0 nothing more is reserved (blocks already
+    /// reserved still serve). Anything else (NaN, below 0, above 1) is refused and changes
+    /// nothing.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(Error::Config(format!("memory fraction {fraction} must be in (0, 1]")));
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(Error::Config(format!("memory fraction {fraction} must be in [0, 1]")));
         }
         self.inner.pool.set_limit((self.inner.pool.total() as f64 * fraction) as usize);
         Ok(())

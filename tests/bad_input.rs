@@ -523,3 +523,34 @@ fn keep_empty_at_its_limit_works_and_beyond_it_is_refused() {
     }
     settle(&a, &dev, Vec::new());
 }
+
+/// `set_memory_fraction` takes [0, 1] as PyTorch does. At 0 nothing more is reserved (what is
+/// reserved still serves, and an allocation past it is out of memory naming the limit 0); NaN,
+/// negative and above-1 fractions are refused and leave the cap as it was.
+#[test]
+fn a_memory_fraction_of_zero_stops_growth_and_bad_fractions_change_nothing() {
+    let (dev, a) = setup(); // 256 MiB device
+    let live = two_blocks(&a);
+    let reserved = a.stats().reserved_bytes;
+    assert!(reserved > 0);
+    a.set_memory_fraction(0.0).unwrap();
+    let limit_of = |r: cuarena::Result<DeviceAddr>| match r {
+        Err(Error::OutOfMemory { limit, .. }) => limit,
+        other => panic!("expected out of memory, got {other:?}"),
+    };
+    assert_eq!(limit_of(a.allocate(8 << 20, Stream::LEGACY)), 0);
+    // A small block from what this thread's arena already holds is still served.
+    let small = a.allocate_per_thread(1000).unwrap();
+    a.deallocate_per_thread(small, 1000).unwrap();
+    for bad in [f64::NAN, -0.0001, -1.0, 1.0001, f64::INFINITY, f64::NEG_INFINITY] {
+        match a.set_memory_fraction(bad) {
+            Err(Error::Config(m)) => assert!(m.contains("must be in [0, 1]"), "{m}"),
+            other => panic!("fraction {bad}: {other:?}"),
+        }
+        assert_eq!(limit_of(a.allocate(8 << 20, Stream::LEGACY)), 0, "fraction {bad} changed the cap");
+    }
+    a.set_memory_fraction(0.25).unwrap();
+    let big = a.allocate(8 << 20, Stream::LEGACY).unwrap();
+    assert_eq!(limit_of(a.allocate(80 << 20, Stream::LEGACY)), 64 << 20);
+    settle(&a, &dev, [live, vec![(big, 8 << 20, Stream::LEGACY)]].concat());
+}

@@ -5,8 +5,11 @@
     x = torch.ones(1 << 20, device="cuda")
 
 malloc and free go through a small C++ shim (torch_shim.cpp, compiled with the system `c++` on
-first use and cached, or CUARENA_TORCH_SHIM), so that a failed allocation raises a RuntimeError
-whose message starts with "cuarena:" instead of giving PyTorch a tensor at address 0. The
+first use and cached, or CUARENA_TORCH_SHIM), so that a failed allocation raises instead of giving
+PyTorch a tensor at address 0: out of memory raises torch.OutOfMemoryError (torch.cuda's too) as
+PyTorch's own allocator does, with cuarena's figures in the message, where the shim builds against
+PyTorch's headers (TorchInstall.oom_error says), and a RuntimeError starting "CUDA out of memory."
+where it does not; other failures raise a RuntimeError naming cuarena. The
 optional hooks PyTorch offers are installed too: record_stream (Tensor.record_stream fences the
 free after the other stream's work), reset (torch.cuda.empty_cache) and memory fraction
 (torch.cuda.set_per_process_memory_fraction). PyTorch's own memory statistics are not kept under
@@ -35,14 +38,59 @@ def _cache_dir():
     return os.path.join(base, "cuarena")
 
 
-def shim_path():
+def _c10_flags(torch):
+    """(compile flags, link flags) that build the shim against this PyTorch's headers and libc10, so
+    that out of memory throws c10::OutOfMemoryError (torch_shim.cpp); None where it ships neither."""
+    if torch is None:
+        return None
+    base = os.path.dirname(os.path.abspath(torch.__file__))
+    inc, libdir = os.path.join(base, "include"), os.path.join(base, "lib")
+    if not (os.path.isfile(os.path.join(inc, "c10", "util", "Exception.h"))
+            and os.path.isfile(os.path.join(libdir, "libc10.so"))):
+        return None
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    return ["-DCUARENA_C10", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}"], [f"-L{libdir}", "-lc10",
+                                                                             f"-Wl,-rpath,{libdir}"]
+
+
+def _compile(compiler, extra, libs, out, libdir, libname):
+    """Compiles torch_shim.cpp into `out` (atomically); returns None, or why it failed."""
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(out) + ".", suffix=".tmp", dir=os.path.dirname(out))
+    os.close(fd)
+    # A name of its own per call: two threads (or processes) building at once each write their
+    # own file, and os.replace below makes one of them the shim.
+    cmd = [compiler, "-O2", "-shared", "-fPIC", *extra, _SHIM_SOURCE, "-o", tmp,
+           f"-L{libdir}", f"-l:{libname}", f"-Wl,-rpath,{libdir}", *libs]  # libraries after the source
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        failure = None if r.returncode == 0 else (
+            f"compiling the PyTorch shim failed (exit {r.returncode}): {' '.join(cmd)}\n{r.stderr.strip()}")
+    except OSError as e:
+        failure = (f"cannot compile the PyTorch shim ({' '.join(cmd)}): {e}. Install a C++ compiler "
+                   "or set CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so")
+    if failure is None:
+        os.replace(tmp, out)  # atomic: concurrent first uses each build, one wins
+        return None
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+    return failure
+
+
+def shim_path(torch=None):
     """The PyTorch shim library (torch_shim.cpp compiled against this libcuarena.so).
 
     CUARENA_TORCH_SHIM names a prebuilt one. Otherwise it is compiled on first use with the
     system `c++` (or CXX) into ~/.cache/cuarena/ (XDG_CACHE_HOME is honoured), keyed by a hash of
-    the source, of libcuarena.so's location and of the compiler. Raises RuntimeError if that
-    fails: there is no fallback, because PyTorch would turn a failed allocation into a tensor at
-    address 0.
+    the source, of libcuarena.so's location, of the compiler and of the PyTorch it is built for.
+    Given the `torch` module, it is built against that PyTorch's headers and libc10 (C++20, else
+    C++17), so that out of memory raises torch.OutOfMemoryError; where that does not compile, a
+    RuntimeWarning says why and the shim is built without them (out of memory then raises a
+    RuntimeError whose message starts "CUDA out of memory."; the failed build is remembered in
+    the cache, beside the shim's name, and not tried again). Raises RuntimeError if no shim
+    compiles: there is no fallback, because PyTorch would turn a failed allocation into a tensor
+    at address 0.
     """
     env = os.environ.get("CUARENA_TORCH_SHIM")
     if env:
@@ -54,66 +102,67 @@ def shim_path():
     with open(_SHIM_SOURCE, "rb") as f:
         source = f.read()
     compiler = os.environ.get("CXX") or "c++"
-    key = hashlib.sha256(source + b"\0" + lib.encode() + b"\0" + compiler.encode()).hexdigest()[:16]
+    c10 = _c10_flags(torch)
+    builds = [(["-std=c++20", *c10[0]], c10[1]), (["-std=c++17", *c10[0]], c10[1])] if c10 else []
+    builds.append(([], []))
     cache = _cache_dir()
-    out = os.path.join(cache, f"libcuarena_torch-{key}.so")
-    if os.path.isfile(out):
-        return out
     os.makedirs(cache, exist_ok=True)
-    # A name of its own per call: two threads (or processes) building at once each write their
-    # own file, and os.replace below makes one of them the shim.
-    fd, tmp = tempfile.mkstemp(prefix=f"libcuarena_torch-{key}.", suffix=".tmp", dir=cache)
-    os.close(fd)
-    cmd = [compiler, "-O2", "-shared", "-fPIC", _SHIM_SOURCE, "-o", tmp,
-           f"-L{libdir}", f"-l:{libname}", f"-Wl,-rpath,{libdir}"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise RuntimeError(
-            f"cuarena: cannot compile the PyTorch shim ({' '.join(cmd)}): {e}. Install a C++ compiler "
-            "or set CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so") from e
-    if r.returncode != 0:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise RuntimeError(
-            f"cuarena: compiling the PyTorch shim failed (exit {r.returncode}): {' '.join(cmd)}\n"
-            f"{r.stderr.strip()}")
-    os.replace(tmp, out)  # atomic: concurrent first uses each build, one wins
-    return out
+    failures = []
+    for extra, libs in builds:
+        key = hashlib.sha256(b"\0".join([source, lib.encode(), compiler.encode(), *map(str.encode, extra + libs)]))
+        out = os.path.join(cache, f"libcuarena_torch-{key.hexdigest()[:16]}.so")
+        failed = out + ".failed"
+        if not os.path.isfile(out):
+            if os.path.isfile(failed):
+                with open(failed, encoding="utf-8", errors="replace") as f:
+                    failures.append(f.read())
+                continue
+            failure = _compile(compiler, extra, libs, out, libdir, libname)
+            if failure is not None:
+                failures.append(failure)
+                if extra:  # remembered: a build with PyTorch's headers is not tried at every start
+                    with open(failed, "w", encoding="utf-8") as f:
+                        f.write(failure)
+                continue
+        if c10 and not extra:
+            warnings.warn("cuarena: the PyTorch shim is built without PyTorch's headers, so out of memory raises "
+                          "RuntimeError, not torch.OutOfMemoryError: " + failures[-1][-2000:], RuntimeWarning,
+                          stacklevel=4)
+        return out
+    raise RuntimeError("cuarena: " + failures[-1])
 
 
-def _checked_shim():
-    """shim_path(), loaded and checked to call this process's one copy of libcuarena.so."""
+def _checked_shim(torch=None):
+    """shim_path(torch), loaded and checked to call this process's one copy of libcuarena.so.
+    Returns (the shim's path, whether out of memory throws c10::OutOfMemoryError there)."""
     load()  # this process's one copy of libcuarena.so, which the shim must share
-    shim = shim_path()
+    shim = shim_path(torch)
     check = ctypes.CDLL(shim)
     check.cuarena_torch_target.restype = ctypes.c_void_p
     if check.cuarena_torch_target() != _fn_addr("cuarena_malloc"):
         raise RuntimeError(
             f"cuarena: the PyTorch shim {shim} resolved a different libcuarena.so than {library_path()} "
             "(two copies would be two allocators); remove the shim or fix CUARENA_TORCH_SHIM")
-    return shim
+    c10 = getattr(check, "cuarena_torch_shim_c10", None)  # absent from a shim built before it
+    return shim, bool(c10 is not None and c10() == 1)
 
 
 class TorchInstall:
     """What use() did: `allocator` (the CUDAPluggableAllocator), `shim` (its .so),
-    `hooks_installed` and `hooks_missing` (optional hooks this PyTorch does not offer)."""
+    `oom_error` (what out of memory raises: "torch.OutOfMemoryError", or "RuntimeError" where the
+    shim could not be built with PyTorch's headers), `hooks_installed` and `hooks_missing`
+    (optional hooks this PyTorch does not offer)."""
 
-    def __init__(self, allocator, shim, hooks_installed, hooks_missing):
+    def __init__(self, allocator, shim, oom_error, hooks_installed, hooks_missing):
         self.allocator = allocator
         self.shim = shim
+        self.oom_error = oom_error
         self.hooks_installed = tuple(hooks_installed)
         self.hooks_missing = tuple(hooks_missing)
 
     def __repr__(self):
-        return (f"TorchInstall(shim={self.shim!r}, hooks_installed={self.hooks_installed}, "
-                f"hooks_missing={self.hooks_missing})")
+        return (f"TorchInstall(shim={self.shim!r}, oom_error={self.oom_error!r}, "
+                f"hooks_installed={self.hooks_installed}, hooks_missing={self.hooks_missing})")
 
 
 # Optional CUDAPluggableAllocator hooks: (setter, cuarena function, what is lost without it).
@@ -140,7 +189,7 @@ def use():
             return _installed
         import torch
 
-        shim = _checked_shim()
+        shim, c10 = _checked_shim(torch)
         alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "cuarena_torch_malloc", "cuarena_torch_free")
         hooks = alloc.allocator() if callable(getattr(alloc, "allocator", None)) else alloc._allocator
         installed, missing = [], []
@@ -154,5 +203,6 @@ def use():
                               RuntimeWarning, stacklevel=2)
         _framework_defaults()  # before the framework's first allocation, after what may fail first
         torch.cuda.memory.change_current_allocator(alloc)
-        _installed = TorchInstall(alloc, shim, installed, missing)
+        _installed = TorchInstall(alloc, shim, "torch.OutOfMemoryError" if c10 else "RuntimeError", installed,
+                                  missing)
         return _installed

@@ -168,8 +168,9 @@ class Calls(unittest.TestCase):
             old = os.environ.get("XDG_CACHE_HOME")
             os.environ["XDG_CACHE_HOME"] = cache
             try:
-                shim = glue._checked_shim()  # raises if it resolved another copy of the library
+                shim, c10 = glue._checked_shim()  # raises if it resolved another copy of the library
                 self.assertTrue(shim.startswith(cache), shim)
+                self.assertFalse(c10, "built without PyTorch's headers")
                 self.assertEqual(glue.shim_path(), shim, "cached")
             finally:
                 if old is None:
@@ -198,12 +199,29 @@ class Frameworks(unittest.TestCase):
             assert y == float((1 << 20) * ((1 << 20) - 1)), y
             s = cuarena.stats()
             assert s["allocations"] >= 2 and s["live_bytes"] > 0, s
-            assert cuarena.torch.use() is cuarena.torch.use()
+            inst = cuarena.torch.use()
+            assert inst is cuarena.torch.use()
+            # This PyTorch ships its headers: the shim builds with them, and out of memory is
+            # PyTorch's own type (what cuDNN's workspace fallback and users' retry loops catch).
+            assert inst.oom_error == "torch.OutOfMemoryError", inst
             try:
                 torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
                 print("no error for 1 PiB")
-            except RuntimeError as e:
-                assert "cuarena" in str(e), e
+            except torch.cuda.OutOfMemoryError as e:
+                assert str(e).startswith("CUDA out of memory. cuarena: out of memory"), e
+            z = torch.ones(1 << 20, device="cuda")  # and it goes on
+            assert int(z.sum().item()) == 1 << 20
+            # PyTorch's fraction 0 (allowed there): nothing more is reserved, then 1 lifts it.
+            torch.cuda.set_per_process_memory_fraction(0.0)
+            try:
+                torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+                print("no error at fraction 0")
+            except torch.cuda.OutOfMemoryError as e:
+                assert "of a 0 B cap" in str(e), e
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            del z
+            z = torch.ones(1 << 28, dtype=torch.uint8, device="cuda")
+            assert int(z.sum().item()) == 1 << 28
             del x
             print("torch OK", s["allocations"], s["arena_allocations"], s["pool_allocations"])
         """)
