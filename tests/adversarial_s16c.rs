@@ -791,8 +791,7 @@ fn passthrough_counts_are_exact_after_resets_that_raced_churn() {
 // ---------------------------------------------------------------------------------------------
 // Area 3: statistics.
 
-/// Churn with blocks handed between threads (cross-thread frees, remote frees refused by their
-/// owner after a wrong size) while another thread resets peaks and counters and threads exit
+/// Churn with blocks handed between threads (cross-thread frees, wrong-size frees refused) while another thread resets peaks and counters and threads exit
 /// and new ones start. At quiescence: nothing live; after a last counter reset and a known
 /// workload, allocations and deallocations are the workload's, the histogram agrees, and the
 /// peaks bracket the workload's known high-water mark (`stats=exact`: equal to it).
@@ -841,10 +840,14 @@ fn stats_quiescent(exact: bool) {
                         let got = rx.lock().unwrap().try_recv();
                         if let Ok(batch) = got {
                             for (k, (p, n)) in batch.into_iter().enumerate() {
-                                // Now and then a wrong size first (refused at once, or by the
-                                // owner later), then the right one.
+                                // Now and then a wrong size first, then the right one. The
+                                // wrong size is past `large_max`, refused at once on every
+                                // path: a wrong size within it, freed by a thread other than
+                                // the owner, is accepted until the owner checks it, and the
+                                // right free meanwhile is refused as a double free (the
+                                // README's known limit).
                                 if i % 50 == 0 && k == 0 && n == 100 {
-                                    if a.deallocate(p, 1 << 20, Stream::PER_THREAD).is_err() {
+                                    if a.deallocate(p, 1 << 40, Stream::PER_THREAD).is_err() {
                                         bad.fetch_add(1, Ordering::Relaxed);
                                     } else {
                                         panic!("a wrong-size free was taken at once");
