@@ -525,7 +525,8 @@ fn keep_empty_at_its_limit_works_and_beyond_it_is_refused() {
 }
 
 /// `set_memory_fraction` takes [0, 1] as PyTorch does. At 0 nothing more is reserved (what is
-/// reserved still serves, and an allocation past it is out of memory naming the limit 0); NaN,
+/// reserved still serves, in the arenas and in the pool, and an allocation past it is out of
+/// memory naming the limit 0); NaN,
 /// negative and above-1 fractions are refused and leave the cap as it was.
 #[test]
 fn a_memory_fraction_of_zero_stops_growth_and_bad_fractions_change_nothing() {
@@ -553,4 +554,17 @@ fn a_memory_fraction_of_zero_stops_growth_and_bad_fractions_change_nothing() {
     let big = a.allocate(8 << 20, Stream::LEGACY).unwrap();
     assert_eq!(limit_of(a.allocate(80 << 20, Stream::LEGACY)), 64 << 20);
     settle(&a, &dev, [live, vec![(big, 8 << 20, Stream::LEGACY)]].concat());
+
+    // The global pool's path (no large superblocks, as the framework glue sets): a block freed
+    // into the pool serves again at fraction 0, larger than the cap as it is; growth does not.
+    let dev = device(256 << 20);
+    let a = host_allocator(dev.clone(), config().no_large().build().unwrap()).unwrap();
+    let p = a.allocate(8 << 20, Stream::LEGACY).unwrap();
+    a.deallocate(p, 8 << 20, Stream::LEGACY).unwrap();
+    a.set_memory_fraction(0.0).unwrap();
+    let again = a.allocate(8 << 20, Stream::LEGACY).unwrap();
+    assert_eq!(again, p, "the pool's free block at the same address");
+    assert_eq!(limit_of(a.allocate(8 << 20, Stream::LEGACY)), 0);
+    assert_eq!(limit_of(a.allocate(257 << 20, Stream::LEGACY)), 0, "more than the device");
+    settle(&a, &dev, vec![(again, 8 << 20, Stream::LEGACY)]);
 }
