@@ -21,6 +21,8 @@ Importing this module does not import torch; use() does.
 import ctypes
 import hashlib
 import os
+import shlex
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -38,39 +40,57 @@ def _cache_dir():
     return os.path.join(base, "cuarena")
 
 
-def _c10_flags(torch):
-    """(compile flags, link flags) that build the shim against this PyTorch's headers and libc10, so
-    that out of memory throws c10::OutOfMemoryError (torch_shim.cpp); None where it ships neither."""
-    if torch is None:
-        return None
+def _file_id(path):
+    """What identifies a file's contents cheaply: its real path, size, mtime and inode."""
+    st = os.stat(path)
+    return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def _c10_build(torch):
+    """How to build the shim against this PyTorch's headers and libc10, so that out of memory
+    throws c10::OutOfMemoryError (torch_shim.cpp): (compile flags, link flags, identity), the
+    identity being what the cached build depends on (PyTorch's version, its Exception.h, its
+    libc10.so: an in-place upgrade changes them, and a shim built against one c10::Error must
+    not run against another). Or (None, None, why not) where this PyTorch lacks either."""
     base = os.path.dirname(os.path.abspath(torch.__file__))
     inc, libdir = os.path.join(base, "include"), os.path.join(base, "lib")
-    if not (os.path.isfile(os.path.join(inc, "c10", "util", "Exception.h"))
-            and os.path.isfile(os.path.join(libdir, "libc10.so"))):
-        return None
+    header, libc10 = os.path.join(inc, "c10", "util", "Exception.h"), os.path.join(libdir, "libc10.so")
+    for path in (header, libc10):
+        if not os.path.isfile(path):
+            return None, None, f"this PyTorch has no {path}"
+    with open(header, "rb") as f:
+        header_hash = hashlib.sha256(f.read()).hexdigest()
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    return ["-DCUARENA_C10", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}"], [f"-L{libdir}", "-lc10",
-                                                                             f"-Wl,-rpath,{libdir}"]
+    identity = f"torch {getattr(torch, '__version__', '?')} {header_hash} {_file_id(libc10)}"
+    # -Xlinker: a comma in the directory would split a -Wl list.
+    return (["-DCUARENA_C10", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}"],
+            [f"-L{libdir}", "-lc10", "-Xlinker", "-rpath", "-Xlinker", libdir], identity)
 
 
 def _compile(compiler, extra, libs, out, libdir, libname):
-    """Compiles torch_shim.cpp into `out` (atomically); returns None, or why it failed."""
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(out) + ".", suffix=".tmp", dir=os.path.dirname(out))
-    os.close(fd)
-    # A name of its own per call: two threads (or processes) building at once each write their
-    # own file, and os.replace below makes one of them the shim.
-    cmd = [compiler, "-O2", "-shared", "-fPIC", *extra, _SHIM_SOURCE, "-o", tmp,
-           f"-L{libdir}", f"-l:{libname}", f"-Wl,-rpath,{libdir}", *libs]  # libraries after the source
+    """Compiles torch_shim.cpp into `out` (atomically). Returns (None, False), or (why it failed,
+    whether the compiler itself reported it: only such a failure is worth remembering; one that
+    ran no compiler, or was killed, or could not write the cache, may go at the next start)."""
+    cmd = [*compiler, "-O2", "-shared", "-fPIC", *extra, _SHIM_SOURCE, "-o", "<tmp>", f"-L{libdir}",
+           f"-l:{libname}", "-Xlinker", "-rpath", "-Xlinker", libdir, *libs]  # libraries after the source
+    try:
+        # A name of its own per call: two threads (or processes) building at once each write
+        # their own file, and os.replace below makes one of them the shim.
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(out) + ".", suffix=".tmp", dir=os.path.dirname(out))
+        os.close(fd)
+    except OSError as e:
+        return f"cannot write the PyTorch shim into {os.path.dirname(out)}: {e}", False
+    cmd[cmd.index("<tmp>")] = tmp
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
-        failure = None if r.returncode == 0 else (
-            f"compiling the PyTorch shim failed (exit {r.returncode}): {' '.join(cmd)}\n{r.stderr.strip()}")
+        if r.returncode == 0:
+            os.replace(tmp, out)  # atomic: concurrent first uses each build, one wins
+            return None, False
+        failure = (f"compiling the PyTorch shim failed (exit {r.returncode}): {' '.join(cmd)}\n{r.stderr.strip()}",
+                   r.returncode > 0)  # < 0: killed by a signal (out of memory, say)
     except OSError as e:
-        failure = (f"cannot compile the PyTorch shim ({' '.join(cmd)}): {e}. Install a C++ compiler "
-                   "or set CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so")
-    if failure is None:
-        os.replace(tmp, out)  # atomic: concurrent first uses each build, one wins
-        return None
+        failure = (f"cannot compile the PyTorch shim ({' '.join(cmd)}): {e}. Install a C++ compiler, set CXX, "
+                   "or set CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so", False)
     try:
         os.unlink(tmp)
     except OSError:
@@ -78,19 +98,43 @@ def _compile(compiler, extra, libs, out, libdir, libname):
     return failure
 
 
-def shim_path(torch=None):
+def _remember_failure(failed, failure):
+    """Writes `failure` to `failed` atomically (a reader never sees half of it); a cache that
+    cannot be written just does not remember."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(failed) + ".", suffix=".tmp",
+                                   dir=os.path.dirname(failed))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(failure)
+        os.replace(tmp, failed)
+    except OSError:
+        pass
+
+
+def _compiler():
+    """CXX (split as a shell would: "ccache g++" works) or c++, and what identifies it: the
+    real path and file of its program where it is found, so that a compiler installed or changed
+    later is a new cache key."""
+    compiler = shlex.split(os.environ.get("CXX") or "c++") or ["c++"]
+    found = shutil.which(compiler[0])
+    return compiler, "\0".join([*compiler, _file_id(found) if found else "not found"])
+
+
+def shim_path(torch=None, *, stacklevel=2):
     """The PyTorch shim library (torch_shim.cpp compiled against this libcuarena.so).
 
-    CUARENA_TORCH_SHIM names a prebuilt one. Otherwise it is compiled on first use with the
-    system `c++` (or CXX) into ~/.cache/cuarena/ (XDG_CACHE_HOME is honoured), keyed by a hash of
-    the source, of libcuarena.so's location, of the compiler and of the PyTorch it is built for.
-    Given the `torch` module, it is built against that PyTorch's headers and libc10 (C++20, else
-    C++17), so that out of memory raises torch.OutOfMemoryError; where that does not compile, a
-    RuntimeWarning says why and the shim is built without them (out of memory then raises a
-    RuntimeError whose message starts "CUDA out of memory."; the failed build is remembered in
-    the cache, beside the shim's name, and not tried again). Raises RuntimeError if no shim
-    compiles: there is no fallback, because PyTorch would turn a failed allocation into a tensor
-    at address 0.
+    CUARENA_TORCH_SHIM names a prebuilt one. Otherwise it is compiled on first use with CXX (or
+    the system `c++`) into ~/.cache/cuarena/ (XDG_CACHE_HOME is honoured), keyed by a hash of
+    the source, of libcuarena.so's location, of the compiler and, given the `torch` module, of
+    that PyTorch (its version, c10 header and libc10.so). Given `torch`, it is built against
+    that PyTorch's headers and libc10 (C++20, else C++17), so that out of memory raises
+    torch.OutOfMemoryError. Where that cannot be done, a RuntimeWarning (at `stacklevel`, as
+    warnings.warn counts) says why and the shim is built without them: out of memory then raises
+    a RuntimeError whose message starts "CUDA out of memory.". A header build the compiler
+    itself refused is remembered (a `.failed` file beside the shim's name in the cache, which
+    may be deleted) and not tried again for the same PyTorch and compiler. Raises RuntimeError
+    if no shim can be had: there is no fallback, because PyTorch would turn a failed allocation
+    into a tensor at address 0.
     """
     env = os.environ.get("CUARENA_TORCH_SHIM")
     if env:
@@ -101,42 +145,51 @@ def shim_path(torch=None):
     libdir, libname = os.path.split(lib)
     with open(_SHIM_SOURCE, "rb") as f:
         source = f.read()
-    compiler = os.environ.get("CXX") or "c++"
-    c10 = _c10_flags(torch)
-    builds = [(["-std=c++20", *c10[0]], c10[1]), (["-std=c++17", *c10[0]], c10[1])] if c10 else []
-    builds.append(([], []))
+    compiler, compiler_id = _compiler()
+    builds, failures = [], []
+    if torch is not None:
+        c10, libs, identity = _c10_build(torch)
+        if c10 is None:
+            failures.append(identity)
+        else:
+            builds = [(["-std=c++20", *c10], libs, identity), (["-std=c++17", *c10], libs, identity)]
+    builds.append(([], [], ""))
     cache = _cache_dir()
-    os.makedirs(cache, exist_ok=True)
-    failures = []
-    for extra, libs in builds:
-        key = hashlib.sha256(b"\0".join([source, lib.encode(), compiler.encode(), *map(str.encode, extra + libs)]))
+    try:
+        os.makedirs(cache, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"cuarena: cannot make the PyTorch shim's cache {cache}: {e}; set XDG_CACHE_HOME, "
+                           "or CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so") from e
+    for extra, libs, identity in builds:
+        key = hashlib.sha256(b"\0".join([source, lib.encode(), compiler_id.encode(), identity.encode(),
+                                          *map(str.encode, extra + libs)]))
         out = os.path.join(cache, f"libcuarena_torch-{key.hexdigest()[:16]}.so")
         failed = out + ".failed"
         if not os.path.isfile(out):
             if os.path.isfile(failed):
                 with open(failed, encoding="utf-8", errors="replace") as f:
-                    failures.append(f.read())
+                    failures.append(f"{f.read()}\n(remembered in {failed})")
                 continue
-            failure = _compile(compiler, extra, libs, out, libdir, libname)
+            failure, remember = _compile(compiler, extra, libs, out, libdir, libname)
             if failure is not None:
                 failures.append(failure)
-                if extra:  # remembered: a build with PyTorch's headers is not tried at every start
-                    with open(failed, "w", encoding="utf-8") as f:
-                        f.write(failure)
+                if remember and extra:  # a build with PyTorch's headers is not tried at every start
+                    _remember_failure(failed, failure)
                 continue
-        if c10 and not extra:
+        if torch is not None and not extra:
             warnings.warn("cuarena: the PyTorch shim is built without PyTorch's headers, so out of memory raises "
                           "RuntimeError, not torch.OutOfMemoryError: " + failures[-1][-2000:], RuntimeWarning,
-                          stacklevel=4)
+                          stacklevel=stacklevel)
         return out
     raise RuntimeError("cuarena: " + failures[-1])
 
 
-def _checked_shim(torch=None):
+def _checked_shim(torch=None, stacklevel=2):
     """shim_path(torch), loaded and checked to call this process's one copy of libcuarena.so.
-    Returns (the shim's path, whether out of memory throws c10::OutOfMemoryError there)."""
+    Returns (the shim's path, whether out of memory throws c10::OutOfMemoryError there). A
+    warning is given at `stacklevel` from the caller, as warnings.warn counts."""
     load()  # this process's one copy of libcuarena.so, which the shim must share
-    shim = shim_path(torch)
+    shim = shim_path(torch, stacklevel=stacklevel + 1)
     check = ctypes.CDLL(shim)
     check.cuarena_torch_target.restype = ctypes.c_void_p
     if check.cuarena_torch_target() != _fn_addr("cuarena_malloc"):
@@ -189,7 +242,7 @@ def use():
             return _installed
         import torch
 
-        shim, c10 = _checked_shim(torch)
+        shim, c10 = _checked_shim(torch, stacklevel=3)  # warnings name use()'s caller
         alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "cuarena_torch_malloc", "cuarena_torch_free")
         hooks = alloc.allocator() if callable(getattr(alloc, "allocator", None)) else alloc._allocator
         installed, missing = [], []
