@@ -19,6 +19,7 @@ under CUARENA_CONF (a key set there wins).
 Importing this module does not import torch; use() does.
 """
 import ctypes
+import glob
 import hashlib
 import os
 import shlex
@@ -65,6 +66,44 @@ def _c10_build(torch):
     # -Xlinker: a comma in the directory would split a -Wl list.
     return (["-DCUARENA_C10", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}"],
             [f"-L{libdir}", "-lc10", "-Xlinker", "-rpath", "-Xlinker", libdir], identity)
+
+
+def _cuda_include(torch):
+    """A directory holding CUDA's cuda_runtime_api.h (which PyTorch's allocator header includes),
+    or None: CUDA_HOME, CUDA_PATH, the toolkit of the nvcc on PATH, /usr/local/cuda, then the
+    NVIDIA runtime packages PyTorch's wheels install beside it (nvidia/*/include)."""
+    dirs = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        dirs.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    dirs.append("/usr/local/cuda")
+    cands = [os.path.join(d, "include") for d in dirs if d]
+    site = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    cands += sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+    for c in cands:
+        if os.path.isfile(os.path.join(c, "cuda_runtime_api.h")):
+            return c
+    return None
+
+
+def _allocator_build(torch, c10, libs, identity):
+    """How to build the shim's own PyTorch allocator (torch_shim.cpp, CUARENA_TORCH_ALLOCATOR) on
+    top of the c10 build's flags: (compile flags, link flags, identity), or (None, None, why not).
+    The identity adds PyTorch's allocator header, libtorch_cuda.so and the CUDA headers used."""
+    base = os.path.dirname(os.path.abspath(torch.__file__))
+    header = os.path.join(base, "include", "torch", "csrc", "cuda", "CUDAPluggableAllocator.h")
+    libdir = os.path.join(base, "lib")
+    for path in (header, os.path.join(libdir, "libtorch_cuda.so"), os.path.join(libdir, "libc10_cuda.so")):
+        if not os.path.isfile(path):
+            return None, None, f"this PyTorch has no {path}"
+    cuda = _cuda_include(torch)
+    if cuda is None:
+        return None, None, "no CUDA runtime headers (cuda_runtime_api.h) found: set CUDA_HOME"
+    with open(header, "rb") as f:
+        header_hash = hashlib.sha256(f.read()).hexdigest()
+    identity += f" {header_hash} {_file_id(os.path.join(libdir, 'libtorch_cuda.so'))} {cuda}"
+    return ([*c10, "-DCUARENA_TORCH_ALLOCATOR", f"-I{cuda}"],
+            [f"-L{libdir}", "-ltorch_cuda", "-lc10_cuda", *libs], identity)
 
 
 def _compile(compiler, extra, libs, out, libdir, libname):
@@ -126,11 +165,13 @@ def shim_path(torch=None, *, stacklevel=2):
     CUARENA_TORCH_SHIM names a prebuilt one. Otherwise it is compiled on first use with CXX (or
     the system `c++`) into ~/.cache/cuarena/ (XDG_CACHE_HOME is honoured), keyed by a hash of
     the source, of libcuarena.so's location, of the compiler and, given the `torch` module, of
-    that PyTorch (its version, c10 header and libc10.so). Given `torch`, it is built against
-    that PyTorch's headers and libc10 (C++20, else C++17), so that out of memory raises
-    torch.OutOfMemoryError. Where that cannot be done, a RuntimeWarning (at `stacklevel`, as
-    warnings.warn counts) says why and the shim is built without them: out of memory then raises
-    a RuntimeError whose message starts "CUDA out of memory.". A header build the compiler
+    that PyTorch (its version, headers and libraries). Given `torch`, it is built against that
+    PyTorch's headers and libraries and CUDA's runtime headers (C++20, else C++17) with an
+    allocator of its own, which answers PyTorch's memory statistics and cuDNN's cacheInfo
+    (torch_shim.cpp); else against PyTorch's headers alone, so that out of memory still raises
+    torch.OutOfMemoryError; else without them (out of memory then raises a RuntimeError whose
+    message starts "CUDA out of memory."). Each step down gives a RuntimeWarning (at
+    `stacklevel`, as warnings.warn counts) saying what is lost and why. A header build the compiler
     itself refused is remembered (a `.failed` file beside the shim's name in the cache, which
     may be deleted) and not tried again for the same PyTorch and compiler. Raises RuntimeError
     if no shim can be had: there is no fallback, because PyTorch would turn a failed allocation
@@ -146,21 +187,28 @@ def shim_path(torch=None, *, stacklevel=2):
     with open(_SHIM_SOURCE, "rb") as f:
         source = f.read()
     compiler, compiler_id = _compiler()
+    # (compile flags, link flags, identity, level): the shim's own PyTorch allocator (level 2),
+    # then PyTorch's exception types alone (1), then neither (0); C++20, else C++17.
     builds, failures = [], []
     if torch is not None:
         c10, libs, identity = _c10_build(torch)
         if c10 is None:
             failures.append(identity)
         else:
-            builds = [(["-std=c++20", *c10], libs, identity), (["-std=c++17", *c10], libs, identity)]
-    builds.append(([], [], ""))
+            full, full_libs, full_identity = _allocator_build(torch, c10, libs, identity)
+            if full is None:
+                failures.append(full_identity)
+            else:
+                builds += [([std, *full], full_libs, full_identity, 2) for std in ("-std=c++20", "-std=c++17")]
+            builds += [([std, *c10], libs, identity, 1) for std in ("-std=c++20", "-std=c++17")]
+    builds.append(([], [], "", 0))
     cache = _cache_dir()
     try:
         os.makedirs(cache, exist_ok=True)
     except OSError as e:
         raise RuntimeError(f"cuarena: cannot make the PyTorch shim's cache {cache}: {e}; set XDG_CACHE_HOME, "
                            "or CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so") from e
-    for extra, libs, identity in builds:
+    for extra, libs, identity, level in builds:
         key = hashlib.sha256(b"\0".join([source, lib.encode(), compiler_id.encode(), identity.encode(),
                                           *map(str.encode, extra + libs)]))
         out = os.path.join(cache, f"libcuarena_torch-{key.hexdigest()[:16]}.so")
@@ -176,18 +224,23 @@ def shim_path(torch=None, *, stacklevel=2):
                 if remember and extra:  # a build with PyTorch's headers is not tried at every start
                     _remember_failure(failed, failure)
                 continue
-        if torch is not None and not extra:
-            warnings.warn("cuarena: the PyTorch shim is built without PyTorch's headers, so out of memory raises "
-                          "RuntimeError, not torch.OutOfMemoryError: " + failures[-1][-2000:], RuntimeWarning,
-                          stacklevel=stacklevel)
+        if torch is not None and level < 2:
+            lost = ("torch.cuda.memory_allocated() and PyTorch's other memory statistics raise, as does "
+                    "cuDNN's benchmark under autocast")
+            if level == 0:
+                lost = "out of memory raises RuntimeError, not torch.OutOfMemoryError; " + lost
+            warnings.warn(f"cuarena: the PyTorch shim is built without PyTorch's {'allocator ' if level else ''}"
+                          f"headers, so {lost} (PyTorch's plug-in refuses them): " + failures[-1][-2000:],
+                          RuntimeWarning, stacklevel=stacklevel)
         return out
     raise RuntimeError("cuarena: " + failures[-1])
 
 
 def _checked_shim(torch=None, stacklevel=2):
     """shim_path(torch), loaded and checked to call this process's one copy of libcuarena.so.
-    Returns (the shim's path, whether out of memory throws c10::OutOfMemoryError there). A
-    warning is given at `stacklevel` from the caller, as warnings.warn counts."""
+    Returns (the shim's path, its level: 2 with its own PyTorch allocator, 1 with PyTorch's
+    exception types alone, 0 with neither; torch_shim.cpp). A warning is given at `stacklevel`
+    from the caller, as warnings.warn counts."""
     load()  # this process's one copy of libcuarena.so, which the shim must share
     shim = shim_path(torch, stacklevel=stacklevel + 1)
     check = ctypes.CDLL(shim)
@@ -196,25 +249,28 @@ def _checked_shim(torch=None, stacklevel=2):
         raise RuntimeError(
             f"cuarena: the PyTorch shim {shim} resolved a different libcuarena.so than {library_path()} "
             "(two copies would be two allocators); remove the shim or fix CUARENA_TORCH_SHIM")
-    c10 = getattr(check, "cuarena_torch_shim_c10", None)  # absent from a shim built before it
-    return shim, bool(c10 is not None and c10() == 1)
+    level = getattr(check, "cuarena_torch_shim_level", None)  # absent from a shim built before it
+    return shim, level() if level is not None else 0
 
 
 class TorchInstall:
-    """What use() did: `allocator` (the CUDAPluggableAllocator), `shim` (its .so),
-    `oom_error` (what out of memory raises: "torch.OutOfMemoryError", or "RuntimeError" where the
-    shim could not be built with PyTorch's headers), `hooks_installed` and `hooks_missing`
-    (optional hooks this PyTorch does not offer)."""
+    """What use() did: `allocator` (PyTorch's allocator object), `shim` (its .so), `oom_error`
+    (what out of memory raises: "torch.OutOfMemoryError", or "RuntimeError" where the shim could
+    not be built with PyTorch's headers), `torch_stats` (whether torch.cuda.memory_allocated()
+    and PyTorch's other memory statistics, and cuDNN's cacheInfo, are answered from cuarena's:
+    only by the shim's own allocator), `hooks_installed` and `hooks_missing` (optional hooks
+    this PyTorch does not offer)."""
 
-    def __init__(self, allocator, shim, oom_error, hooks_installed, hooks_missing):
+    def __init__(self, allocator, shim, oom_error, hooks_installed, hooks_missing, torch_stats=False):
         self.allocator = allocator
         self.shim = shim
         self.oom_error = oom_error
+        self.torch_stats = torch_stats
         self.hooks_installed = tuple(hooks_installed)
         self.hooks_missing = tuple(hooks_missing)
 
     def __repr__(self):
-        return (f"TorchInstall(shim={self.shim!r}, oom_error={self.oom_error!r}, "
+        return (f"TorchInstall(shim={self.shim!r}, oom_error={self.oom_error!r}, torch_stats={self.torch_stats}, "
                 f"hooks_installed={self.hooks_installed}, hooks_missing={self.hooks_missing})")
 
 
@@ -242,7 +298,20 @@ def use():
             return _installed
         import torch
 
-        shim, c10 = _checked_shim(torch, stacklevel=3)  # warnings name use()'s caller
+        shim, level = _checked_shim(torch, stacklevel=3)  # warnings name use()'s caller
+        oom_error = "torch.OutOfMemoryError" if level >= 1 else "RuntimeError"
+        if level == 2:
+            # The shim's own allocator, hooks included, made and installed in C++.
+            install = ctypes.CDLL(shim).cuarena_torch_install
+            install.argtypes, install.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int
+            err = ctypes.create_string_buffer(4096)
+            _framework_defaults()  # before the framework's first allocation, after what may fail first
+            if install(err, len(err)) != 0:
+                raise RuntimeError("cuarena: installing the PyTorch allocator failed: "
+                                   + err.value.decode(errors="replace"))
+            _installed = TorchInstall(torch.cuda.memory._get_current_allocator(), shim, oom_error,
+                                      [setter for setter, _, _ in _HOOKS], [], torch_stats=True)
+            return _installed
         alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "cuarena_torch_malloc", "cuarena_torch_free")
         hooks = alloc.allocator() if callable(getattr(alloc, "allocator", None)) else alloc._allocator
         installed, missing = [], []
@@ -256,6 +325,5 @@ def use():
                               RuntimeWarning, stacklevel=2)
         _framework_defaults()  # before the framework's first allocation, after what may fail first
         torch.cuda.memory.change_current_allocator(alloc)
-        _installed = TorchInstall(alloc, shim, "torch.OutOfMemoryError" if c10 else "RuntimeError", installed,
-                                  missing)
+        _installed = TorchInstall(alloc, shim, oom_error, installed, missing, torch_stats=False)
         return _installed

@@ -3,18 +3,26 @@
 // data_ptr() is 0. This shim turns that NULL into a C++ exception, which PyTorch raises in
 // Python.
 //
-// Two builds of this one file (python/cuarena/torch.py compiles it on first use):
-// - CUARENA_C10 defined, against PyTorch's own headers and libc10: out of memory throws
-//   c10::OutOfMemoryError, the type PyTorch's caching allocator throws. Python sees
-//   torch.OutOfMemoryError (torch.cuda.OutOfMemoryError), and PyTorch's C++ fallbacks that catch
-//   that type run (cuDNN's convolution retries with a smaller workspace, for one). Other
-//   failures throw c10::Error, a RuntimeError in Python.
-// - Without it (no PyTorch headers, or they did not compile): std::runtime_error for every
+// Three builds of this one file (python/cuarena/torch.py compiles it on first use, the first
+// that compiles of):
+// - CUARENA_TORCH_ALLOCATOR (with CUARENA_C10), against PyTorch's headers, CUDA's runtime
+//   headers and libtorch_cuda: cuarena_torch_install() makes a CUDAPluggableAllocator of its
+//   own PyTorch's allocator, whose statistics calls PyTorch's plug-in refuses are answered from
+//   cuarena's: getDeviceStats (torch.cuda.memory_allocated, max_memory_allocated,
+//   memory_stats, memory_summary), resetPeakStats, resetAccumulatedStats, and cacheInfo (cuDNN's
+//   benchmark asks it how large a workspace to try; the plug-in's refusal failed every
+//   benchmarked convolution under autocast).
+// - CUARENA_C10 alone, against PyTorch's headers and libc10: the plug-in is made from Python;
+//   out of memory throws c10::OutOfMemoryError, the type PyTorch's caching allocator throws.
+//   Python sees torch.OutOfMemoryError (torch.cuda.OutOfMemoryError), and PyTorch's C++
+//   fallbacks that catch that type run (cuDNN's convolution retries with a smaller workspace,
+//   for one). Other failures throw c10::Error, a RuntimeError in Python.
+// - Neither (no PyTorch headers, or they did not compile): std::runtime_error for every
 //   failure, a RuntimeError in Python whose message starts "CUDA out of memory." when out of
 //   memory, as PyTorch's own message does (code that retries with a smaller batch looks for it).
 //
-// No CUDA headers: streams are void*, the same size as cudaStream_t. cuarena's functions are
-// resolved from libcuarena.so (linked with -l and an rpath).
+// cuarena's functions are resolved from libcuarena.so (linked with -l and an rpath); streams
+// are void* here, the same size as cudaStream_t.
 
 #include <cstddef>
 #include <stdexcept>
@@ -60,11 +68,154 @@ extern "C" void cuarena_torch_free(void *ptr, size_t size, int device, void *str
 // ctypes handle use one and the same copy of libcuarena.so (one allocator per device).
 extern "C" void *cuarena_torch_target(void) { return reinterpret_cast<void *>(&cuarena_malloc); }
 
-// 1 if out of memory throws c10::OutOfMemoryError (built with CUARENA_C10), else 0.
-extern "C" int cuarena_torch_shim_c10(void) {
-#ifdef CUARENA_C10
+// What this build is: 2 with CUARENA_TORCH_ALLOCATOR (cuarena_torch_install exists), 1 with
+// CUARENA_C10 alone (out of memory throws c10::OutOfMemoryError), 0 without either.
+extern "C" int cuarena_torch_shim_level(void) {
+#if defined(CUARENA_TORCH_ALLOCATOR)
+    return 2;
+#elif defined(CUARENA_C10)
     return 1;
 #else
     return 0;
 #endif
 }
+
+#ifdef CUARENA_TORCH_ALLOCATOR
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+extern "C" {
+// include/cuarena.h's cuarena_stats: a leading size, then these counters in this order (the
+// struct only grows at its end; a library that fills fewer sets `size` so).
+struct cuarena_stats_v2 {
+    uint64_t size, live_bytes, peak_live_bytes, reserved_bytes, peak_reserved_bytes, pool_in_use_bytes,
+        largest_free_block, free_extents, allocations, deallocations, cross_thread_frees, cross_stream_frees,
+        fences_recorded, fence_waits, fence_polls, driver_calls, host_syncs, invalid_frees, superblocks_taken,
+        superblocks_returned, superblocks_dissolved, arena_held_bytes, arenas, arena_allocations, pool_allocations,
+        large_allocations, peak_live_bytes_upper, peak_exact, alloc_retries, ooms, oom_hook_calls;
+};
+int cuarena_get_stats(int device, cuarena_stats_v2 *out);
+int cuarena_reset_peak(int device);
+int cuarena_reset_counters(int device);
+void cuarena_record_stream(void *ptr, void *stream);
+void cuarena_empty_cache(void);
+void cuarena_set_memory_fraction(double fraction, int device);
+}
+
+namespace {
+
+using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+
+// cuarena's statistics of `device`, or c10::Error with cuarena's reason.
+cuarena_stats_v2 read_stats(int device) {
+    cuarena_stats_v2 s{};
+    s.size = sizeof s;
+    if (cuarena_get_stats(device, &s) != 0) {
+        const char *e = cuarena_last_error();
+        C10_THROW_ERROR(Error, std::string("cuarena: statistics of CUDA device ") + std::to_string(device) +
+                                   " unavailable: " + (e != nullptr ? e : "no reason recorded"));
+    }
+    return s;
+}
+
+int64_t i64(uint64_t v) { return static_cast<int64_t>(std::min<uint64_t>(v, INT64_MAX)); }
+
+void check(int r, const char *what, int device) {
+    if (r != 0) {
+        const char *e = cuarena_last_error();
+        C10_THROW_ERROR(Error, std::string("cuarena: ") + what + " of CUDA device " + std::to_string(device) +
+                                   " failed: " + (e != nullptr ? e : "no reason recorded"));
+    }
+}
+
+// PyTorch's plug-in with the statistics calls answered from cuarena's (the file's comment).
+// Only fields with a cuarena counterpart are set; the rest stay 0.
+class CuarenaAllocator : public Pluggable {
+  public:
+    using Pluggable::Pluggable;
+
+    // How large a block could be had now: the device's free memory (PyTorch's caching allocator
+    // starts from it too) or the pool's largest free block, whichever is larger. cuDNN's
+    // benchmark tries workspaces up to it; one that then fails is out of memory, which it
+    // catches (c10::OutOfMemoryError) and tries the next.
+    void cacheInfo(c10::DeviceIndex device, size_t *largest) override {
+        size_t free_bytes = 0, total = 0;
+        using MemGetInfo = int (*)(size_t *, size_t *);
+        // libcudart is loaded by PyTorch: found in the process, not linked here.
+        static auto mem_get_info = reinterpret_cast<MemGetInfo>(dlsym(RTLD_DEFAULT, "cudaMemGetInfo"));
+        if (mem_get_info == nullptr || mem_get_info(&free_bytes, &total) != 0) {
+            free_bytes = 0;
+        }
+        *largest = std::max({*largest, free_bytes, static_cast<size_t>(read_stats(device).largest_free_block)});
+    }
+
+    auto getDeviceStats(c10::DeviceIndex device) -> decltype(std::declval<Pluggable &>().getDeviceStats(device)) override {
+        const cuarena_stats_v2 s = read_stats(device);
+        decltype(std::declval<Pluggable &>().getDeviceStats(device)) d{};
+        // [0]: every pool; [1]: the small pool, here the arenas; [2]: the large pool, here the
+        // global pool (cuarena counts allocations per path, not bytes).
+        d.allocated_bytes[0].current = i64(s.live_bytes);
+        d.allocated_bytes[0].peak = i64(s.peak_live_bytes);
+        d.active_bytes[0] = d.allocated_bytes[0];
+        d.reserved_bytes[0].current = i64(s.reserved_bytes);
+        d.reserved_bytes[0].peak = i64(s.peak_reserved_bytes);
+        d.allocation[0].allocated = i64(s.allocations);
+        d.allocation[0].freed = i64(s.deallocations);
+        d.allocation[0].current = s.allocations > s.deallocations ? i64(s.allocations - s.deallocations) : 0;
+        d.allocation[1].allocated = i64(s.arena_allocations);
+        d.allocation[2].allocated = i64(s.pool_allocations);
+        d.num_alloc_retries = i64(s.alloc_retries);
+        d.num_ooms = i64(s.ooms);
+        d.num_sync_all_streams = i64(s.host_syncs);
+        return d;
+    }
+
+    void resetAccumulatedStats(c10::DeviceIndex device) override {
+        check(cuarena_reset_counters(device), "reset_counters", device);
+    }
+
+    void resetPeakStats(c10::DeviceIndex device) override { check(cuarena_reset_peak(device), "reset_peak", device); }
+};
+
+void copy_out(const char *what, char *err, size_t n) {
+    if (err != nullptr && n > 0) {
+        std::strncpy(err, what, n - 1);
+        err[n - 1] = '\0';
+    }
+}
+
+}  // namespace
+
+// Makes the allocator above PyTorch's, with cuarena's record_stream, empty_cache and memory
+// fraction hooks. 0, or -1 with the reason in err (PyTorch refuses once a CUDA allocation was
+// made). Never throws.
+extern "C" int cuarena_torch_install(char *err, size_t n) {
+    try {
+        auto a = std::make_shared<CuarenaAllocator>(
+            [](size_t size, int device, cudaStream_t stream) {
+                return cuarena_torch_malloc(size, device, reinterpret_cast<void *>(stream));
+            },
+            [](void *ptr, size_t size, int device, cudaStream_t stream) {
+                cuarena_torch_free(ptr, size, device, reinterpret_cast<void *>(stream));
+            });
+        a->set_record_stream_fn(
+            [](void *ptr, cudaStream_t stream) { cuarena_record_stream(ptr, reinterpret_cast<void *>(stream)); });
+        a->set_reset_fn([] { cuarena_empty_cache(); });
+        a->set_memory_fraction_fn([](double fraction, int device) { cuarena_set_memory_fraction(fraction, device); });
+        torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+        return 0;
+    } catch (const c10::Error &e) {
+        copy_out(e.what_without_backtrace(), err, n);
+    } catch (const std::exception &e) {
+        copy_out(e.what(), err, n);
+    }
+    return -1;
+}
+#endif

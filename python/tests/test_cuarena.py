@@ -168,9 +168,9 @@ class Calls(unittest.TestCase):
             old = os.environ.get("XDG_CACHE_HOME")
             os.environ["XDG_CACHE_HOME"] = cache
             try:
-                shim, c10 = glue._checked_shim()  # raises if it resolved another copy of the library
+                shim, level = glue._checked_shim()  # raises if it resolved another copy of the library
                 self.assertTrue(shim.startswith(cache), shim)
-                self.assertFalse(c10, "built without PyTorch's headers")
+                self.assertEqual(level, 0, "built without PyTorch's headers")
                 self.assertEqual(glue.shim_path(), shim, "cached")
             finally:
                 if old is None:
@@ -211,6 +211,24 @@ class Frameworks(unittest.TestCase):
                 assert str(e).startswith("CUDA out of memory. cuarena: out of memory"), e
             z = torch.ones(1 << 20, device="cuda")  # and it goes on
             assert int(z.sum().item()) == 1 << 20
+            # PyTorch's memory statistics, answered from cuarena's by the shim's own allocator.
+            assert inst.torch_stats, inst
+            s = cuarena.stats()
+            assert torch.cuda.memory_allocated() == s["live_bytes"] > 0, (torch.cuda.memory_allocated(), s)
+            assert torch.cuda.memory_reserved() == s["reserved_bytes"], (torch.cuda.memory_reserved(), s)
+            assert torch.cuda.max_memory_allocated() >= torch.cuda.memory_allocated()
+            assert torch.cuda.memory_stats()["num_ooms"] == s["ooms"] >= 1, s
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_accumulated_memory_stats()
+            assert torch.cuda.memory_stats()["allocation.all.allocated"] == 0
+            assert isinstance(torch.cuda.memory_summary(), str)
+            # cuDNN's benchmark under autocast asks the allocator's cacheInfo.
+            torch.backends.cudnn.benchmark = True
+            conv = torch.nn.Conv2d(3, 16, 3, padding=1).cuda()
+            with torch.autocast("cuda", dtype=torch.float16):
+                out = conv(torch.randn(8, 3, 64, 64, device="cuda"))
+            assert out.shape == (8, 16, 64, 64) and bool(torch.isfinite(out).all())
+            torch.backends.cudnn.benchmark = False
             # PyTorch's fraction 0 (allowed there): nothing more is reserved, then 1 lifts it.
             torch.cuda.set_per_process_memory_fraction(0.0)
             try:

@@ -52,7 +52,7 @@ sys.modules.update({"cupy": cupy, "cupy.cuda": cupy.cuda, "cupy.cuda.memory": cu
                     "cupy.cuda.device": cupy.cuda.device})
 
 import cuarena, cuarena.torch, cuarena.cupy
-cuarena.torch._checked_shim = lambda torch=None, stacklevel=2: ("stand-in-shim.so", False)
+cuarena.torch._checked_shim = lambda torch=None, stacklevel=2: ("stand-in-shim.so", 0)
 
 # A spy on the library's cuarena_set_defaults: records what the glue gives it, then calls it.
 given = []

@@ -1,8 +1,10 @@
 """The PyTorch shim's two builds (python/cuarena/torch_shim.cpp), without PyTorch: a stand-in
 `torch` module whose directory holds c10 headers and a libc10.so made here.
 
-- Headers that compile: the shim is built with them, says so (cuarena_torch_shim_c10), and a
-  failed allocation throws the c10 type, checked by a C++ program that catches it.
+- Headers that compile: the shim is built with them, says so (cuarena_torch_shim_level), and a
+  failed allocation throws the c10 type, checked by a C++ program that catches it. (The
+  stand-in has no allocator header, so the shim's own allocator, level 2, is tested on a GPU
+  with PyTorch: test_cuarena's Frameworks.)
 - Headers that do not: a RuntimeWarning, the shim built without them, and the failed build
   remembered, so the next start does not compile it again.
 """
@@ -103,13 +105,19 @@ class TorchShim(unittest.TestCase):
 
     def test_with_headers_that_compile_out_of_memory_throws_the_c10_type(self):
         torch = _fake_torch(os.path.join(self.dir, "torch"), _HEADER)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no fallback warning
-            shim, c10 = glue._checked_shim(torch)
-        self.assertTrue(c10, shim)
-        plain, plain_c10 = glue._checked_shim()  # without torch: the other build, its own file
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            shim, level = glue._checked_shim(torch)
+        self.assertEqual(level, 1, shim)
+        # The stand-in has no allocator header: one warning says what that loses, and why.
+        msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+        self.assertEqual(len(msgs), 1, msgs)
+        self.assertIn("without PyTorch's allocator headers", msgs[0])
+        self.assertIn("CUDAPluggableAllocator.h", msgs[0])
+        self.assertNotIn("not torch.OutOfMemoryError", msgs[0])
+        plain, plain_level = glue._checked_shim()  # without torch: the other build, its own file
         self.assertNotEqual(plain, shim)
-        self.assertFalse(plain_c10)
+        self.assertEqual(plain_level, 0)
 
         catcher = os.path.join(self.dir, "catcher")
         _write(catcher + ".cpp", _CATCHER)
@@ -145,8 +153,8 @@ class TorchShim(unittest.TestCase):
             for start in range(2):
                 with warnings.catch_warnings(record=True) as w:
                     warnings.simplefilter("always")
-                    shim, c10 = glue._checked_shim(torch)
-                self.assertFalse(c10)
+                    shim, level = glue._checked_shim(torch)
+                self.assertEqual(level, 0)
                 msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
                 self.assertEqual(len(msgs), 1, msgs)
                 self.assertIn("not torch.OutOfMemoryError", msgs[0])
