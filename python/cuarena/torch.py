@@ -309,7 +309,8 @@ def use():
             if install(err, len(err)) != 0:
                 raise RuntimeError("cuarena: installing the PyTorch allocator failed: "
                                    + err.value.decode(errors="replace"))
-            _installed = TorchInstall(torch.cuda.memory._get_current_allocator(), shim, oom_error,
+            current = getattr(torch.cuda.memory, "_get_current_allocator", None)
+            _installed = TorchInstall(current() if current else None, shim, oom_error,
                                       [setter for setter, _, _ in _HOOKS], [], torch_stats=True)
             return _installed
         alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "cuarena_torch_malloc", "cuarena_torch_free")

@@ -217,7 +217,7 @@ class Frameworks(unittest.TestCase):
             assert torch.cuda.memory_allocated() == s["live_bytes"] > 0, (torch.cuda.memory_allocated(), s)
             assert torch.cuda.memory_reserved() == s["reserved_bytes"], (torch.cuda.memory_reserved(), s)
             assert torch.cuda.max_memory_allocated() >= torch.cuda.memory_allocated()
-            assert torch.cuda.memory_stats()["num_ooms"] == s["ooms"] >= 1, s
+            assert torch.cuda.memory_stats()["num_ooms"] == s["ooms"], s
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.reset_accumulated_memory_stats()
             assert torch.cuda.memory_stats()["allocation.all.allocated"] == 0

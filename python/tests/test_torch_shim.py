@@ -10,6 +10,7 @@
 """
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -35,6 +36,7 @@ class Error : public std::exception {
   public:
     Error(SourceLocation loc, std::string msg);
     const char *what() const noexcept override;
+    const char *what_without_backtrace() const noexcept;
   private:
     std::string msg_;
 };
@@ -47,6 +49,7 @@ _LIBC10 = r'''
 #include <c10/util/Exception.h>
 c10::Error::Error(SourceLocation, std::string msg) : msg_(std::move(msg)) {}
 const char *c10::Error::what() const noexcept { return msg_.c_str(); }
+const char *c10::Error::what_without_backtrace() const noexcept { return msg_.c_str(); }
 '''
 # Calls the shim's malloc with an impossible size and names the type it caught.
 _CATCHER = r'''
@@ -70,20 +73,140 @@ int main() {
 '''
 
 
+# Stand-ins for level 2 (the shim's own allocator): CUDA's runtime header, PyTorch's plug-in
+# header with the shapes of PyTorch 2.11's (the methods the shim overrides and calls, DeviceStats),
+# and a libtorch_cuda.so whose changeCurrentAllocator keeps the allocator for the test to call.
+_CUDA_RUNTIME = "#pragma once\ntypedef struct CUstream_st *cudaStream_t;\n"
+_PLUGGABLE_HEADER = r"""
+#pragma once
+#include <cuda_runtime_api.h>
+#include <c10/util/Exception.h>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+namespace c10 {
+using DeviceIndex = int8_t;
+namespace CachingDeviceAllocator {
+struct Stat { int64_t current = 0, peak = 0, allocated = 0, freed = 0; };
+using StatArray = std::array<Stat, 3>;
+struct DeviceStats {
+    StatArray allocation, segment, active, inactive_split, allocated_bytes, reserved_bytes, active_bytes,
+        inactive_split_bytes, requested_bytes;
+    int64_t num_alloc_retries = 0, num_ooms = 0;
+    Stat oversize_allocations, oversize_segments;
+    int64_t num_sync_all_streams = 0, num_device_alloc = 0, num_device_free = 0, max_split_size = 0;
+};
+}
+}
+namespace torch::cuda::CUDAPluggableAllocator {
+struct CUDAPluggableAllocator {
+    CUDAPluggableAllocator(std::function<void *(size_t, int, cudaStream_t)> alloc_fn,
+                           std::function<void(void *, size_t, int, cudaStream_t)> free_fn);
+    virtual ~CUDAPluggableAllocator();
+    void set_reset_fn(std::function<void()> f);
+    void set_memory_fraction_fn(std::function<void(double, int)> f);
+    void set_record_stream_fn(std::function<void(void *, cudaStream_t)> f);
+    virtual void cacheInfo(c10::DeviceIndex device, size_t *largestBlock);
+    virtual c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device);
+    virtual void resetAccumulatedStats(c10::DeviceIndex device);
+    virtual void resetPeakStats(c10::DeviceIndex device);
+    std::function<void *(size_t, int, cudaStream_t)> alloc_fn_;
+    std::function<void(void *, size_t, int, cudaStream_t)> free_fn_;
+    std::function<void()> reset_fn_;
+    std::function<void(double, int)> memory_fraction_fn_;
+    std::function<void(void *, cudaStream_t)> record_stream_fn_;
+};
+void changeCurrentAllocator(const std::shared_ptr<CUDAPluggableAllocator> &allocator);
+std::shared_ptr<CUDAPluggableAllocator> current_for_test();
+}
+"""
+_LIBTORCH_CUDA = r"""
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <utility>
+namespace torch::cuda::CUDAPluggableAllocator {
+static std::shared_ptr<CUDAPluggableAllocator> current;
+CUDAPluggableAllocator::CUDAPluggableAllocator(std::function<void *(size_t, int, cudaStream_t)> a,
+                                               std::function<void(void *, size_t, int, cudaStream_t)> f)
+    : alloc_fn_(std::move(a)), free_fn_(std::move(f)) {}
+CUDAPluggableAllocator::~CUDAPluggableAllocator() = default;
+void CUDAPluggableAllocator::set_reset_fn(std::function<void()> f) { reset_fn_ = std::move(f); }
+void CUDAPluggableAllocator::set_memory_fraction_fn(std::function<void(double, int)> f) { memory_fraction_fn_ = std::move(f); }
+void CUDAPluggableAllocator::set_record_stream_fn(std::function<void(void *, cudaStream_t)> f) { record_stream_fn_ = std::move(f); }
+void CUDAPluggableAllocator::cacheInfo(c10::DeviceIndex, size_t *) { C10_THROW_ERROR(Error, "does not yet support cacheInfo"); }
+c10::CachingDeviceAllocator::DeviceStats CUDAPluggableAllocator::getDeviceStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support getDeviceStats"); }
+void CUDAPluggableAllocator::resetAccumulatedStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support resetAccumulatedStats"); }
+void CUDAPluggableAllocator::resetPeakStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support resetPeakStats"); }
+void changeCurrentAllocator(const std::shared_ptr<CUDAPluggableAllocator> &a) {
+    if (current) C10_THROW_ERROR(Error, "Can't swap an already initialized allocator");
+    current = a;
+}
+std::shared_ptr<CUDAPluggableAllocator> current_for_test() { return current; }
+}
+"""
+# Installs the shim's allocator twice (the second is refused), then calls what PyTorch would.
+_INSTALLER = r"""
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <cstdio>
+#include <cstring>
+extern "C" int cuarena_torch_install(char *err, size_t n);
+extern "C" int cuarena_get_stats(int device, void *out);
+using namespace torch::cuda::CUDAPluggableAllocator;
+template <class F> void call(const char *what, F f) {
+    try { f(); std::printf("%s: returned\n", what); }
+    catch (c10::OutOfMemoryError &e) { std::printf("%s: OutOfMemoryError: %s\n", what, e.what()); }
+    catch (c10::Error &e) { std::printf("%s: Error: %s\n", what, e.what()); }
+}
+int main() {
+    char err[256] = "untouched";
+    std::printf("install: %d\n", cuarena_torch_install(err, sizeof err));
+    std::printf("again: %d %s\n", cuarena_torch_install(err, sizeof err), err);
+    auto a = current_for_test();
+    std::printf("hooks: %d %d %d\n", bool(a->reset_fn_), bool(a->memory_fraction_fn_), bool(a->record_stream_fn_));
+    uint64_t raw[64] = {sizeof raw};
+    bool gpu = cuarena_get_stats(0, raw) == 0;
+    call("getDeviceStats", [&] {
+        auto d = a->getDeviceStats(0);
+        if (gpu) std::printf("live %lld = %llu, reserved %lld = %llu\n", (long long)d.allocated_bytes[0].current,
+                             (unsigned long long)raw[1], (long long)d.reserved_bytes[0].current, (unsigned long long)raw[3]);
+    });
+    call("resetPeakStats", [&] { a->resetPeakStats(0); });
+    call("resetAccumulatedStats", [&] { a->resetAccumulatedStats(0); });
+    call("cacheInfo", [&] { size_t l = 0; a->cacheInfo(0, &l); if (gpu) std::printf("largest %zu\n", l); });
+    call("malloc", [&] { a->alloc_fn_(size_t(1) << 60, 0, nullptr); });
+    return 0;
+}
+"""
+
+
 def _write(path, text):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
 
 
-def _fake_torch(root, header):
+def _fake_torch(root, header, pluggable=False):
     """A stand-in torch module rooted at `root`, with `header` as c10/util/Exception.h and a
-    libc10.so built from _LIBC10 against the working header."""
+    libc10.so built from _LIBC10 against the working header; with `pluggable`, also the plug-in
+    header, libtorch_cuda.so and libc10_cuda.so of level 2 (CUDA's header: `root`/cuda/include,
+    for CUDA_HOME)."""
     _write(os.path.join(root, "include", "c10", "util", "Exception.h"), _HEADER)
     _write(os.path.join(root, "libc10.cpp"), _LIBC10)
     os.makedirs(os.path.join(root, "lib"))
+    lib = os.path.join(root, "lib")
     subprocess.run([CXX, "-std=c++17", "-shared", "-fPIC", f"-I{root}/include", os.path.join(root, "libc10.cpp"),
-                    "-o", os.path.join(root, "lib", "libc10.so")], check=True, capture_output=True)
+                    "-o", os.path.join(lib, "libc10.so")], check=True, capture_output=True)
+    if pluggable:
+        _write(os.path.join(root, "cuda", "include", "cuda_runtime_api.h"), _CUDA_RUNTIME)
+        _write(os.path.join(root, "include", "torch", "csrc", "cuda", "CUDAPluggableAllocator.h"), _PLUGGABLE_HEADER)
+        _write(os.path.join(root, "libtorch_cuda.cpp"), _LIBTORCH_CUDA)
+        _write(os.path.join(root, "empty.cpp"), "")
+        inc = [f"-I{root}/include", f"-I{root}/cuda/include"]
+        subprocess.run([CXX, "-std=c++17", "-shared", "-fPIC", *inc, os.path.join(root, "libtorch_cuda.cpp"),
+                        "-o", os.path.join(lib, "libtorch_cuda.so"), f"-L{lib}", "-lc10"], check=True, capture_output=True)
+        subprocess.run([CXX, "-shared", "-fPIC", os.path.join(root, "empty.cpp"), "-o", os.path.join(lib, "libc10_cuda.so")],
+                       check=True, capture_output=True)
     _write(os.path.join(root, "include", "c10", "util", "Exception.h"), header)
     return types.SimpleNamespace(__file__=os.path.join(root, "__init__.py"),
                                  _C=types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True))
@@ -138,6 +261,53 @@ class TorchShim(unittest.TestCase):
         else:
             self.assertTrue(out.startswith("Error: cuarena: cannot allocate"), out)
             self.assertIn("no CUDA driver", out)
+
+    def test_with_the_plugin_header_the_shims_own_allocator_answers_what_the_plugin_refuses(self):
+        root = os.path.join(self.dir, "torch")
+        torch = _fake_torch(root, _HEADER, pluggable=True)
+        old = os.environ.get("CUDA_HOME")
+        os.environ["CUDA_HOME"] = os.path.join(root, "cuda")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no step down, no warning
+                shim, level = glue._checked_shim(torch)
+        finally:
+            if old is None:
+                del os.environ["CUDA_HOME"]
+            else:
+                os.environ["CUDA_HOME"] = old
+        self.assertEqual(level, 2, shim)
+        prog = os.path.join(self.dir, "installer")
+        _write(prog + ".cpp", _INSTALLER)
+        lib = os.path.realpath(cuarena.library_path())
+        subprocess.run([CXX, "-std=c++17", f"-I{root}/include", f"-I{root}/cuda/include", prog + ".cpp", "-o", prog,
+                        shim, f"-Wl,-rpath,{os.path.dirname(shim)}", f"-L{root}/lib", "-ltorch_cuda", "-lc10",
+                        f"-Wl,-rpath,{root}/lib", lib, f"-Wl,-rpath,{os.path.dirname(lib)}"],
+                       check=True, capture_output=True)
+        out = subprocess.run([prog], capture_output=True, text=True, timeout=600).stdout
+        lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+        self.assertEqual(lines.get("install"), "0", out)
+        self.assertTrue(lines.get("again", "").startswith("-1 Can't swap"), out)  # PyTorch's refusal, passed on
+        self.assertEqual(lines.get("hooks"), "1 1 1", out)
+        try:
+            cuarena.stats(0)
+            gpu = True
+        except cuarena.CuarenaError:
+            gpu = False
+        for call in ("getDeviceStats", "resetPeakStats", "resetAccumulatedStats", "cacheInfo"):
+            # Answered by cuarena, never the plug-in's refusal: on a GPU they return; without a
+            # driver, cuarena's own error.
+            got = lines.get(call, "")
+            self.assertNotIn("does not yet support", got, out)
+            if gpu:
+                self.assertEqual(got, "returned", out)
+            else:
+                self.assertTrue(got.startswith("Error: cuarena:") and "no CUDA driver" in got, out)
+        if gpu:  # PyTorch's figures are cuarena's
+            m = re.search(r"live (\d+) = (\d+), reserved (\d+) = (\d+)", out)
+            self.assertTrue(m and m[1] == m[2] and m[3] == m[4], out)
+        self.assertTrue(lines.get("malloc", "").startswith("OutOfMemoryError: CUDA out of memory." if gpu
+                                                           else "Error: cuarena: cannot allocate"), out)
 
     def test_headers_that_do_not_compile_fall_back_with_a_warning_and_are_not_tried_again(self):
         torch = _fake_torch(os.path.join(self.dir, "torch"), '#error "not this PyTorch"\n')
