@@ -145,6 +145,11 @@ void cuarena_set_memory_fraction(double fraction, int device);
  * failure. On failure nothing is written and the reason is in cuarena_last_error. Never writes
  * past out->size bytes. */
 int cuarena_get_stats(int device, cuarena_stats *out);
+/* cuarena_get_stats that never creates the device's allocator (no driver call, no CUDA context):
+ * for a device not used through cuarena yet (or a device number it could not use) it returns 1
+ * with every statistic 0. Otherwise as cuarena_get_stats (0, CUARENA_ERR_STATS_SIZE, or -1 for
+ * a NULL out). */
+int cuarena_peek_stats(int device, cuarena_stats *out);
 /* Restarts the peaks (peak_live_bytes, peak_live_bytes_upper, peak_reserved_bytes) at their
  * values now (torch.cuda.reset_peak_memory_stats). 0 on success, -1 on failure. */
 int cuarena_reset_peak(int device);

@@ -99,6 +99,12 @@ fn out_of_range(device: i32) -> Error {
     }
 }
 
+/// The process-wide allocator of `device` if it has been created, without creating it (no
+/// driver call): `None` for a device not used through [`global`] yet, or out of range.
+pub fn existing(device: i32) -> Option<&'static Allocator> {
+    usize::try_from(device).ok().and_then(|d| ALLOCATORS.get(d)).and_then(OnceLock::get)
+}
+
 /// The process-wide allocators created so far.
 pub fn created() -> impl Iterator<Item = (i32, &'static Allocator)> {
     ALLOCATORS.iter().enumerate().filter_map(|(i, s)| s.get().map(|a| (i as i32, a)))

@@ -100,6 +100,47 @@ fn get_stats_refuses_a_too_small_size_and_writes_nothing() {
     assert!(size_of::<cuarena_stats>() >= CUARENA_STATS_SIZE_V1);
 }
 
+/// `cuarena_peek_stats` never creates an allocator: for a device cuarena has not used it gives
+/// 1 and zeros (here no driver: no device is ever created); bad arguments as `get_stats`. On a
+/// GPU, a device in use gives 0 and the same figures as `cuarena_get_stats`, and an unused
+/// ordinal still makes no allocator.
+#[test]
+fn peek_stats_never_creates_an_allocator() {
+    let _g = serial();
+    let before: Vec<i32> = cuarena::global::created().map(|(d, _)| d).collect();
+    for device in [0, 1, 7, 63, 64, -1, i32::MIN, i32::MAX] {
+        if before.contains(&device) {
+            continue;
+        }
+        let mut s = cuarena_stats::default();
+        s.stats.live_bytes = 77;
+        // SAFETY: `s` is a valid cuarena_stats whose `size` is its own.
+        assert_eq!(unsafe { cuarena_peek_stats(device, &mut s) }, 1, "device {device}");
+        assert_eq!(s, cuarena_stats::default(), "device {device}: not all zero");
+    }
+    let after: Vec<i32> = cuarena::global::created().map(|(d, _)| d).collect();
+    assert_eq!(after, before, "peek created an allocator");
+    // SAFETY: NULL is refused before anything is read.
+    assert_eq!(unsafe { cuarena_peek_stats(0, std::ptr::null_mut()) }, -1);
+    assert!(err().contains("out is NULL"), "{}", err());
+    let mut small = [0x5a5a_5a5a_5a5a_5a5au64; 32];
+    small[0] = 8;
+    let copy = small;
+    // SAFETY: 256 writable bytes, more than the size given.
+    assert_eq!(unsafe { cuarena_peek_stats(0, small.as_mut_ptr().cast()) }, CUARENA_ERR_STATS_SIZE);
+    assert_eq!(small, copy, "written on a refusal");
+    if gpu_present() {
+        let p = cuarena_malloc(4096, 0, NULL);
+        assert!(!p.is_null(), "{}", err());
+        let mut s = cuarena_stats::default();
+        // SAFETY: as above.
+        assert_eq!(unsafe { cuarena_peek_stats(0, &mut s) }, 0, "{}", err());
+        assert_eq!(s.stats.live_bytes, stats(0).live_bytes);
+        assert!(s.stats.live_bytes >= 4096);
+        cuarena_free(p, 4096, 0, NULL);
+    }
+}
+
 #[test]
 fn the_version_functions_give_cargos_version() {
     let s = cuarena_version_string();

@@ -281,6 +281,36 @@ pub unsafe extern "C" fn cuarena_get_stats(device: c_int, out: *mut cuarena_stat
     })
 }
 
+/// [`cuarena_get_stats`] that never creates `device`'s allocator (no driver call, no CUDA
+/// context): for a device not used through cuarena yet, or any device number it could not use,
+/// it returns 1 and fills every statistic with 0, as such a device has (a framework's
+/// statistics call for every device must not make a context on each). Otherwise as
+/// [`cuarena_get_stats`]: 0, [`CUARENA_ERR_STATS_SIZE`], or -1 (`out` NULL).
+///
+/// # Safety
+/// As [`cuarena_get_stats`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuarena_peek_stats(device: c_int, out: *mut cuarena_stats) -> c_int {
+    guard(-1, || {
+        if out.is_null() {
+            return Err("cuarena_peek_stats: out is NULL".into());
+        }
+        // SAFETY: the caller guarantees `out`'s first 8 bytes are readable; they may be unaligned.
+        let size = unsafe { out.cast::<u64>().read_unaligned() };
+        if size < CUARENA_STATS_SIZE_V1 as u64 {
+            set_error(stats_size_error(size));
+            return Ok(CUARENA_ERR_STATS_SIZE);
+        }
+        let (stats, r) = match cuarena::global::existing(device) {
+            Some(a) => (a.stats(), 0),
+            None => (Stats::default(), 1),
+        };
+        // SAFETY: the caller guarantees `size` writable bytes at `out`, and `size` was checked.
+        unsafe { write_stats(stats, out.cast::<u8>(), size) };
+        Ok(r)
+    })
+}
+
 fn stats_size_error(size: u64) -> String {
     format!(
         "cuarena_get_stats: out->size is {size}, below the {CUARENA_STATS_SIZE_V1} bytes of the smallest \

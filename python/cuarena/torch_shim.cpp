@@ -101,7 +101,7 @@ struct cuarena_stats_v2 {
         superblocks_returned, superblocks_dissolved, arena_held_bytes, arenas, arena_allocations, pool_allocations,
         large_allocations, peak_live_bytes_upper, peak_exact, alloc_retries, ooms, oom_hook_calls;
 };
-int cuarena_get_stats(int device, cuarena_stats_v2 *out);
+int cuarena_peek_stats(int device, cuarena_stats_v2 *out);
 int cuarena_reset_peak(int device);
 int cuarena_reset_counters(int device);
 void cuarena_record_stream(void *ptr, void *stream);
@@ -113,11 +113,17 @@ namespace {
 
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 
-// cuarena's statistics of `device`, or c10::Error with cuarena's reason.
-cuarena_stats_v2 read_stats(int device) {
+// cuarena's statistics of `device` (all 0 for a device cuarena has not used: asking makes no
+// allocator and no CUDA context there), or c10::Error with cuarena's reason. `*used` says
+// whether cuarena has an allocator for `device`.
+cuarena_stats_v2 read_stats(int device, bool *used = nullptr) {
     cuarena_stats_v2 s{};
     s.size = sizeof s;
-    if (cuarena_get_stats(device, &s) != 0) {
+    const int r = cuarena_peek_stats(device, &s);
+    if (used != nullptr) {
+        *used = r == 0;
+    }
+    if (r != 0 && r != 1) {
         const char *e = cuarena_last_error();
         C10_THROW_ERROR(Error, std::string("cuarena: statistics of CUDA device ") + std::to_string(device) +
                                    " unavailable: " + (e != nullptr ? e : "no reason recorded"));
@@ -177,11 +183,23 @@ class CuarenaAllocator : public Pluggable {
         return d;
     }
 
+    // A device cuarena has not used has nothing to reset (and resetting would make its
+    // allocator, and a CUDA context there).
     void resetAccumulatedStats(c10::DeviceIndex device) override {
-        check(cuarena_reset_counters(device), "reset_counters", device);
+        bool used = false;
+        read_stats(device, &used);
+        if (used) {
+            check(cuarena_reset_counters(device), "reset_counters", device);
+        }
     }
 
-    void resetPeakStats(c10::DeviceIndex device) override { check(cuarena_reset_peak(device), "reset_peak", device); }
+    void resetPeakStats(c10::DeviceIndex device) override {
+        bool used = false;
+        read_stats(device, &used);
+        if (used) {
+            check(cuarena_reset_peak(device), "reset_peak", device);
+        }
+    }
 };
 
 void copy_out(const char *what, char *err, size_t n) {
