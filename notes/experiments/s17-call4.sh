@@ -11,6 +11,7 @@ grep -E "FAIL|ERROR|Error|assert" $O/python.log | head -20 >> $O/summary.txt
 timeout 200 python3 notes/experiments/torch_api_probe.py > $O/probe-cuarena.jsonl 2> $O/probe-cuarena.err; echo "probe rc=$?" >> $O/summary.txt
 grep '"ok": false' $O/probe-cuarena.jsonl >> $O/summary.txt
 tail -3 $O/probe-cuarena.err >> $O/summary.txt
+( cd gpu-bundle && timeout 60 bash run.sh test-ffi ) > $O/ffi.log 2>&1; echo "ffi rc=$? $(grep "test result" $O/ffi.log)" >> $O/summary.txt
 for e in oom_check.py torch_threads.py torch_graph.py torch_multi_gpu.py; do
   echo "== $e" >> $O/examples.log
   timeout 90 python3 examples/$e >> $O/examples.log 2>&1; echo "rc=$?" >> $O/examples.log
