@@ -355,10 +355,14 @@ def _remove_oom_hooks():
 #   freeing small blocks there): 16 MiB;
 # - blocks over small_max (1 MiB) come from the global pool instead of the arenas' large
 #   superblocks (each 4 times the request or more, and kept while the thread may reuse them).
+# - stats=exact: one shared live-byte counter, so the peak is exact. PyTorch's
+#   torch.cuda.max_memory_allocated() reads it (python/cuarena/torch_shim.cpp), and people size
+#   batches by it: the default's sampled peak is a lower bound. The counter's atomic per call
+#   (about 2 µs at 16 threads churning, BENCHMARKS.md) is nothing at a framework's rate.
 # examples/torch_train.py peaked at 480 MiB reserved with the library's defaults, 416 with the
-# first and 320 with both (PyTorch's own allocator: 274), at a step time within the noise of
-# the machine (H200, 2026-12-02 and 2026-12-03, BENCHMARKS.md).
-FRAMEWORK_CONF = "legacy_batch_bytes=16MiB,large_max=off"
+# first and 320 with the first two (PyTorch's own allocator: 274), at a step time within the
+# noise of the machine (H200, 2026-12-02 and 2026-12-03, BENCHMARKS.md).
+FRAMEWORK_CONF = "legacy_batch_bytes=16MiB,large_max=off,stats=exact"
 
 
 _defaults_given = False

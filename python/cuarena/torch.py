@@ -12,9 +12,11 @@ PyTorch's headers (TorchInstall.oom_error says), and a RuntimeError starting "CU
 where it does not; other failures raise a RuntimeError naming cuarena. The
 optional hooks PyTorch offers are installed too: record_stream (Tensor.record_stream fences the
 free after the other stream's work), reset (torch.cuda.empty_cache) and memory fraction
-(torch.cuda.set_per_process_memory_fraction). PyTorch's own memory statistics are not kept under
-a plug-in allocator: use cuarena.stats(). use() gives the library cuarena.FRAMEWORK_CONF as defaults
-under CUARENA_CONF (a key set there wins).
+(torch.cuda.set_per_process_memory_fraction). Where the shim builds with its own allocator
+(TorchInstall.torch_stats), torch.cuda.memory_allocated() and PyTorch's other memory statistics
+are cuarena's figures for the device (every user of cuarena there, CuPy's too); otherwise they
+raise, as under any plug-in: use cuarena.stats(). use() gives the library cuarena.FRAMEWORK_CONF
+as defaults under CUARENA_CONF (a key set there wins).
 
 Importing this module does not import torch; use() does.
 """
@@ -110,8 +112,10 @@ def _compile(compiler, extra, libs, out, libdir, libname):
     """Compiles torch_shim.cpp into `out` (atomically). Returns (None, False), or (why it failed,
     whether the compiler itself reported it: only such a failure is worth remembering; one that
     ran no compiler, or was killed, or could not write the cache, may go at the next start)."""
+    # Libraries after the source; `-z defs`: a symbol the libraries lack (an older libcuarena, a
+    # PyTorch that does not export a class) fails this build, which steps down, not the load.
     cmd = [*compiler, "-O2", "-shared", "-fPIC", *extra, _SHIM_SOURCE, "-o", "<tmp>", f"-L{libdir}",
-           f"-l:{libname}", "-Xlinker", "-rpath", "-Xlinker", libdir, *libs]  # libraries after the source
+           f"-l:{libname}", "-Xlinker", "-rpath", "-Xlinker", libdir, *libs, "-Xlinker", "-z", "-Xlinker", "defs"]
     try:
         # A name of its own per call: two threads (or processes) building at once each write
         # their own file, and os.replace below makes one of them the shim.

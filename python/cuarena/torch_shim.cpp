@@ -81,6 +81,7 @@ extern "C" int cuarena_torch_shim_level(void) {
 }
 
 #ifdef CUARENA_TORCH_ALLOCATOR
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <dlfcn.h>
@@ -154,10 +155,16 @@ class CuarenaAllocator : public Pluggable {
     void cacheInfo(c10::DeviceIndex device, size_t *largest) override {
         size_t free_bytes = 0, total = 0;
         using MemGetInfo = int (*)(size_t *, size_t *);
-        // libcudart is loaded by PyTorch: found in the process, not linked here.
+        using GetLastError = int (*)();
+        // libcudart is PyTorch's, made global by its libtorch_global_deps: found in the
+        // process, not linked here (PyTorch's wheels ship no unversioned libcudart.so).
         static auto mem_get_info = reinterpret_cast<MemGetInfo>(dlsym(RTLD_DEFAULT, "cudaMemGetInfo"));
+        static auto get_last_error = reinterpret_cast<GetLastError>(dlsym(RTLD_DEFAULT, "cudaGetLastError"));
         if (mem_get_info == nullptr || mem_get_info(&free_bytes, &total) != 0) {
             free_bytes = 0;
+            if (mem_get_info != nullptr && get_last_error != nullptr) {
+                get_last_error();  // leave no error behind for the caller's next check
+            }
         }
         *largest = std::max({*largest, free_bytes, static_cast<size_t>(read_stats(device).largest_free_block)});
     }
@@ -172,11 +179,12 @@ class CuarenaAllocator : public Pluggable {
         d.active_bytes[0] = d.allocated_bytes[0];
         d.reserved_bytes[0].current = i64(s.reserved_bytes);
         d.reserved_bytes[0].peak = i64(s.peak_reserved_bytes);
+        // Counts since the last reset; cuarena keeps no count of live blocks, so no current or
+        // peak. Small: the arenas' small blocks; large: the pool's and the arenas' large ones.
         d.allocation[0].allocated = i64(s.allocations);
         d.allocation[0].freed = i64(s.deallocations);
-        d.allocation[0].current = s.allocations > s.deallocations ? i64(s.allocations - s.deallocations) : 0;
-        d.allocation[1].allocated = i64(s.arena_allocations);
-        d.allocation[2].allocated = i64(s.pool_allocations);
+        d.allocation[1].allocated = i64(s.arena_allocations - std::min(s.large_allocations, s.arena_allocations));
+        d.allocation[2].allocated = i64(s.pool_allocations + s.large_allocations);
         d.num_alloc_retries = i64(s.alloc_retries);
         d.num_ooms = i64(s.ooms);
         d.num_sync_all_streams = i64(s.host_syncs);
@@ -227,6 +235,7 @@ extern "C" int cuarena_torch_install(char *err, size_t n) {
             [](void *ptr, cudaStream_t stream) { cuarena_record_stream(ptr, reinterpret_cast<void *>(stream)); });
         a->set_reset_fn([] { cuarena_empty_cache(); });
         a->set_memory_fraction_fn([](double fraction, int device) { cuarena_set_memory_fraction(fraction, device); });
+        a->init(c10::cuda::device_count());  // as PyTorch's own createCustomAllocator does
         torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
         return 0;
     } catch (const c10::Error &e) {

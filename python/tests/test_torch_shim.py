@@ -112,6 +112,8 @@ struct CUDAPluggableAllocator {
     virtual c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device);
     virtual void resetAccumulatedStats(c10::DeviceIndex device);
     virtual void resetPeakStats(c10::DeviceIndex device);
+    virtual void init(int device_count);
+    bool initialized_ = false;
     std::function<void *(size_t, int, cudaStream_t)> alloc_fn_;
     std::function<void(void *, size_t, int, cudaStream_t)> free_fn_;
     std::function<void()> reset_fn_;
@@ -122,6 +124,7 @@ void changeCurrentAllocator(const std::shared_ptr<CUDAPluggableAllocator> &alloc
 std::shared_ptr<CUDAPluggableAllocator> current_for_test();
 }
 """
+_CUDA_FUNCTIONS = "#pragma once\n#include <cstdint>\nnamespace c10::cuda { inline int8_t device_count() noexcept { return 1; } }\n"
 _LIBTORCH_CUDA = r"""
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <utility>
@@ -134,6 +137,7 @@ CUDAPluggableAllocator::~CUDAPluggableAllocator() = default;
 void CUDAPluggableAllocator::set_reset_fn(std::function<void()> f) { reset_fn_ = std::move(f); }
 void CUDAPluggableAllocator::set_memory_fraction_fn(std::function<void(double, int)> f) { memory_fraction_fn_ = std::move(f); }
 void CUDAPluggableAllocator::set_record_stream_fn(std::function<void(void *, cudaStream_t)> f) { record_stream_fn_ = std::move(f); }
+void CUDAPluggableAllocator::init(int) { initialized_ = true; }
 void CUDAPluggableAllocator::cacheInfo(c10::DeviceIndex, size_t *) { C10_THROW_ERROR(Error, "does not yet support cacheInfo"); }
 c10::CachingDeviceAllocator::DeviceStats CUDAPluggableAllocator::getDeviceStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support getDeviceStats"); }
 void CUDAPluggableAllocator::resetAccumulatedStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support resetAccumulatedStats"); }
@@ -165,7 +169,8 @@ int main() {
     std::printf("install: %d\n", cuarena_torch_install(err, sizeof err));
     std::printf("again: %d %s\n", cuarena_torch_install(err, sizeof err), err);
     auto a = current_for_test();
-    std::printf("hooks: %d %d %d\n", bool(a->reset_fn_), bool(a->memory_fraction_fn_), bool(a->record_stream_fn_));
+    std::printf("hooks: %d %d %d %d\n", bool(a->reset_fn_), bool(a->memory_fraction_fn_), bool(a->record_stream_fn_),
+                a->initialized_);
     // Asked of a device cuarena has not used, the statistics are 0 and make no allocator.
     uint64_t raw[64] = {sizeof raw};
     std::printf("unused: %d\n", cuarena_peek_stats(0, raw));
@@ -211,6 +216,7 @@ def _fake_torch(root, header, pluggable=False):
     if pluggable:
         _write(os.path.join(root, "cuda", "include", "cuda_runtime_api.h"), _CUDA_RUNTIME)
         _write(os.path.join(root, "include", "torch", "csrc", "cuda", "CUDAPluggableAllocator.h"), _PLUGGABLE_HEADER)
+        _write(os.path.join(root, "include", "c10", "cuda", "CUDAFunctions.h"), _CUDA_FUNCTIONS)
         _write(os.path.join(root, "libtorch_cuda.cpp"), _LIBTORCH_CUDA)
         _write(os.path.join(root, "empty.cpp"), "")
         inc = [f"-I{root}/include", f"-I{root}/cuda/include"]
@@ -299,7 +305,7 @@ class TorchShim(unittest.TestCase):
         lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
         self.assertEqual(lines.get("install"), "0", out)
         self.assertTrue(lines.get("again", "").startswith("-1 Can't swap"), out)  # PyTorch's refusal, passed on
-        self.assertEqual(lines.get("hooks"), "1 1 1", out)
+        self.assertEqual(lines.get("hooks"), "1 1 1 1", out)  # and init() called, as PyTorch's own does
         try:
             cuarena.stats(0)
             gpu = True
