@@ -1451,7 +1451,15 @@ impl Allocator {
             Some(b) if b <= inner.pool.limit().max(inner.pool.total()) => b,
             _ => return Err(inner.oom(size)),
         };
-        with_slot(inner, |slot, inner| slot.alloc_pool(inner, bytes, stream).map(DeviceAddr))
+        with_slot(inner, |slot, inner| slot.alloc_pool(inner, bytes, stream).map(DeviceAddr)).map_err(|e| {
+            match e {
+                // The size asked for, not the pool's rounding of it.
+                Error::OutOfMemory { reserved, in_use, largest_free, limit, .. } => {
+                    Error::OutOfMemory { requested: size, reserved, in_use, largest_free, limit }
+                }
+                e => e,
+            }
+        })
     }
 
     /// The slow path of a small allocation on the per-thread or the legacy stream.
