@@ -24,6 +24,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -101,11 +102,29 @@ def _allocator_build(torch, c10, libs, identity):
     cuda = _cuda_include(torch)
     if cuda is None:
         return None, None, "no CUDA runtime headers (cuda_runtime_api.h) found: set CUDA_HOME"
+    cudart = _loaded_cudart()
+    if cudart is None:
+        return None, None, "PyTorch's libcudart is not loaded in this process (/proc/self/maps)"
     with open(header, "rb") as f:
         header_hash = hashlib.sha256(f.read()).hexdigest()
-    identity += f" {header_hash} {_file_id(os.path.join(libdir, 'libtorch_cuda.so'))} {cuda}"
+    identity += f" {header_hash} {_file_id(os.path.join(libdir, 'libtorch_cuda.so'))} {cuda} {_file_id(cudart)}"
+    # The very libcudart PyTorch loaded (by path: its soname is then the one already loaded, and
+    # the headers' inline functions that call it resolve there, under -z defs).
     return ([*c10, "-DCUARENA_TORCH_ALLOCATOR", f"-I{cuda}"],
-            [f"-L{libdir}", "-ltorch_cuda", "-lc10_cuda", *libs], identity)
+            [f"-L{libdir}", "-ltorch_cuda", "-lc10_cuda", cudart, *libs], identity)
+
+
+def _loaded_cudart():
+    """The path of the CUDA runtime library mapped into this process (PyTorch's), or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
+                if re.search(r"/libcudart[^/]*\.so[^/]*$", path) and os.path.isfile(path):
+                    return path
+    except OSError:
+        pass
+    return None
 
 
 def _compile(compiler, extra, libs, out, libdir, libname):

@@ -84,8 +84,6 @@ extern "C" int cuarena_torch_shim_level(void) {
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -154,17 +152,11 @@ class CuarenaAllocator : public Pluggable {
     // catches (c10::OutOfMemoryError) and tries the next.
     void cacheInfo(c10::DeviceIndex device, size_t *largest) override {
         size_t free_bytes = 0, total = 0;
-        using MemGetInfo = int (*)(size_t *, size_t *);
-        using GetLastError = int (*)();
-        // libcudart is PyTorch's, made global by its libtorch_global_deps: found in the
-        // process, not linked here (PyTorch's wheels ship no unversioned libcudart.so).
-        static auto mem_get_info = reinterpret_cast<MemGetInfo>(dlsym(RTLD_DEFAULT, "cudaMemGetInfo"));
-        static auto get_last_error = reinterpret_cast<GetLastError>(dlsym(RTLD_DEFAULT, "cudaGetLastError"));
-        if (mem_get_info == nullptr || mem_get_info(&free_bytes, &total) != 0) {
+        // PyTorch's own libcudart (torch.py links the one loaded in the process), on the device
+        // PyTorch made current for this call.
+        if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
             free_bytes = 0;
-            if (mem_get_info != nullptr && get_last_error != nullptr) {
-                get_last_error();  // leave no error behind for the caller's next check
-            }
+            (void)cudaGetLastError();  // leave no error behind for the caller's next check
         }
         *largest = std::max({*largest, free_bytes, static_cast<size_t>(read_stats(device).largest_free_block)});
     }

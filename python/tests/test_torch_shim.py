@@ -76,7 +76,23 @@ int main() {
 # Stand-ins for level 2 (the shim's own allocator): CUDA's runtime header, PyTorch's plug-in
 # header with the shapes of PyTorch 2.11's (the methods the shim overrides and calls, DeviceStats),
 # and a libtorch_cuda.so whose changeCurrentAllocator keeps the allocator for the test to call.
-_CUDA_RUNTIME = "#pragma once\ntypedef struct CUstream_st *cudaStream_t;\n"
+_CUDA_RUNTIME = r"""
+#pragma once
+#include <cstddef>
+typedef struct CUstream_st *cudaStream_t;
+enum cudaError { cudaSuccess = 0, cudaErrorInitializationError = 3 };
+typedef enum cudaError cudaError_t;
+extern "C" cudaError_t cudaMemGetInfo(size_t *free, size_t *total);
+extern "C" cudaError_t cudaGetLastError(void);
+"""
+# A CUDA runtime with no device: cudaMemGetInfo fails, and the error is left for cudaGetLastError.
+_LIBCUDART = r"""
+#include <cuda_runtime_api.h>
+static cudaError_t last = cudaSuccess;
+extern "C" cudaError_t cudaMemGetInfo(size_t *, size_t *) { return last = cudaErrorInitializationError; }
+extern "C" cudaError_t cudaGetLastError(void) { cudaError_t e = last; last = cudaSuccess; return e; }
+extern "C" int cudart_pending_error_for_test(void) { return last; }
+"""
 _PLUGGABLE_HEADER = r"""
 #pragma once
 #include <cuda_runtime_api.h>
@@ -156,6 +172,7 @@ _INSTALLER = r"""
 #include <cstring>
 extern "C" int cuarena_torch_install(char *err, size_t n);
 extern "C" int cuarena_peek_stats(int device, void *out);
+extern "C" int cudart_pending_error_for_test(void);
 extern "C" void *cuarena_malloc(size_t size, int device, void *stream);
 extern "C" void cuarena_free(void *ptr, size_t size, int device, void *stream);
 using namespace torch::cuda::CUDAPluggableAllocator;
@@ -189,6 +206,7 @@ int main() {
     call("resetPeakStats", [&] { a->resetPeakStats(0); });
     call("resetAccumulatedStats", [&] { a->resetAccumulatedStats(0); });
     call("cacheInfo", [&] { size_t l = 0; a->cacheInfo(0, &l); if (gpu) std::printf("largest %zu\n", l); });
+    std::printf("cudart error left: %d\n", cudart_pending_error_for_test());
     call("malloc", [&] { a->alloc_fn_(size_t(1) << 60, 0, nullptr); });
     if (p != nullptr) cuarena_free(p, 4096, 0, nullptr);
     return 0;
@@ -224,6 +242,11 @@ def _fake_torch(root, header, pluggable=False):
                         "-o", os.path.join(lib, "libtorch_cuda.so"), f"-L{lib}", "-lc10"], check=True, capture_output=True)
         subprocess.run([CXX, "-shared", "-fPIC", os.path.join(root, "empty.cpp"), "-o", os.path.join(lib, "libc10_cuda.so")],
                        check=True, capture_output=True)
+        # Named as a CUDA runtime is, and loaded into this process as PyTorch's would be.
+        _write(os.path.join(root, "libcudart.cpp"), _LIBCUDART)
+        subprocess.run([CXX, "-shared", "-fPIC", *inc, os.path.join(root, "libcudart.cpp"),
+                        "-o", os.path.join(lib, "libcudart.so.99")], check=True, capture_output=True)
+        ctypes.CDLL(os.path.join(lib, "libcudart.so.99"))
     _write(os.path.join(root, "include", "c10", "util", "Exception.h"), header)
     return types.SimpleNamespace(__file__=os.path.join(root, "__init__.py"),
                                  _C=types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True))
@@ -299,6 +322,7 @@ class TorchShim(unittest.TestCase):
         lib = os.path.realpath(cuarena.library_path())
         subprocess.run([CXX, "-std=c++17", f"-I{root}/include", f"-I{root}/cuda/include", prog + ".cpp", "-o", prog,
                         shim, f"-Wl,-rpath,{os.path.dirname(shim)}", f"-L{root}/lib", "-ltorch_cuda", "-lc10",
+                        os.path.join(root, "lib", "libcudart.so.99"),
                         f"-Wl,-rpath,{root}/lib", lib, f"-Wl,-rpath,{os.path.dirname(lib)}"],
                        check=True, capture_output=True)
         out = subprocess.run([prog], capture_output=True, text=True, timeout=600).stdout
@@ -319,6 +343,8 @@ class TorchShim(unittest.TestCase):
         self.assertIn("\n0\ngetDeviceStats unused: returned", out)
         for call in ("getDeviceStats", "resetPeakStats", "resetAccumulatedStats", "cacheInfo"):
             self.assertEqual(lines.get(call), "returned", out)
+        # cacheInfo's failed cudaMemGetInfo leaves no error for PyTorch's next check.
+        self.assertEqual(lines.get("cudart error left"), "0", out)
         if gpu:  # PyTorch's figures are cuarena's
             m = re.search(r"live (\d+) = (\d+), reserved (\d+) = (\d+)", out)
             self.assertTrue(m and m[1] == m[2] and m[3] == m[4], out)
