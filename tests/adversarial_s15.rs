@@ -1525,11 +1525,15 @@ fn churn_while_the_cap_moves_between_nothing_and_plenty() {
                 let mut k = 0;
                 while !stop.load(Ordering::Relaxed) {
                     a.set_limit_bytes(caps[k % caps.len()]);
-                    if k % 5 == 0 {
-                        a.trim(k % 10 == 0).unwrap();
+                    // Memory reserved under a higher cap still serves under a lower one (as
+                    // PyTorch's fraction does): a full trim at the cap of nothing makes it bite.
+                    let nothing = k % caps.len() == 0;
+                    if k % 5 == 0 || nothing {
+                        a.trim(k % 10 == 0 || nothing).unwrap();
                     }
                     k += 1;
-                    std::thread::sleep(Duration::from_micros(300));
+                    // The cap of nothing is held longest, so the churn needs to grow under it.
+                    std::thread::sleep(Duration::from_micros(if nothing { 3000 } else { 300 }));
                 }
                 a.set_limit_bytes(usize::MAX);
                 a.release_thread().unwrap();
