@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import types
 import unittest
@@ -301,6 +302,39 @@ class TorchShim(unittest.TestCase):
         else:
             self.assertTrue(out.startswith("Error: cuarena: cannot allocate"), out)
             self.assertIn("no CUDA driver", out)
+
+    def test_use_installs_the_shims_own_allocator_through_its_c_entry_point(self):
+        """cuarena.torch.use() at level 2, in a fresh interpreter with the stand-in torch: the
+        allocator is made and installed by cuarena_torch_install (the stand-in's
+        changeCurrentAllocator keeps it), with every hook and no warning; a second use() is the
+        first's result."""
+        root = os.path.join(self.dir, "torch")
+        _fake_torch(root, _HEADER, pluggable=True)
+        code = f"""
+import ctypes, os, sys, types, warnings
+warnings.simplefilter("error")
+ctypes.CDLL({os.path.join(root, "lib", "libcudart.so.99")!r})  # as PyTorch's import maps it
+torch = types.ModuleType("torch")
+torch.__file__ = {os.path.join(root, "__init__.py")!r}
+torch.__version__ = "0.0-stand-in"
+torch._C = types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True)
+torch.cuda = types.ModuleType("torch.cuda")
+torch.cuda.memory = types.ModuleType("torch.cuda.memory")
+torch.cuda.memory._get_current_allocator = lambda: "the current allocator"
+def refuse(*a):
+    raise AssertionError("the Python plug-in path was taken")
+torch.cuda.memory.CUDAPluggableAllocator = torch.cuda.memory.change_current_allocator = refuse
+sys.modules.update({{"torch": torch, "torch.cuda": torch.cuda, "torch.cuda.memory": torch.cuda.memory}})
+import cuarena.torch
+inst = cuarena.torch.use()
+assert inst is cuarena.torch.use()
+print(inst.torch_stats, inst.oom_error, ",".join(inst.hooks_installed), inst.hooks_missing, inst.allocator)
+"""
+        env = dict(os.environ, CUDA_HOME=os.path.join(root, "cuda"))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertEqual(r.stdout.strip(), "True torch.OutOfMemoryError set_record_stream_fn,set_reset_fn,"
+                                           "set_memory_fraction_fn () the current allocator", r.stderr)
 
     def test_with_the_plugin_header_the_shims_own_allocator_answers_what_the_plugin_refuses(self):
         root = os.path.join(self.dir, "torch")
