@@ -1444,9 +1444,10 @@ impl Allocator {
                 }
             }
         }
-        // More than the device holds is refused before the pool's lock. A request over the cap
-        // but not over the device may still fit in memory reserved before the cap was lowered
-        // (`set_memory_fraction(0)`): the pool's first fit looks, and its growth obeys the cap.
+        // More than both the cap and the device is refused before the pool's lock. A request
+        // over the cap but not over the device may still fit in memory reserved before the cap
+        // was lowered (`set_memory_fraction(0)`): the pool's first fit looks, and its growth
+        // obeys the cap.
         let bytes = match block_bytes(size, inner.cfg.small_max) {
             Some(b) if b <= inner.pool.limit().max(inner.pool.total()) => b,
             _ => return Err(inner.oom(size)),

@@ -791,8 +791,8 @@ fn passthrough_counts_are_exact_after_resets_that_raced_churn() {
 // ---------------------------------------------------------------------------------------------
 // Area 3: statistics.
 
-/// Churn with blocks handed between threads (cross-thread frees, wrong-size frees refused) while another thread resets peaks and counters and threads exit
-/// and new ones start. At quiescence: nothing live; after a last counter reset and a known
+/// Churn with blocks handed between threads (cross-thread frees, wrong-size frees refused)
+/// while another thread resets peaks and counters and threads exit and new ones start. At quiescence: nothing live; after a last counter reset and a known
 /// workload, allocations and deallocations are the workload's, the histogram agrees, and the
 /// peaks bracket the workload's known high-water mark (`stats=exact`: equal to it).
 fn stats_quiescent(exact: bool) {

@@ -298,7 +298,7 @@ pub unsafe extern "C" fn cuarena_peek_stats(device: c_int, out: *mut cuarena_sta
         // SAFETY: the caller guarantees `out`'s first 8 bytes are readable; they may be unaligned.
         let size = unsafe { out.cast::<u64>().read_unaligned() };
         if size < CUARENA_STATS_SIZE_V1 as u64 {
-            set_error(stats_size_error(size));
+            set_error(stats_size_error(size).replace("cuarena_get_stats", "cuarena_peek_stats"));
             return Ok(CUARENA_ERR_STATS_SIZE);
         }
         let (stats, r) = match cuarena::global::existing(device) {

@@ -92,7 +92,8 @@ def _cuda_include(torch):
 def _allocator_build(torch, c10, libs, identity):
     """How to build the shim's own PyTorch allocator (torch_shim.cpp, CUARENA_TORCH_ALLOCATOR) on
     top of the c10 build's flags: (compile flags, link flags, identity), or (None, None, why not).
-    The identity adds PyTorch's allocator header, libtorch_cuda.so and the CUDA headers used."""
+    The identity adds PyTorch's allocator header, libtorch_cuda.so, the cuda_runtime_api.h used
+    (by its real path and file) and the libcudart linked."""
     base = os.path.dirname(os.path.abspath(torch.__file__))
     header = os.path.join(base, "include", "torch", "csrc", "cuda", "CUDAPluggableAllocator.h")
     libdir = os.path.join(base, "lib")
@@ -102,29 +103,35 @@ def _allocator_build(torch, c10, libs, identity):
     cuda = _cuda_include(torch)
     if cuda is None:
         return None, None, "no CUDA runtime headers (cuda_runtime_api.h) found: set CUDA_HOME"
-    cudart = _loaded_cudart()
+    cudart = _loaded_cudart(torch)
     if cudart is None:
         return None, None, "PyTorch's libcudart is not loaded in this process (/proc/self/maps)"
     with open(header, "rb") as f:
         header_hash = hashlib.sha256(f.read()).hexdigest()
-    identity += f" {header_hash} {_file_id(os.path.join(libdir, 'libtorch_cuda.so'))} {cuda} {_file_id(cudart)}"
+    runtime_h = _file_id(os.path.join(cuda, "cuda_runtime_api.h"))
+    identity += f" {header_hash} {_file_id(os.path.join(libdir, 'libtorch_cuda.so'))} {runtime_h} {_file_id(cudart)}"
     # The very libcudart PyTorch loaded (by path: its soname is then the one already loaded, and
     # the headers' inline functions that call it resolve there, under -z defs).
     return ([*c10, "-DCUARENA_TORCH_ALLOCATOR", f"-I{cuda}"],
             [f"-L{libdir}", "-ltorch_cuda", "-lc10_cuda", cudart, *libs], identity)
 
 
-def _loaded_cudart():
-    """The path of the CUDA runtime library mapped into this process (PyTorch's), or None."""
+def _loaded_cudart(torch):
+    """The path of the CUDA runtime library mapped into this process, or None: PyTorch's where
+    more than one is (one beside torch, or in the NVIDIA packages of its site-packages), else
+    the first. A mapping of a deleted file is passed over."""
+    site = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    found = []
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             for line in f:
                 path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
-                if re.search(r"/libcudart[^/]*\.so[^/]*$", path) and os.path.isfile(path):
-                    return path
+                if re.search(r"/libcudart[^/]*\.so[^/]*$", path) and os.path.isfile(path) and path not in found:
+                    found.append(path)
     except OSError:
         pass
-    return None
+    ours = [p for p in found if os.path.realpath(p).startswith(os.path.realpath(site) + os.sep)]
+    return (ours or found or [None])[0]
 
 
 def _compile(compiler, extra, libs, out, libdir, libname):
@@ -148,8 +155,12 @@ def _compile(compiler, extra, libs, out, libdir, libname):
         if r.returncode == 0:
             os.replace(tmp, out)  # atomic: concurrent first uses each build, one wins
             return None, False
+        # Remembered only where the compiler refused the code: not where it, or a program under
+        # it, was killed (out of memory, say: the driver then exits 1 and says so) or the disk
+        # was full; those may go at the next start.
+        transient = re.search(r"Killed signal|terminated program|internal compiler error|No space left", r.stderr)
         failure = (f"compiling the PyTorch shim failed (exit {r.returncode}): {' '.join(cmd)}\n{r.stderr.strip()}",
-                   r.returncode > 0)  # < 0: killed by a signal (out of memory, say)
+                   r.returncode > 0 and transient is None)
     except OSError as e:
         failure = (f"cannot compile the PyTorch shim ({' '.join(cmd)}): {e}. Install a C++ compiler, set CXX, "
                    "or set CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so", False)
@@ -252,8 +263,9 @@ def shim_path(torch=None, *, stacklevel=2):
                     "cuDNN's benchmark under autocast")
             if level == 0:
                 lost = "out of memory raises RuntimeError, not torch.OutOfMemoryError; " + lost
-            warnings.warn(f"cuarena: the PyTorch shim is built without PyTorch's {'allocator ' if level else ''}"
-                          f"headers, so {lost} (PyTorch's plug-in refuses them): " + failures[-1][-2000:],
+            what = "its own PyTorch allocator" if level else "PyTorch's headers"
+            warnings.warn(f"cuarena: the PyTorch shim is built without {what}, so {lost} (PyTorch's plug-in "
+                          "refuses them): " + failures[-1][-2000:],
                           RuntimeWarning, stacklevel=stacklevel)
         return out
     raise RuntimeError("cuarena: " + failures[-1])

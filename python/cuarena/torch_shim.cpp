@@ -3,8 +3,8 @@
 // data_ptr() is 0. This shim turns that NULL into a C++ exception, which PyTorch raises in
 // Python.
 //
-// Three builds of this one file (python/cuarena/torch.py compiles it on first use, the first
-// that compiles of):
+// Three builds of this one file; python/cuarena/torch.py compiles it on first use and keeps the
+// first of these that builds:
 // - CUARENA_TORCH_ALLOCATOR (with CUARENA_C10), against PyTorch's headers, CUDA's runtime
 //   headers and libtorch_cuda: cuarena_torch_install() makes a CUDAPluggableAllocator of its
 //   own PyTorch's allocator, whose statistics calls PyTorch's plug-in refuses are answered from

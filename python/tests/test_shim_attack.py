@@ -100,6 +100,9 @@ class ShimAttack(unittest.TestCase):
         os.environ["CXX"] = "attack-cxx"  # not on PATH yet: "not installed"
         with self.assertRaises(RuntimeError):
             self.quiet_shim(torch)
+        cache = os.path.join(os.environ["XDG_CACHE_HOME"], "cuarena")
+        self.assertEqual([f for f in os.listdir(cache) if f.endswith(".failed")], [],
+                         "a build that ran no compiler was remembered")
         os.environ["PATH"] = bindir + os.pathsep + os.environ["PATH"]  # installed
         _, c10, w = self.quiet_shim(torch)
         self.assertTrue(c10, [str(x.message)[:300] for x in w])
@@ -144,7 +147,8 @@ class ShimAttack(unittest.TestCase):
         self.assertIn("not torch.OutOfMemoryError", str(w[0].message))
 
     def test_a_prebuilt_shim_without_the_c10_symbol_says_runtime_error(self):
-        """Holds: CUARENA_TORCH_SHIM naming a shim built before cuarena_torch_shim_c10 existed."""
+        """Holds: CUARENA_TORCH_SHIM naming a shim built before cuarena_torch_shim_level existed
+        (level 0: out of memory a RuntimeError)."""
         src = os.path.join(self.dir, "old_shim.cpp")
         base._write(src, r'''
 #include <cstddef>
@@ -161,8 +165,8 @@ extern "C" void *cuarena_torch_target(void) { return reinterpret_cast<void *>(&c
         subprocess.run([CXX, "-shared", "-fPIC", src, "-o", out, lib, f"-Wl,-rpath,{os.path.dirname(lib)}"],
                        check=True, capture_output=True)
         os.environ["CUARENA_TORCH_SHIM"] = out
-        shim, c10, w = self.quiet_shim(base._fake_torch(self.root, base._HEADER))
-        self.assertEqual((shim, c10, w), (out, False, []))
+        shim, level, w = self.quiet_shim(base._fake_torch(self.root, base._HEADER))
+        self.assertEqual((shim, level, w), (out, 0, []))
 
 
 if __name__ == "__main__":

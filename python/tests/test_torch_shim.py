@@ -1,12 +1,15 @@
-"""The PyTorch shim's two builds (python/cuarena/torch_shim.cpp), without PyTorch: a stand-in
-`torch` module whose directory holds c10 headers and a libc10.so made here.
+"""The PyTorch shim's three builds (python/cuarena/torch_shim.cpp), without PyTorch: a stand-in
+`torch` module whose directory holds c10 headers and a libc10.so made here, and, for the shim's
+own allocator (level 2), stand-ins shaped like PyTorch 2.11's plug-in header, libtorch_cuda.so
+and a libcudart.
 
-- Headers that compile: the shim is built with them, says so (cuarena_torch_shim_level), and a
-  failed allocation throws the c10 type, checked by a C++ program that catches it. (The
-  stand-in has no allocator header, so the shim's own allocator, level 2, is tested on a GPU
-  with PyTorch: test_cuarena's Frameworks.)
-- Headers that do not: a RuntimeWarning, the shim built without them, and the failed build
-  remembered, so the next start does not compile it again.
+- Headers that compile without the plug-in header: level 1, which says so
+  (cuarena_torch_shim_level), warns what level 2 would add, and throws the c10 type for a failed
+  allocation, checked by a C++ program that catches it.
+- With the plug-in header: level 2, no warning, installed through cuarena_torch_install (from C++
+  and from use()), answering the calls the plug-in refuses.
+- Headers that do not compile: a RuntimeWarning, the shim built without them, and the failed
+  build remembered, so the next start does not compile it again.
 """
 import ctypes
 import os
@@ -276,7 +279,7 @@ class TorchShim(unittest.TestCase):
         # The stand-in has no allocator header: one warning says what that loses, and why.
         msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
         self.assertEqual(len(msgs), 1, msgs)
-        self.assertIn("without PyTorch's allocator headers", msgs[0])
+        self.assertIn("without its own PyTorch allocator", msgs[0])
         self.assertIn("CUDAPluggableAllocator.h", msgs[0])
         self.assertNotIn("not torch.OutOfMemoryError", msgs[0])
         plain, plain_level = glue._checked_shim()  # without torch: the other build, its own file
