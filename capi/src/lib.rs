@@ -264,21 +264,10 @@ const _: () = assert!(
 /// first `size` bytes are writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuarena_get_stats(device: c_int, out: *mut cuarena_stats) -> c_int {
-    guard(-1, || {
-        if out.is_null() {
-            return Err("cuarena_get_stats: out is NULL".into());
-        }
-        // SAFETY: the caller guarantees `out`'s first 8 bytes are readable; they may be unaligned.
-        let size = unsafe { out.cast::<u64>().read_unaligned() };
-        if size < CUARENA_STATS_SIZE_V1 as u64 {
-            set_error(stats_size_error(size));
-            return Ok(CUARENA_ERR_STATS_SIZE);
-        }
-        let a = global(device).map_err(|e| e.to_string())?;
-        // SAFETY: the caller guarantees `size` writable bytes at `out`, and `size` was checked.
-        unsafe { write_stats(a.stats(), out.cast::<u8>(), size) };
-        Ok(0)
-    })
+    // SAFETY: the caller's guarantee about `out`, passed on.
+    unsafe {
+        fill_stats("cuarena_get_stats", out, || Ok((global(device).map_err(|e| e.to_string())?.stats(), 0)))
+    }
 }
 
 /// [`cuarena_get_stats`] that never creates `device`'s allocator (no driver call, no CUDA
@@ -291,29 +280,50 @@ pub unsafe extern "C" fn cuarena_get_stats(device: c_int, out: *mut cuarena_stat
 /// As [`cuarena_get_stats`].
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuarena_peek_stats(device: c_int, out: *mut cuarena_stats) -> c_int {
+    // SAFETY: the caller's guarantee about `out`, passed on.
+    unsafe {
+        fill_stats("cuarena_peek_stats", out, || {
+            Ok(match cuarena::global::existing(device) {
+                Some(a) => (a.stats(), 0),
+                None => (Stats::default(), 1),
+            })
+        })
+    }
+}
+
+/// What both statistics calls share: `out` checked (NULL: -1; a `size` below
+/// [`CUARENA_STATS_SIZE_V1`]: [`CUARENA_ERR_STATS_SIZE`], nothing written), then `get`'s
+/// statistics written and its result returned (its error: -1, nothing written). `name` is the
+/// entry point the errors name.
+///
+/// # Safety
+/// `out` is NULL or points to memory whose first 8 bytes are readable and whose first `size`
+/// bytes are writable.
+unsafe fn fill_stats(
+    name: &str,
+    out: *mut cuarena_stats,
+    get: impl FnOnce() -> Result<(Stats, c_int), String>,
+) -> c_int {
     guard(-1, || {
         if out.is_null() {
-            return Err("cuarena_peek_stats: out is NULL".into());
+            return Err(format!("{name}: out is NULL"));
         }
         // SAFETY: the caller guarantees `out`'s first 8 bytes are readable; they may be unaligned.
         let size = unsafe { out.cast::<u64>().read_unaligned() };
         if size < CUARENA_STATS_SIZE_V1 as u64 {
-            set_error(stats_size_error(size).replace("cuarena_get_stats", "cuarena_peek_stats"));
+            set_error(stats_size_error(name, size));
             return Ok(CUARENA_ERR_STATS_SIZE);
         }
-        let (stats, r) = match cuarena::global::existing(device) {
-            Some(a) => (a.stats(), 0),
-            None => (Stats::default(), 1),
-        };
+        let (stats, r) = get()?;
         // SAFETY: the caller guarantees `size` writable bytes at `out`, and `size` was checked.
         unsafe { write_stats(stats, out.cast::<u8>(), size) };
         Ok(r)
     })
 }
 
-fn stats_size_error(size: u64) -> String {
+fn stats_size_error(name: &str, size: u64) -> String {
     format!(
-        "cuarena_get_stats: out->size is {size}, below the {CUARENA_STATS_SIZE_V1} bytes of the smallest \
+        "{name}: out->size is {size}, below the {CUARENA_STATS_SIZE_V1} bytes of the smallest \
          cuarena_stats; set it to sizeof(cuarena_stats)"
     )
 }
