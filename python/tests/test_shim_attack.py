@@ -65,14 +65,7 @@ class ShimAttack(unittest.TestCase):
         self.assertTrue(c10)
         _upgrade_in_place(self.root, torch, _HEADER_V2, _LIBC10_V2, "2")
         new, c10, _ = self.quiet_shim(torch)
-        catcher = os.path.join(self.dir, "catcher")
-        base._write(catcher + ".cpp", base._CATCHER)
-        lib = os.path.realpath(cuarena.library_path())
-        subprocess.run([CXX, "-std=c++17", f"-I{self.root}/include", catcher + ".cpp", "-o", catcher, new,
-                        f"-Wl,-rpath,{os.path.dirname(new)}", f"-L{self.root}/lib", "-lc10",
-                        f"-Wl,-rpath,{self.root}/lib", lib, f"-Wl,-rpath,{os.path.dirname(lib)}"],
-                       check=True, capture_output=True)
-        r = subprocess.run([catcher], capture_output=True, text=True, timeout=600)
+        r = base._run_program(self.dir, "catcher", base._CATCHER, self.root, new)
         self.assertEqual(r.returncode, 0, f"the shim used after the upgrade crashed: {r.stderr.strip()}")
         self.assertNotEqual(old, new, "the shim built against the old headers was reused")
 

@@ -224,6 +224,19 @@ def _write(path, text):
         f.write(text)
 
 
+def _run_program(workdir, name, source, root, shim, libs=("-lc10",)):
+    """Builds `source` (C++) as a program linked with `shim`, the stand-in torch at `root`
+    (its lib/ `libs`) and this libcuarena.so, runs it, and returns the CompletedProcess."""
+    prog = os.path.join(workdir, name)
+    _write(prog + ".cpp", source)
+    lib = os.path.realpath(cuarena.library_path())
+    subprocess.run([CXX, "-std=c++17", f"-I{root}/include", f"-I{root}/cuda/include", prog + ".cpp", "-o", prog,
+                    shim, f"-Wl,-rpath,{os.path.dirname(shim)}", f"-L{root}/lib", *libs,
+                    f"-Wl,-rpath,{root}/lib", lib, f"-Wl,-rpath,{os.path.dirname(lib)}"],
+                   check=True, capture_output=True)
+    return subprocess.run([prog], capture_output=True, text=True, timeout=600)
+
+
 def _fake_torch(root, header, pluggable=False):
     """A stand-in torch module rooted at `root`, with `header` as c10/util/Exception.h and a
     libc10.so built from _LIBC10 against the working header; with `pluggable`, also the plug-in
@@ -286,14 +299,7 @@ class TorchShim(unittest.TestCase):
         self.assertNotEqual(plain, shim)
         self.assertEqual(plain_level, 0)
 
-        catcher = os.path.join(self.dir, "catcher")
-        _write(catcher + ".cpp", _CATCHER)
-        lib = os.path.realpath(cuarena.library_path())
-        subprocess.run([CXX, "-std=c++17", f"-I{self.dir}/torch/include", catcher + ".cpp", "-o", catcher, shim,
-                        f"-Wl,-rpath,{os.path.dirname(shim)}", f"-L{self.dir}/torch/lib", "-lc10",
-                        f"-Wl,-rpath,{self.dir}/torch/lib", lib, f"-Wl,-rpath,{os.path.dirname(lib)}"],
-                       check=True, capture_output=True)
-        out = subprocess.run([catcher], capture_output=True, text=True, timeout=600).stdout
+        out = _run_program(self.dir, "catcher", _CATCHER, os.path.join(self.dir, "torch"), shim).stdout
         # 2^60 bytes: out of memory on a GPU; without a driver, cuarena's "no CUDA driver" error.
         try:
             cuarena.stats(0)
@@ -354,15 +360,8 @@ print(inst.torch_stats, inst.oom_error, ",".join(inst.hooks_installed), inst.hoo
             else:
                 os.environ["CUDA_HOME"] = old
         self.assertEqual(level, 2, shim)
-        prog = os.path.join(self.dir, "installer")
-        _write(prog + ".cpp", _INSTALLER)
-        lib = os.path.realpath(cuarena.library_path())
-        subprocess.run([CXX, "-std=c++17", f"-I{root}/include", f"-I{root}/cuda/include", prog + ".cpp", "-o", prog,
-                        shim, f"-Wl,-rpath,{os.path.dirname(shim)}", f"-L{root}/lib", "-ltorch_cuda", "-lc10",
-                        os.path.join(root, "lib", "libcudart.so.99"),
-                        f"-Wl,-rpath,{root}/lib", lib, f"-Wl,-rpath,{os.path.dirname(lib)}"],
-                       check=True, capture_output=True)
-        out = subprocess.run([prog], capture_output=True, text=True, timeout=600).stdout
+        out = _run_program(self.dir, "installer", _INSTALLER, root, shim,
+                           ("-ltorch_cuda", "-lc10", os.path.join(root, "lib", "libcudart.so.99"))).stdout
         lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
         self.assertEqual(lines.get("install"), "0", out)
         self.assertTrue(lines.get("again", "").startswith("-1 Can't swap"), out)  # PyTorch's refusal, passed on
