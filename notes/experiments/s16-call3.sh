@@ -10,12 +10,7 @@ O=${OUT:-/tmp/out}; mkdir -p $O
 grep -E "^== |test result|FAILED|panicked" $O/tests.log >> $O/summary.txt
 ( CUARENA_REQUIRE_GPU=1 bash tools/python-check.sh gpu-bundle/libcuarena.so ) > $O/python.log 2>&1; echo "python rc=$? $(tail -1 $O/python.log)" >> $O/summary.txt
 export CUARENA_LIB=$PWD/gpu-bundle/libcuarena.so PYTHONUNBUFFERED=1
-for i in $(seq "${ROUNDS:-5}"); do
-  for a in native cuarena; do
-    r=$(timeout 120 python3 examples/torch_train.py --allocator $a 2>>$O/train.err | tail -1)
-    echo "{\"round\": $i, \"run\": $r}" >> $O/train.jsonl
-  done
-done
+bash notes/experiments/train-rounds.sh "$O" "${ROUNDS:-5}"
 for e in torch_threads.py torch_graph.py "cupy_check.py --both" "cupy_stream_check.py --allocator cuarena" oom_check.py; do
   echo "== $e" >> $O/examples.log
   timeout 120 python3 examples/$e >> $O/examples.log 2>&1; echo "rc=$?" >> $O/examples.log

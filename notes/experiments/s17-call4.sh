@@ -17,10 +17,5 @@ for e in oom_check.py torch_threads.py torch_graph.py torch_multi_gpu.py; do
   timeout 90 python3 examples/$e >> $O/examples.log 2>&1; echo "rc=$?" >> $O/examples.log
 done
 grep -E "^== |^rc=|OOM:|OK" $O/examples.log >> $O/summary.txt
-for i in $(seq "${ROUNDS:-3}"); do
-  for a in native cuarena; do
-    r=$(timeout 120 python3 examples/torch_train.py --allocator $a 2>>$O/train.err | tail -1)
-    echo "{\"round\": $i, \"run\": $r}" >> $O/train.jsonl
-  done
-done
+bash notes/experiments/train-rounds.sh "$O" "${ROUNDS:-3}"
 tail -3 $O/train.err >> $O/summary.txt
