@@ -50,22 +50,35 @@ def _file_id(path):
     return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
 
+def _torch_dirs(torch):
+    """(PyTorch's package directory, its include/, its lib/, the site-packages holding it)."""
+    base = os.path.dirname(os.path.abspath(torch.__file__))
+    return base, os.path.join(base, "include"), os.path.join(base, "lib"), os.path.dirname(base)
+
+
+def _missing(paths):
+    """Why a build cannot be tried: the first of `paths` that is not a file, or None."""
+    return next((f"this PyTorch has no {p}" for p in paths if not os.path.isfile(p)), None)
+
+
+def _digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def _c10_build(torch):
     """How to build the shim against this PyTorch's headers and libc10, so that out of memory
     throws c10::OutOfMemoryError (torch_shim.cpp): (compile flags, link flags, identity), the
     identity being what the cached build depends on (PyTorch's version, its Exception.h, its
     libc10.so: an in-place upgrade changes them, and a shim built against one c10::Error must
     not run against another). Or (None, None, why not) where this PyTorch lacks either."""
-    base = os.path.dirname(os.path.abspath(torch.__file__))
-    inc, libdir = os.path.join(base, "include"), os.path.join(base, "lib")
+    _, inc, libdir, _ = _torch_dirs(torch)
     header, libc10 = os.path.join(inc, "c10", "util", "Exception.h"), os.path.join(libdir, "libc10.so")
-    for path in (header, libc10):
-        if not os.path.isfile(path):
-            return None, None, f"this PyTorch has no {path}"
-    with open(header, "rb") as f:
-        header_hash = hashlib.sha256(f.read()).hexdigest()
+    why = _missing((header, libc10))
+    if why:
+        return None, None, why
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    identity = f"torch {getattr(torch, '__version__', '?')} {header_hash} {_file_id(libc10)}"
+    identity = f"torch {getattr(torch, '__version__', '?')} {_digest(header)} {_file_id(libc10)}"
     # -Xlinker: a comma in the directory would split a -Wl list.
     return (["-DCUARENA_C10", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}"],
             [f"-L{libdir}", "-lc10", "-Xlinker", "-rpath", "-Xlinker", libdir], identity)
@@ -81,8 +94,7 @@ def _cuda_include(torch):
         dirs.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     dirs.append("/usr/local/cuda")
     cands = [os.path.join(d, "include") for d in dirs if d]
-    site = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
-    cands += sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+    cands += sorted(glob.glob(os.path.join(_torch_dirs(torch)[3], "nvidia", "*", "include")))
     for c in cands:
         if os.path.isfile(os.path.join(c, "cuda_runtime_api.h")):
             return c
@@ -94,22 +106,20 @@ def _allocator_build(torch, c10, libs, identity):
     top of the c10 build's flags: (compile flags, link flags, identity), or (None, None, why not).
     The identity adds PyTorch's allocator header, libtorch_cuda.so, the cuda_runtime_api.h used
     (by its real path and file) and the libcudart linked."""
-    base = os.path.dirname(os.path.abspath(torch.__file__))
-    header = os.path.join(base, "include", "torch", "csrc", "cuda", "CUDAPluggableAllocator.h")
-    libdir = os.path.join(base, "lib")
-    for path in (header, os.path.join(libdir, "libtorch_cuda.so"), os.path.join(libdir, "libc10_cuda.so")):
-        if not os.path.isfile(path):
-            return None, None, f"this PyTorch has no {path}"
+    _, inc, libdir, _ = _torch_dirs(torch)
+    header = os.path.join(inc, "torch", "csrc", "cuda", "CUDAPluggableAllocator.h")
+    libtorch_cuda = os.path.join(libdir, "libtorch_cuda.so")
+    why = _missing((header, libtorch_cuda, os.path.join(libdir, "libc10_cuda.so")))
+    if why:
+        return None, None, why
     cuda = _cuda_include(torch)
     if cuda is None:
         return None, None, "no CUDA runtime headers (cuda_runtime_api.h) found: set CUDA_HOME"
     cudart = _loaded_cudart(torch)
     if cudart is None:
         return None, None, "PyTorch's libcudart is not loaded in this process (/proc/self/maps)"
-    with open(header, "rb") as f:
-        header_hash = hashlib.sha256(f.read()).hexdigest()
     runtime_h = _file_id(os.path.join(cuda, "cuda_runtime_api.h"))
-    identity += f" {header_hash} {_file_id(os.path.join(libdir, 'libtorch_cuda.so'))} {runtime_h} {_file_id(cudart)}"
+    identity += f" {_digest(header)} {_file_id(libtorch_cuda)} {runtime_h} {_file_id(cudart)}"
     # The very libcudart PyTorch loaded (by path: its soname is then the one already loaded, and
     # the headers' inline functions that call it resolve there, under -z defs).
     return ([*c10, "-DCUARENA_TORCH_ALLOCATOR", f"-I{cuda}"],
@@ -120,7 +130,7 @@ def _loaded_cudart(torch):
     """The path of the CUDA runtime library mapped into this process, or None: PyTorch's where
     more than one is (one beside torch, or in the NVIDIA packages of its site-packages), else
     the first. A mapping of a deleted file is passed over."""
-    site = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    site = _torch_dirs(torch)[3]
     found = []
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
