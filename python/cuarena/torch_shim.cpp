@@ -183,21 +183,20 @@ class CuarenaAllocator : public Pluggable {
         return d;
     }
 
-    // A device cuarena has not used has nothing to reset (and resetting would make its
-    // allocator, and a CUDA context there).
     void resetAccumulatedStats(c10::DeviceIndex device) override {
-        bool used = false;
-        read_stats(device, &used);
-        if (used) {
-            check(cuarena_reset_counters(device), "reset_counters", device);
-        }
+        reset_if_used(device, cuarena_reset_counters, "reset_counters");
     }
 
-    void resetPeakStats(c10::DeviceIndex device) override {
+    void resetPeakStats(c10::DeviceIndex device) override { reset_if_used(device, cuarena_reset_peak, "reset_peak"); }
+
+  private:
+    // A device cuarena has not used has nothing to reset (and resetting would make its
+    // allocator, and a CUDA context there).
+    static void reset_if_used(c10::DeviceIndex device, int (*reset)(int), const char *what) {
         bool used = false;
         read_stats(device, &used);
         if (used) {
-            check(cuarena_reset_peak(device), "reset_peak", device);
+            check(reset(device), what, device);
         }
     }
 };
