@@ -128,8 +128,15 @@ void cuarena_free(void *ptr, size_t size, int device, cudaStream_t stream);
  * size 0, or after process exit began), -1 if it was refused (see cuarena_last_error). A free of
  * another thread's block that its owner later finds invalid still returns 0 (invalid_frees). */
 int cuarena_free_checked(void *ptr, size_t size, int device, cudaStream_t stream);
-/* PyTorch set_record_stream_fn. */
+/* PyTorch set_record_stream_fn. A refusal sets cuarena_last_error and nothing else. */
 void cuarena_record_stream(void *ptr, cudaStream_t stream);
+/* cuarena_record_stream, answering what came of the declaration: 0 kept (or ptr NULL), 1 ptr is
+ * outside the memory cuarena has reserved on every device (nothing of cuarena's to fence, as
+ * PyTorch's own allocator skips such pointers; reason in cuarena_last_error), -1 refused at the
+ * caps above: the declaration is lost and the block's free will NOT wait for `stream`, so do not
+ * free it before that stream's work is done (reason in cuarena_last_error). PyTorch's shim
+ * raises a RuntimeError from Tensor.record_stream on -1. */
+int cuarena_record_stream_checked(void *ptr, cudaStream_t stream);
 /* PyTorch set_reset_fn (torch.cuda.empty_cache): sends this thread's pending remote frees and
  * releases every wholly free chunk to the driver, waiting for pending fences (host sync). */
 void cuarena_empty_cache(void);

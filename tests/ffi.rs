@@ -203,6 +203,48 @@ fn record_stream_refuses_foreign_pointers_and_keeps_nothing() {
     assert_eq!(recorded_blocks(), before, "refused declarations must leave nothing behind");
     cuarena_record_stream(NULL, ptr(0x2)); // NULL (an empty tensor): a no-op
     assert_eq!(recorded_blocks(), before);
+    // The checked form tells a foreign pointer (1: nothing of cuarena's to fence) from a
+    // declaration kept (0) or lost (-1, `on_a_gpu_a_record_stream_past_the_caps_is_answered_minus_one`).
+    cuarena_record_stream(NULL, ptr(0x2)); // clears nothing: the error below must be the checked call's
+    assert_eq!(cuarena_record_stream_checked(ptr(0x7000), ptr(0x2)), 1);
+    assert!(err().contains("0x7000 is not inside memory reserved by cuarena"), "{}", err());
+    assert_eq!(cuarena_record_stream_checked(NULL, ptr(0x2)), 0);
+    assert_eq!(recorded_blocks(), before);
+}
+
+/// `record_with` says why it kept nothing: a pointer outside the reserved memory is
+/// `Foreign` (PyTorch's shim skips it, as PyTorch's own allocator does), a declaration past
+/// the table's caps is `Refused` (the shim raises); neither leaves anything in the table.
+#[test]
+fn record_with_tells_foreign_pointers_from_refusals_at_the_caps() {
+    use cuarena::{Config, Stream};
+    use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
+
+    let sim = HostDevice::new(HostConfig { capacity: 1 << 30, ..HostConfig::default() });
+    let a = host_allocator(sim.clone(), Config::default()).unwrap();
+    let rec = Recorded::new(2);
+    let user = sim.create_stream();
+    let blocks: Vec<u64> = (0..3).map(|_| a.allocate(4096, user).unwrap().0).collect();
+    let one = std::iter::once(&a);
+    assert!(matches!(record_with(one.clone(), &rec, 0x1000, user), Err(NotKept::Foreign(_))));
+    assert!(matches!(record_with(std::iter::empty(), &rec, blocks[0], user), Err(NotKept::Foreign(_))));
+    record_with(one.clone(), &rec, blocks[0], user).unwrap();
+    record_with(one.clone(), &rec, blocks[1], Stream::LEGACY).unwrap();
+    match record_with(one.clone(), &rec, blocks[2], user) {
+        Err(NotKept::Refused(why)) => assert!(why.contains("the limit"), "{why}"),
+        other => panic!("a third block past a cap of 2: {other:?}"),
+    }
+    assert_eq!(rec.live(), 2, "the refused declaration was kept");
+    // A block's stream cap: MAX_RECORDED_STREAMS distinct handles, then refused.
+    for h in 0..MAX_RECORDED_STREAMS - 1 {
+        record_with(one.clone(), &rec, blocks[0], Stream::from_raw(0x7700_0000 + h)).unwrap();
+    }
+    assert!(matches!(
+        record_with(one.clone(), &rec, blocks[0], Stream::from_raw(0x9999_9999)),
+        Err(NotKept::Refused(_))
+    ));
+    // A stream already declared is not a new one.
+    record_with(one, &rec, blocks[0], user).unwrap();
 }
 
 /// Re-runs this test binary with `CUARENA_CONF` invalid, so the process-wide allocator's
@@ -281,6 +323,35 @@ fn on_a_gpu_the_abi_allocates_fences_and_refuses_bad_frees() {
     cuarena_set_memory_fraction(1.0, 0);
     cuarena_empty_cache();
     assert_eq!(stats(0).live_bytes, start.live_bytes);
+}
+
+/// A declaration past the caps is lost, and `cuarena_record_stream_checked` says so with -1
+/// (the PyTorch shim raises on it), where a kept one gives 0 and a foreign pointer 1. One block
+/// is declared on the legacy stream and on 1,023 more real streams; the next stream is refused.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn on_a_gpu_a_record_stream_past_the_caps_is_answered_minus_one() {
+    let _g = serial();
+    if !gpu_present() {
+        eprintln!("skipped: no CUDA driver");
+        return;
+    }
+    let size = 4096;
+    let p = cuarena_malloc(size, 0, NULL);
+    assert!(!p.is_null(), "{}", err());
+    assert_eq!(cuarena_record_stream_checked(ptr(0x10), NULL), 1);
+    assert_eq!(cuarena_record_stream_checked(p, NULL), 0, "{}", err());
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let streams: Vec<_> = (0..MAX_RECORDED_STREAMS).map(|_| ctx.new_stream().unwrap()).collect();
+    let (kept, last) = streams.split_at(MAX_RECORDED_STREAMS - 1);
+    for s in kept {
+        assert_eq!(cuarena_record_stream_checked(p, s.cu_stream().cast()), 0, "{}", err());
+    }
+    assert_eq!(cuarena_record_stream_checked(p, last[0].cu_stream().cast()), -1);
+    assert!(err().contains("the limit"), "{}", err());
+    // The block's free is fenced after all 1,024 declared streams, and is accepted.
+    assert_eq!(cuarena_free_checked(p, size, 0, NULL), 0, "{}", err());
+    drop(streams); // destroyed after the free, which recorded its fences on them
 }
 
 /// The bad-input table through the C ABI on the process-wide allocator: each bad call gives

@@ -165,32 +165,70 @@ pub(crate) fn free_with(
 /// [`MAX_RECORDED_BLOCKS`] blocks or [`MAX_RECORDED_STREAMS`] streams per block. A pointer
 /// inside reserved memory where no live block starts is accepted (no thread but a block's
 /// owner can tell); its declaration is dropped when a block is handed out there
-/// ([`malloc_with`]).
+/// ([`malloc_with`]). [`cuarena_record_stream_checked`] says which of these happened.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_record_stream(ptr: *mut c_void, stream_: *mut c_void) {
-    guard((), || {
-        if ptr.is_null() || process_exiting() {
-            return Ok(());
+    guard((), || declare(ptr, stream_).map_err(|n| n.to_string()))
+}
+
+/// [`cuarena_record_stream`], answering what came of the declaration: 0 kept (or `ptr` NULL,
+/// or the process exiting), 1 `ptr` is outside the memory cuarena has reserved on every device
+/// (nothing of cuarena's to fence: PyTorch's own allocator skips such pointers too; the reason
+/// is in [`cuarena_last_error`]), -1 refused at the caps or failed: the declaration is lost, so
+/// the block's free will **not** wait for `stream`, and the caller must not free it before that
+/// stream's work is done (the reason is in [`cuarena_last_error`]). The PyTorch shim raises on -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_record_stream_checked(ptr: *mut c_void, stream_: *mut c_void) -> c_int {
+    guard(-1, || match declare(ptr, stream_) {
+        Ok(()) => Ok(0),
+        Err(NotKept::Foreign(why)) => {
+            set_error(why);
+            Ok(1)
         }
-        record_with(created().map(|(_, a)| a), &RECORDED, ptr as u64, stream(stream_))
+        Err(n @ NotKept::Refused(_)) => Err(n.to_string()),
     })
 }
 
+/// The declaration behind both `record_stream` entry points.
+fn declare(ptr: *mut c_void, stream_: *mut c_void) -> Result<(), NotKept> {
+    if ptr.is_null() || process_exiting() {
+        return Ok(());
+    }
+    record_with(created().map(|(_, a)| a), &RECORDED, ptr as u64, stream(stream_))
+}
+
+/// Why [`record_with`] kept no declaration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum NotKept {
+    /// The pointer lies in no memory the allocators reserved: nothing of theirs to fence.
+    Foreign(String),
+    /// The table's caps (`recorded.rs`): the declaration is lost.
+    Refused(String),
+}
+
+impl std::fmt::Display for NotKept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotKept::Foreign(why) | NotKept::Refused(why) => f.write_str(why),
+        }
+    }
+}
+
 /// The declaration of `cuarena_record_stream` against the allocators `allocs` (the process-wide
-/// ones; a test's own otherwise) into `recorded`: refused for a pointer outside the memory
-/// they have reserved.
+/// ones; a test's own otherwise) into `recorded`: [`NotKept::Foreign`] for a pointer outside
+/// the memory they have reserved, [`NotKept::Refused`] past the table's caps.
 pub(crate) fn record_with<'a>(
     mut allocs: impl Iterator<Item = &'a Allocator>,
     recorded: &Recorded,
     p: u64,
     s: Stream,
-) -> Result<(), String> {
+) -> Result<(), NotKept> {
     if !allocs.any(|a| a.contains_reserved(p)) {
-        return Err(format!(
+        return Err(NotKept::Foreign(format!(
             "cuarena_record_stream: {p:#x} is not inside memory reserved by cuarena on any device; refused"
-        ));
+        )));
     }
-    recorded.record(p, StreamUse::here(s))
+    recorded.record(p, StreamUse::here(s)).map_err(NotKept::Refused)
 }
 
 /// Sends this thread's pending remote frees and releases every wholly free chunk of every

@@ -112,6 +112,7 @@ def _bind(lib):
         "cuarena_free": ([c.c_void_p, c.c_size_t, c.c_int, c.c_void_p], None),
         "cuarena_free_checked": ([c.c_void_p, c.c_size_t, c.c_int, c.c_void_p], c.c_int),
         "cuarena_record_stream": ([c.c_void_p, c.c_void_p], None),
+        "cuarena_record_stream_checked": ([c.c_void_p, c.c_void_p], c.c_int),
         "cuarena_empty_cache": ([], None),
         "cuarena_set_memory_fraction": ([c.c_double, c.c_int], None),
         "cuarena_get_stats": ([c.c_int, c.POINTER(_Stats)], c.c_int),

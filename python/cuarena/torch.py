@@ -253,7 +253,9 @@ def shim_path(torch=None, *, stacklevel=2):
         raise RuntimeError(f"cuarena: cannot make the PyTorch shim's cache {cache}: {e}; set XDG_CACHE_HOME, "
                            "or CUARENA_TORCH_SHIM to a prebuilt libcuarena_torch .so") from e
     for extra, libs, identity, level in builds:
-        key = hashlib.sha256(b"\0".join([source, lib.encode(), compiler_id.encode(), identity.encode(),
+        # The library's file id too: a rebuilt libcuarena.so at the same path may add what the
+        # source calls.
+        key = hashlib.sha256(b"\0".join([source, _file_id(lib).encode(), compiler_id.encode(), identity.encode(),
                                           *map(str.encode, extra + libs)]))
         out = os.path.join(cache, f"libcuarena_torch-{key.hexdigest()[:16]}.so")
         failed = out + ".failed"
@@ -332,6 +334,20 @@ _installed = None
 _lock = threading.Lock()
 
 
+def _record_stream_hook(shim):
+    """The address of the shim's record_stream hook, which raises where cuarena refuses a
+    declaration (past its caps; the block's free would not wait for that stream), or None, with
+    a warning, for a prebuilt shim (CUARENA_TORCH_SHIM) from a source without it: libcuarena's
+    own hook is used then, whose refusals PyTorch never sees."""
+    record = getattr(ctypes.CDLL(shim), "cuarena_torch_record_stream", None)
+    if record is None:
+        warnings.warn(f"cuarena: the PyTorch shim {shim} has no cuarena_torch_record_stream, so a "
+                      "Tensor.record_stream that cuarena refuses (past its caps) does not raise: rebuild it",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return ctypes.cast(record, ctypes.c_void_p).value
+
+
 def use():
     """Makes cuarena PyTorch's CUDA allocator; call it before the first CUDA allocation (PyTorch
     refuses to change its allocator after one). Calling it again returns the first result.
@@ -360,10 +376,11 @@ def use():
             return _installed
         alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "cuarena_torch_malloc", "cuarena_torch_free")
         hooks = alloc.allocator() if callable(getattr(alloc, "allocator", None)) else alloc._allocator
+        record = _record_stream_hook(shim)
         installed, missing = [], []
         for setter, fn, loss in _HOOKS:
             if callable(getattr(hooks, setter, None)):
-                getattr(hooks, setter)(_fn_addr(fn))
+                getattr(hooks, setter)(record if fn == "cuarena_record_stream" and record else _fn_addr(fn))
                 installed.append(setter)
             else:
                 missing.append(setter)

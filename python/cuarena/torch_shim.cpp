@@ -35,6 +35,7 @@
 extern "C" {
 void *cuarena_malloc(size_t size, int device, void *stream);
 void cuarena_free(void *ptr, size_t size, int device, void *stream);
+int cuarena_record_stream_checked(void *ptr, void *stream);
 const char *cuarena_last_error(void);
 }
 
@@ -62,6 +63,26 @@ extern "C" void *cuarena_torch_malloc(size_t size, int device, void *stream) {
 
 extern "C" void cuarena_torch_free(void *ptr, size_t size, int device, void *stream) {
     cuarena_free(ptr, size, device, stream);
+}
+
+// PyTorch's record_stream hook. A pointer outside cuarena's memory is skipped, as PyTorch's own
+// allocator skips blocks it did not allocate (shared from another process, from DLPack). A
+// declaration cuarena refuses (past its caps, include/cuarena.h) throws: the block's free would
+// not wait for that stream, and Tensor.record_stream raises a RuntimeError instead of letting the
+// block be reused under the stream's work.
+extern "C" void cuarena_torch_record_stream(void *ptr, void *stream) {
+    if (cuarena_record_stream_checked(ptr, stream) >= 0) {
+        return;
+    }
+    const char *e = cuarena_last_error();
+    std::string what = std::string("cuarena: record_stream not honoured (the block's free would not wait for that stream's "
+                                   "work; keep the tensor alive until the stream is done): ") +
+                       (e != nullptr ? e : "no reason recorded");
+#ifdef CUARENA_C10
+    C10_THROW_ERROR(Error, what);
+#else
+    throw std::runtime_error(what);
+#endif
 }
 
 // The cuarena_malloc this shim calls, so the Python side can check that the shim and its own
@@ -103,7 +124,6 @@ struct cuarena_stats_v2 {
 int cuarena_peek_stats(int device, cuarena_stats_v2 *out);
 int cuarena_reset_peak(int device);
 int cuarena_reset_counters(int device);
-void cuarena_record_stream(void *ptr, void *stream);
 void cuarena_empty_cache(void);
 void cuarena_set_memory_fraction(double fraction, int device);
 }
@@ -223,7 +243,7 @@ extern "C" int cuarena_torch_install(char *err, size_t n) {
                 cuarena_torch_free(ptr, size, device, reinterpret_cast<void *>(stream));
             });
         a->set_record_stream_fn(
-            [](void *ptr, cudaStream_t stream) { cuarena_record_stream(ptr, reinterpret_cast<void *>(stream)); });
+            [](void *ptr, cudaStream_t stream) { cuarena_torch_record_stream(ptr, reinterpret_cast<void *>(stream)); });
         a->set_reset_fn([] { cuarena_empty_cache(); });
         a->set_memory_fraction_fn([](double fraction, int device) { cuarena_set_memory_fraction(fraction, device); });
         a->init(c10::cuda::device_count());  // as PyTorch's own createCustomAllocator does

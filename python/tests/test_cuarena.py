@@ -172,6 +172,13 @@ class Calls(unittest.TestCase):
                 self.assertTrue(shim.startswith(cache), shim)
                 self.assertEqual(level, 0, "built without PyTorch's headers")
                 self.assertEqual(glue.shim_path(), shim, "cached")
+                # PyTorch's record_stream hook is the shim's, which raises on a refusal, not
+                # libcuarena's silent one; it skips memory cuarena did not reserve.
+                hook = glue._record_stream_hook(shim)
+                self.assertIsNotNone(hook)
+                self.assertNotEqual(hook, cuarena._fn_addr("cuarena_record_stream"))
+                ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(hook)(0x7000, None)
+                ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(hook)(None, None)
             finally:
                 if old is None:
                     del os.environ["XDG_CACHE_HOME"]
@@ -245,6 +252,50 @@ class Frameworks(unittest.TestCase):
         """)
         self.assertEqual(code, 0, out)
         self.assertIn("torch OK", out)
+        self.assertNotIn("no error", out)
+
+    def test_torch_record_stream_past_the_caps_raises_and_foreign_memory_is_skipped(self):
+        if not _have("torch"):
+            self.skipTest("torch is not installed")
+        if not gpu_present():
+            self.skipTest("no GPU")
+        code, out = run_python("""
+            import ctypes, torch, cuarena, cuarena.torch
+            cuarena.torch.use()
+            t = torch.ones(1024, device="cuda")
+            cuda = ctypes.CDLL("libcuda.so.1")
+            handles = []
+            for _ in range(1025):
+                h = ctypes.c_void_p()
+                assert cuda.cuStreamCreate(ctypes.byref(h), 1) == 0  # non-blocking, PyTorch's context
+                handles.append(h)
+            streams = [torch.cuda.ExternalStream(h.value) for h in handles]
+            for s in streams[:1024]:  # cuarena keeps 1,024 streams a block
+                t.record_stream(s)
+            try:
+                t.record_stream(streams[1024])
+                print("no error past the cap")
+            except RuntimeError as e:
+                assert "record_stream not honoured" in str(e) and "the limit" in str(e), e
+            # Memory cuarena did not allocate (here the driver's, through the CUDA array
+            # interface) is skipped, as PyTorch's own allocator skips it.
+            raw = ctypes.c_uint64()
+            assert cuda.cuMemAlloc_v2(ctypes.byref(raw), 4096) == 0
+            class Foreign:
+                __cuda_array_interface__ = {"shape": (1024,), "typestr": "<f4", "data": (raw.value, False),
+                                            "version": 2}
+            f = torch.as_tensor(Foreign(), device="cuda")
+            assert f.data_ptr() == raw.value
+            f.record_stream(streams[0])
+            del t  # its free is fenced after the 1,024 declared streams
+            torch.cuda.synchronize()
+            for h in handles:
+                assert cuda.cuStreamDestroy_v2(h) == 0
+            assert cuarena.stats()["invalid_frees"] == 0
+            print("record_stream OK")
+        """)
+        self.assertEqual(code, 0, out)
+        self.assertIn("record_stream OK", out)
         self.assertNotIn("no error", out)
 
     def test_cupy_three_lines(self):

@@ -24,7 +24,8 @@ P = cuarena.FRAMEWORK_CONF
 
 # Stand-ins for what cuarena.torch.use() and cuarena.cupy.use() touch of torch and cupy. Each
 # records CUARENA_CONF when the glue installs its allocator (the framework may allocate from then
-# on). cuarena.torch._checked_shim is replaced: the real one compiles a C++ shim.
+# on). cuarena.torch._checked_shim and _record_stream_hook are replaced: the real ones compile and
+# load a C++ shim.
 _FAKES = r'''
 import os, sys, types
 seen = []
@@ -53,6 +54,7 @@ sys.modules.update({"cupy": cupy, "cupy.cuda": cupy.cuda, "cupy.cuda.memory": cu
 
 import cuarena, cuarena.torch, cuarena.cupy
 cuarena.torch._checked_shim = lambda torch=None, stacklevel=2: ("stand-in-shim.so", 0)
+cuarena.torch._record_stream_hook = lambda shim: None  # libcuarena's own hook, as for an old shim
 
 # A spy on the library's cuarena_set_defaults: records what the glue gives it, then calls it.
 given = []

@@ -211,6 +211,9 @@ int main() {
     call("resetAccumulatedStats", [&] { a->resetAccumulatedStats(0); });
     call("cacheInfo", [&] { size_t l = 0; a->cacheInfo(0, &l); if (gpu) std::printf("largest %zu\n", l); });
     std::printf("cudart error left: %d\n", cudart_pending_error_for_test());
+    // record_stream skips memory that is not cuarena's, as PyTorch's own allocator does.
+    call("record_stream foreign", [&] { a->record_stream_fn_(reinterpret_cast<void *>(0x7000), nullptr); });
+    call("record_stream", [&] { a->record_stream_fn_(p, nullptr); });
     call("malloc", [&] { a->alloc_fn_(size_t(1) << 60, 0, nullptr); });
     if (p != nullptr) cuarena_free(p, 4096, 0, nullptr);
     return 0;
@@ -381,6 +384,7 @@ print(inst.torch_stats, inst.oom_error, ",".join(inst.hooks_installed), inst.hoo
             self.assertEqual(lines.get(call), "returned", out)
         # cacheInfo's failed cudaMemGetInfo leaves no error for PyTorch's next check.
         self.assertEqual(lines.get("cudart error left"), "0", out)
+        self.assertEqual((lines.get("record_stream foreign"), lines.get("record_stream")), ("returned", "returned"), out)
         if gpu:  # PyTorch's figures are cuarena's
             m = re.search(r"live (\d+) = (\d+), reserved (\d+) = (\d+)", out)
             self.assertTrue(m and m[1] == m[2] and m[3] == m[4], out)
