@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Session 18, call 2: record_stream refusals raise through PyTorch (the Python package's tests
+# with the GPU required, test-ffi's GPU tests), and 3 interleaved torch_train rounds with the
+# shim's own allocator (level 2).
+set -u
+cd "$(dirname "$0")/../.."
+O=${OUT:-/tmp/out}; mkdir -p $O
+export CUARENA_LIB=$PWD/gpu-bundle/libcuarena.so PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/cuarena-cache
+( CUARENA_REQUIRE_GPU=1 bash tools/python-check.sh gpu-bundle/libcuarena.so ) > $O/python.log 2>&1; echo "python rc=$? $(tail -1 $O/python.log)" >> $O/summary.txt
+grep -E "FAIL|ERROR|Error:|error:|assert|record_stream" $O/python.log | cut -c1-600 | head -20 >> $O/summary.txt
+bash gpu-bundle/run.sh test-ffi > $O/rust.log 2>&1; echo "rust rc=$?" >> $O/summary.txt; grep -E "test result|FAILED|panicked|record_stream" $O/rust.log | head >> $O/summary.txt
+T=/tmp/train; mkdir -p $T
+bash notes/experiments/train-rounds.sh $T 3; cp $T/train.jsonl $O/train.jsonl; tail -c 3000 $T/train.err > $O/train-err-tail.txt
+python3 - $O/train.jsonl >> $O/summary.txt <<'PY'
+import json, sys, statistics as st
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for a in ("native", "cuarena"):
+    ms = [r["run"]["step_ms"] for r in rows if r["run"].get("allocator") == a]
+    res = [r["run"]["peak_reserved_bytes"] >> 20 for r in rows if r["run"].get("allocator") == a]
+    print(a, "step ms", [round(m, 2) for m in ms], "median", round(st.median(ms), 2), "peak reserved MiB", res)
+losses = {r["run"]["allocator"]: r["run"]["losses"] for r in rows}
+print("losses identical", len({json.dumps(r["run"]["losses"]) for r in rows}) == 1)
+print({k: v for k, v in rows[-1]["run"].items() if k != "losses"})
+PY
+grep -rn "getMemoryFraction\|virtual.*MemoryFraction" /opt/torch/.venv/lib/python3.12/site-packages/torch/include/c10/cuda/CUDACachingAllocator.h /opt/torch/.venv/lib/python3.12/site-packages/torch/include/torch/csrc/cuda/CUDAPluggableAllocator.h 2>/dev/null | head -5 >> $O/summary.txt
