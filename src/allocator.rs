@@ -1712,11 +1712,14 @@ impl Allocator {
 
     /// A snapshot of the allocator's state.
     pub fn stats(&self) -> Stats {
+        let pool = &self.inner.pool;
         if let Some(p) = &self.inner.passthrough {
-            // Pass-through mode; the OOM path's counts are kept per thread as usual.
+            // Pass-through mode; the OOM path's counts are kept per thread as usual, and the
+            // cap is the pool's, which pass-through allocations obey.
             let (mut s, mut c) = (p.stats(), Stats::default());
             self.inner.counters.fill(&mut c);
             (s.alloc_retries, s.ooms, s.oom_hook_calls) = (c.alloc_retries, c.ooms, c.oom_hook_calls);
+            (s.limit_bytes, s.device_total_bytes) = (pool.limit() as u64, pool.total() as u64);
             return s;
         }
         let mut s = Stats::default();

@@ -479,6 +479,12 @@ pub struct Stats {
     pub ooms: u64,
     /// Calls of the OOM hook ([`Allocator::set_oom_hook`](crate::Allocator::set_oom_hook)).
     pub oom_hook_calls: u64,
+    /// The cap on `reserved_bytes` now: the configuration's `max`, or the fraction of
+    /// `device_total_bytes` set last by
+    /// [`Allocator::set_memory_fraction`](crate::Allocator::set_memory_fraction).
+    pub limit_bytes: u64,
+    /// The device's total memory, as the driver reported it when the allocator was made.
+    pub device_total_bytes: u64,
 }
 
 /// A listed block with its baselines (see the module comment).

@@ -540,6 +540,8 @@ fn a_memory_fraction_of_zero_stops_growth_and_bad_fractions_change_nothing() {
         other => panic!("expected out of memory, got {other:?}"),
     };
     assert_eq!(limit_of(a.allocate(8 << 20, Stream::LEGACY)), 0);
+    // The statistics read the cap back (PyTorch's get_per_process_memory_fraction does).
+    assert_eq!((a.stats().limit_bytes, a.stats().device_total_bytes), (0, 256 << 20));
     // A small block from what this thread's arena already holds is still served.
     let small = a.allocate_per_thread(1000).unwrap();
     a.deallocate_per_thread(small, 1000).unwrap();
@@ -555,6 +557,7 @@ fn a_memory_fraction_of_zero_stops_growth_and_bad_fractions_change_nothing() {
             "fraction {bad} changed the cap"
         );
     }
+    assert_eq!(a.stats().limit_bytes, 64 << 20, "bad fractions changed the cap the statistics read");
     let big = a.allocate(8 << 20, Stream::LEGACY).unwrap();
     assert_eq!(limit_of(a.allocate(80 << 20, Stream::LEGACY)), 64 << 20);
     settle(&a, &dev, [live, vec![(big, 8 << 20, Stream::LEGACY)]].concat());

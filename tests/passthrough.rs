@@ -153,6 +153,7 @@ fn bad_requests_are_refused_and_lose_nothing() {
     assert_eq!(a.allocate(0, Stream::LEGACY).unwrap(), DeviceAddr::NULL);
     a.deallocate(DeviceAddr::NULL, 0, Stream::LEGACY).unwrap();
     a.set_limit_bytes(1 << 20);
+    assert_eq!(a.stats().limit_bytes, 1 << 20, "pass-through's statistics read the cap it obeys");
     for huge in [usize::MAX, (1 << 20) + 1] {
         match a.allocate(huge, Stream::LEGACY) {
             Err(Error::OutOfMemory { requested, limit, reserved, .. }) => {

@@ -37,6 +37,7 @@ _FIELDS = [
     "invalid_frees", "superblocks_taken", "superblocks_returned", "superblocks_dissolved",
     "arena_held_bytes", "arenas", "arena_allocations", "pool_allocations",
     "large_allocations", "peak_live_bytes_upper", "peak_exact", "alloc_retries", "ooms", "oom_hook_calls",
+    "limit_bytes", "device_total_bytes",
 ]
 
 # include/cuarena.h's CUARENA_ERR_STATS_SIZE.

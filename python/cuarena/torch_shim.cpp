@@ -119,7 +119,8 @@ struct cuarena_stats_v2 {
         largest_free_block, free_extents, allocations, deallocations, cross_thread_frees, cross_stream_frees,
         fences_recorded, fence_waits, fence_polls, driver_calls, host_syncs, invalid_frees, superblocks_taken,
         superblocks_returned, superblocks_dissolved, arena_held_bytes, arenas, arena_allocations, pool_allocations,
-        large_allocations, peak_live_bytes_upper, peak_exact, alloc_retries, ooms, oom_hook_calls;
+        large_allocations, peak_live_bytes_upper, peak_exact, alloc_retries, ooms, oom_hook_calls, limit_bytes,
+        device_total_bytes;
 };
 int cuarena_peek_stats(int device, cuarena_stats_v2 *out);
 int cuarena_reset_peak(int device);
@@ -150,6 +151,13 @@ cuarena_stats_v2 read_stats(int device, bool *used = nullptr) {
     return s;
 }
 
+// Whether the library filled `field` of `s` (one older than this shim fills fewer, and says so
+// in `size`).
+bool filled(const cuarena_stats_v2 &s, const uint64_t *field) {
+    return static_cast<size_t>(reinterpret_cast<const char *>(field + 1) - reinterpret_cast<const char *>(&s)) <=
+           s.size;
+}
+
 int64_t i64(uint64_t v) { return static_cast<int64_t>(std::min<uint64_t>(v, INT64_MAX)); }
 
 void check(int r, const char *what, int device) {
@@ -178,7 +186,26 @@ class CuarenaAllocator : public Pluggable {
             free_bytes = 0;
             (void)cudaGetLastError();  // leave no error behind for the caller's next check
         }
-        *largest = std::max({*largest, free_bytes, static_cast<size_t>(read_stats(device).largest_free_block)});
+        const cuarena_stats_v2 s = read_stats(device);
+        if (filled(s, &s.limit_bytes) && s.limit_bytes != 0) {
+            // No more than cuarena's cap lets it reserve (CUARENA_CONF max, the memory fraction).
+            free_bytes = std::min<uint64_t>(free_bytes, s.limit_bytes - std::min(s.limit_bytes, s.reserved_bytes));
+        }
+        *largest = std::max({*largest, free_bytes, static_cast<size_t>(s.largest_free_block)});
+    }
+
+    // torch.cuda.get_per_process_memory_fraction: cuarena's cap over the device's total (1 for a
+    // device cuarena has not used yet, PyTorch's default, whatever CUARENA_CONF's max will make
+    // it). Declared without `override`: it overrides the virtual of the PyTorch versions that
+    // have one (2.11 does; its plug-in refuses it) and is a method of this class alone in older
+    // ones, which then still build at this level.
+    double getMemoryFraction(c10::DeviceIndex device) {
+        bool used = false;
+        const cuarena_stats_v2 s = read_stats(device, &used);
+        if (!used || !filled(s, &s.device_total_bytes) || s.device_total_bytes == 0) {
+            return 1.0;
+        }
+        return std::min(1.0, static_cast<double>(s.limit_bytes) / static_cast<double>(s.device_total_bytes));
     }
 
     auto getDeviceStats(c10::DeviceIndex device) -> decltype(std::declval<Pluggable &>().getDeviceStats(device)) override {

@@ -238,12 +238,16 @@ class Frameworks(unittest.TestCase):
             torch.backends.cudnn.benchmark = False
             # PyTorch's fraction 0 (allowed there): nothing more is reserved, then 1 lifts it.
             torch.cuda.set_per_process_memory_fraction(0.0)
+            get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # 2.11 has it
+            assert get_fraction is None or get_fraction() == 0.0, get_fraction()
             try:
                 torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
                 print("no error at fraction 0")
             except torch.cuda.OutOfMemoryError as e:
                 assert "of a 0 B cap" in str(e), e
             torch.cuda.set_per_process_memory_fraction(1.0)
+            assert get_fraction is None or get_fraction() == 1.0, get_fraction()
+            assert cuarena.stats()["limit_bytes"] == cuarena.stats()["device_total_bytes"] > 0
             del z
             z = torch.ones(1 << 28, dtype=torch.uint8, device="cuda")
             assert int(z.sum().item()) == 1 << 28

@@ -133,6 +133,7 @@ struct CUDAPluggableAllocator {
     virtual void resetAccumulatedStats(c10::DeviceIndex device);
     virtual void resetPeakStats(c10::DeviceIndex device);
     virtual void init(int device_count);
+    virtual double getMemoryFraction(c10::DeviceIndex device);  // PyTorch 2.11; absent before
     bool initialized_ = false;
     std::function<void *(size_t, int, cudaStream_t)> alloc_fn_;
     std::function<void(void *, size_t, int, cudaStream_t)> free_fn_;
@@ -162,6 +163,7 @@ void CUDAPluggableAllocator::cacheInfo(c10::DeviceIndex, size_t *) { C10_THROW_E
 c10::CachingDeviceAllocator::DeviceStats CUDAPluggableAllocator::getDeviceStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support getDeviceStats"); }
 void CUDAPluggableAllocator::resetAccumulatedStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support resetAccumulatedStats"); }
 void CUDAPluggableAllocator::resetPeakStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support resetPeakStats"); }
+double CUDAPluggableAllocator::getMemoryFraction(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support getMemoryFraction"); }
 void changeCurrentAllocator(const std::shared_ptr<CUDAPluggableAllocator> &a) {
     if (current) C10_THROW_ERROR(Error, "Can't swap an already initialized allocator");
     current = a;
@@ -172,6 +174,7 @@ std::shared_ptr<CUDAPluggableAllocator> current_for_test() { return current; }
 # Installs the shim's allocator twice (the second is refused), then calls what PyTorch would.
 _INSTALLER = r"""
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 extern "C" int cuarena_torch_install(char *err, size_t n);
@@ -210,6 +213,20 @@ int main() {
     call("resetPeakStats", [&] { a->resetPeakStats(0); });
     call("resetAccumulatedStats", [&] { a->resetAccumulatedStats(0); });
     call("cacheInfo", [&] { size_t l = 0; a->cacheInfo(0, &l); if (gpu) std::printf("largest %zu\n", l); });
+    call("getMemoryFraction", [&] { std::printf("fraction %.3f\n", a->getMemoryFraction(0)); });
+    if (gpu) {  // cacheInfo stays under cuarena's cap, and the fraction reads it back
+        a->memory_fraction_fn_(0.25, 0);
+        call("getMemoryFraction quarter", [&] { std::printf("fraction %.3f\n", a->getMemoryFraction(0)); });
+        raw[0] = sizeof raw;
+        cuarena_peek_stats(0, raw);
+        call("cacheInfo quarter", [&] {
+            size_t l = 0;
+            a->cacheInfo(0, &l);
+            // raw[3]: reserved, raw[6]: the pool's largest free block, raw[31]: the cap.
+            std::printf("within the cap %d\n", l <= std::max(raw[31] - std::min(raw[31], raw[3]), raw[6]));
+        });
+        a->memory_fraction_fn_(1.0, 0);
+    }
     std::printf("cudart error left: %d\n", cudart_pending_error_for_test());
     // record_stream skips memory that is not cuarena's, as PyTorch's own allocator does.
     call("record_stream foreign", [&] { a->record_stream_fn_(reinterpret_cast<void *>(0x7000), nullptr); });
@@ -253,9 +270,12 @@ def _fake_torch(root, header, pluggable=False):
                     "-o", os.path.join(lib, "libc10.so")], check=True, capture_output=True)
     if pluggable:
         _write(os.path.join(root, "cuda", "include", "cuda_runtime_api.h"), _CUDA_RUNTIME)
-        _write(os.path.join(root, "include", "torch", "csrc", "cuda", "CUDAPluggableAllocator.h"), _PLUGGABLE_HEADER)
+        # "before 2.11": PyTorch's plug-in without getMemoryFraction, which the shim must not need.
+        drop = (lambda t: "\n".join(l for l in t.splitlines() if "getMemoryFraction" not in l)) \
+            if pluggable == "before 2.11" else (lambda t: t)
+        _write(os.path.join(root, "include", "torch", "csrc", "cuda", "CUDAPluggableAllocator.h"), drop(_PLUGGABLE_HEADER))
         _write(os.path.join(root, "include", "c10", "cuda", "CUDAFunctions.h"), _CUDA_FUNCTIONS)
-        _write(os.path.join(root, "libtorch_cuda.cpp"), _LIBTORCH_CUDA)
+        _write(os.path.join(root, "libtorch_cuda.cpp"), drop(_LIBTORCH_CUDA))
         _write(os.path.join(root, "empty.cpp"), "")
         inc = [f"-I{root}/include", f"-I{root}/cuda/include"]
         subprocess.run([CXX, "-std=c++17", "-shared", "-fPIC", *inc, os.path.join(root, "libtorch_cuda.cpp"),
@@ -321,7 +341,8 @@ class TorchShim(unittest.TestCase):
         changeCurrentAllocator keeps it), with every hook and no warning; a second use() is the
         first's result."""
         root = os.path.join(self.dir, "torch")
-        _fake_torch(root, _HEADER, pluggable=True)
+        # A PyTorch before 2.11, whose plug-in has no getMemoryFraction: still level 2.
+        _fake_torch(root, _HEADER, pluggable="before 2.11")
         code = f"""
 import ctypes, os, sys, types, warnings
 warnings.simplefilter("error")
@@ -380,11 +401,15 @@ print(inst.torch_stats, inst.oom_error, ",".join(inst.hooks_installed), inst.hoo
         self.assertEqual(lines.get("getDeviceStats unused"), "returned", out)
         self.assertEqual(lines.get("resetPeakStats unused"), "returned", out)
         self.assertIn("\n0\ngetDeviceStats unused: returned", out)
-        for call in ("getDeviceStats", "resetPeakStats", "resetAccumulatedStats", "cacheInfo"):
+        for call in ("getDeviceStats", "resetPeakStats", "resetAccumulatedStats", "cacheInfo", "getMemoryFraction"):
             self.assertEqual(lines.get(call), "returned", out)
         # cacheInfo's failed cudaMemGetInfo leaves no error for PyTorch's next check.
         self.assertEqual(lines.get("cudart error left"), "0", out)
         self.assertEqual((lines.get("record_stream foreign"), lines.get("record_stream")), ("returned", "returned"), out)
+        self.assertIn("fraction 1.000\n", out)  # PyTorch's default, not the plug-in's refusal
+        if gpu:
+            self.assertIn("fraction 0.250\n", out)
+            self.assertIn("within the cap 1\n", out)
         if gpu:  # PyTorch's figures are cuarena's
             m = re.search(r"live (\d+) = (\d+), reserved (\d+) = (\d+)", out)
             self.assertTrue(m and m[1] == m[2] and m[3] == m[4], out)
