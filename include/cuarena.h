@@ -16,8 +16,9 @@
  *    on it. The host is never blocked.
  *  - cuarena_record_stream(ptr, stream) declares that work on another `stream` uses the block;
  *    its free is then fenced after that work too (PyTorch's record_stream). A pointer outside
- *    the memory cuarena has reserved is refused (error set, nothing kept), as is a declaration
- *    beyond 2^20 live blocks with declarations or 1024 streams per block. A declaration
+ *    the memory cuarena has reserved, or off a 256-byte boundary, is refused (error set, nothing
+ *    kept), as is a declaration beyond 2^20 live blocks with declarations or 1024 streams per
+ *    block. A declaration
  *    survives a refused free, and one accepted but found invalid later by the block's owner (a
  *    wrong size freed by another thread), so a corrected free is still fenced after those
  *    streams; it goes when a block is next handed out at that address.
@@ -132,12 +133,16 @@ void cuarena_free(void *ptr, size_t size, int device, cudaStream_t stream);
 int cuarena_free_checked(void *ptr, size_t size, int device, cudaStream_t stream);
 /* PyTorch set_record_stream_fn. A refusal sets cuarena_last_error and nothing else. */
 void cuarena_record_stream(void *ptr, cudaStream_t stream);
-/* cuarena_record_stream, answering what came of the declaration: 0 kept (or ptr NULL), 1 ptr is
- * outside the memory cuarena has reserved on every device (nothing of cuarena's to fence, as
- * PyTorch's own allocator skips such pointers; reason in cuarena_last_error), -1 refused at the
- * caps above: the declaration is lost and the block's free will NOT wait for `stream`, so do not
- * free it before that stream's work is done (reason in cuarena_last_error). PyTorch's shim
- * raises a RuntimeError from Tensor.record_stream on -1. */
+/* cuarena_record_stream, answering what came of the declaration: 0 kept (or ptr NULL, or the
+ * process exiting), 1 no block of cuarena's can start at ptr: it is outside the memory cuarena
+ * has reserved on every device, or not on a 256-byte boundary (nothing of cuarena's to fence, as
+ * PyTorch's own allocator skips memory it did not allocate; reason in cuarena_last_error), -1
+ * refused at the caps above, or failed: the declaration is lost and the block's free will NOT
+ * wait for `stream`, so do not free it before that stream's work is done (reason in
+ * cuarena_last_error). PyTorch's shim raises a RuntimeError from Tensor.record_stream on -1.
+ * A declaration is read by the free of the block starting at ptr: one at an aligned pointer
+ * inside a block fences nothing, and stays (counting toward the caps) until a block is handed
+ * out at that address. */
 int cuarena_record_stream_checked(void *ptr, cudaStream_t stream);
 /* PyTorch set_reset_fn (torch.cuda.empty_cache): sends this thread's pending remote frees and
  * releases every wholly free chunk to the driver, waiting for pending fences (host sync). */

@@ -1854,10 +1854,11 @@ impl Allocator {
 
 // For the C ABI (capi/src/lib.rs): is an address inside memory this allocator has reserved?
 impl Allocator {
-    /// True if `ptr` lies inside a chunk this allocator has reserved from the device.
+    /// True if `ptr` lies inside a chunk this allocator has reserved from the device, or, in
+    /// pass-through mode, starts a live block (which the driver gave it, outside any chunk).
     #[doc(hidden)]
     pub fn contains_reserved(&self, ptr: u64) -> bool {
-        self.inner.pool.contains(ptr)
+        self.inner.pool.contains(ptr) || self.inner.passthrough.as_ref().is_some_and(|p| p.is_live(ptr))
     }
 }
 

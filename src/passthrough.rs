@@ -214,6 +214,11 @@ impl Passthrough {
         self.deallocate(ptr, size, stream)
     }
 
+    /// True if a live block starts at `ptr`.
+    pub(crate) fn is_live(&self, ptr: u64) -> bool {
+        lock(&self.state).live.contains_key(&ptr)
+    }
+
     /// A snapshot of the statistics (see the module comment).
     pub(crate) fn stats(&self) -> Stats {
         let st = lock(&self.state);

@@ -244,7 +244,26 @@ fn record_with_tells_foreign_pointers_from_refusals_at_the_caps() {
         Err(NotKept::Refused(_))
     ));
     // A stream already declared is not a new one.
-    record_with(one, &rec, blocks[0], user).unwrap();
+    record_with(one.clone(), &rec, blocks[0], user).unwrap();
+    // A pointer into a block off a 256-byte boundary (a DLPack view, say): no block can start
+    // there, so no free would read it; it is not kept, as PyTorch's own allocator skips it.
+    let entries = rec.entries();
+    assert!(matches!(record_with(one, &rec, blocks[1] + 4, user), Err(NotKept::Foreign(_))));
+    assert_eq!(rec.entries(), entries);
+
+    // Pass-through mode: blocks come from the driver, outside any chunk, and are cuarena's
+    // all the same; a declaration on one is kept and its free waits for the stream.
+    let pt = host_allocator(sim.clone(), Config::parse("passthrough").unwrap()).unwrap();
+    let rec = Recorded::new(16);
+    let p = pt.allocate(4096, user).unwrap().0;
+    record_with(std::iter::once(&pt), &rec, p, Stream::LEGACY).unwrap();
+    assert_eq!(rec.live(), 1);
+    free_with(&pt, &rec, p, 4096, user).unwrap();
+    assert_eq!(rec.live(), 0, "the free read the declaration and marked it freed");
+    assert!(
+        matches!(record_with(std::iter::once(&pt), &rec, p, user), Err(NotKept::Foreign(_))),
+        "freed: the driver's again"
+    );
 }
 
 /// Re-runs this test binary with `CUARENA_CONF` invalid, so the process-wide allocator's

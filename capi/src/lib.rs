@@ -172,8 +172,9 @@ pub extern "C" fn cuarena_record_stream(ptr: *mut c_void, stream_: *mut c_void) 
 }
 
 /// [`cuarena_record_stream`], answering what came of the declaration: 0 kept (or `ptr` NULL,
-/// or the process exiting), 1 `ptr` is outside the memory cuarena has reserved on every device
-/// (nothing of cuarena's to fence: PyTorch's own allocator skips such pointers too; the reason
+/// or the process exiting), 1 no block of cuarena's can start at `ptr`: it is outside the
+/// memory cuarena has reserved on every device, or not on a 256-byte boundary (nothing of
+/// cuarena's to fence: PyTorch's own allocator skips memory it did not allocate too; the reason
 /// is in [`cuarena_last_error`]), -1 refused at the caps or failed: the declaration is lost, so
 /// the block's free will **not** wait for `stream`, and the caller must not free it before that
 /// stream's work is done (the reason is in [`cuarena_last_error`]). The PyTorch shim raises on -1.
@@ -200,7 +201,8 @@ fn declare(ptr: *mut c_void, stream_: *mut c_void) -> Result<(), NotKept> {
 /// Why [`record_with`] kept no declaration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum NotKept {
-    /// The pointer lies in no memory the allocators reserved: nothing of theirs to fence.
+    /// No block of the allocators can start at the pointer: it lies in no memory they
+    /// reserved, or off a 256-byte boundary. Nothing of theirs to fence.
     Foreign(String),
     /// The table's caps (`recorded.rs`): the declaration is lost.
     Refused(String),
@@ -226,6 +228,16 @@ pub(crate) fn record_with<'a>(
     if !allocs.any(|a| a.contains_reserved(p)) {
         return Err(NotKept::Foreign(format!(
             "cuarena_record_stream: {p:#x} is not inside memory reserved by cuarena on any device; refused"
+        )));
+    }
+    // Every block starts on a 256-byte granule (pass-through's too: the driver aligns as much),
+    // and a free reads the declarations at its block's start only: a declaration elsewhere
+    // (a view into a block made outside PyTorch's allocator, as from DLPack) would fence no
+    // free and stay in the table for good, since no block can ever start there.
+    if p % 256 != 0 {
+        return Err(NotKept::Foreign(format!(
+            "cuarena_record_stream: {p:#x} is not on a 256-byte boundary, so no block of cuarena's starts there \
+             (a pointer into a block); refused"
         )));
     }
     recorded.record(p, StreamUse::here(s)).map_err(NotKept::Refused)

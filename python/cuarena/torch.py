@@ -11,7 +11,8 @@ PyTorch's own allocator does, with cuarena's figures in the message, where the s
 PyTorch's headers (TorchInstall.oom_error says), and a RuntimeError starting "CUDA out of memory."
 where it does not; other failures raise a RuntimeError naming cuarena. The
 optional hooks PyTorch offers are installed too: record_stream (Tensor.record_stream fences the
-free after the other stream's work), reset (torch.cuda.empty_cache) and memory fraction
+free after the other stream's work; it raises a RuntimeError where cuarena cannot keep the
+declaration, past its caps, and skips memory cuarena did not allocate), reset (torch.cuda.empty_cache) and memory fraction
 (torch.cuda.set_per_process_memory_fraction). Where the shim builds with its own allocator
 (TorchInstall.torch_stats), torch.cuda.memory_allocated() and PyTorch's other memory statistics
 are cuarena's figures for the device (every user of cuarena there, CuPy's too); otherwise they
@@ -208,7 +209,8 @@ def shim_path(torch=None, *, stacklevel=2):
 
     CUARENA_TORCH_SHIM names a prebuilt one. Otherwise it is compiled on first use with CXX (or
     the system `c++`) into ~/.cache/cuarena/ (XDG_CACHE_HOME is honoured), keyed by a hash of
-    the source, of libcuarena.so's location, of the compiler and, given the `torch` module, of
+    the source, of libcuarena.so's identity (path, size, mtime, inode: a rebuilt library gets a
+    rebuilt shim; old shims stay in the cache until deleted), of the compiler and, given the `torch` module, of
     that PyTorch (its version, headers and libraries). Given `torch`, it is built against that
     PyTorch's headers and libraries and CUDA's runtime headers (C++20, else C++17) with an
     allocator of its own, which answers PyTorch's memory statistics and cuDNN's cacheInfo
@@ -337,8 +339,9 @@ _lock = threading.Lock()
 def _record_stream_hook(shim):
     """The address of the shim's record_stream hook, which raises where cuarena refuses a
     declaration (past its caps; the block's free would not wait for that stream), or None, with
-    a warning, for a prebuilt shim (CUARENA_TORCH_SHIM) from a source without it: libcuarena's
-    own hook is used then, whose refusals PyTorch never sees."""
+    a warning, for a prebuilt shim (CUARENA_TORCH_SHIM) from a source without it: its own older
+    hook (level 2) or libcuarena's (levels 0 and 1) is used then, whose refusals PyTorch never
+    sees."""
     record = getattr(ctypes.CDLL(shim), "cuarena_torch_record_stream", None)
     if record is None:
         warnings.warn(f"cuarena: the PyTorch shim {shim} has no cuarena_torch_record_stream, so a "
@@ -363,6 +366,8 @@ def use():
         oom_error = "torch.OutOfMemoryError" if level >= 1 else "RuntimeError"
         if level == 2:
             # The shim's own allocator, hooks included, made and installed in C++.
+            # Its record_stream hook is inside; this only warns for a prebuilt shim without it.
+            _record_stream_hook(shim)
             install = ctypes.CDLL(shim).cuarena_torch_install
             install.argtypes, install.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int
             err = ctypes.create_string_buffer(4096)

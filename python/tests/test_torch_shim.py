@@ -416,6 +416,56 @@ print(inst.torch_stats, inst.oom_error, ",".join(inst.hooks_installed), inst.hoo
         self.assertTrue(lines.get("malloc", "").startswith("OutOfMemoryError: CUDA out of memory." if gpu
                                                            else "Error: cuarena: cannot allocate"), out)
 
+    def test_an_old_level2_prebuilt_shim_warns_that_record_stream_refusals_do_not_raise(self):
+        """CUARENA_TORCH_SHIM naming a level-2 shim built from the source before e20ca0f (no
+        cuarena_torch_record_stream): its own allocator keeps the old hook, whose refusals never
+        reach PyTorch, and use() says so as it does at levels 0 and 1 (helper-16 found it
+        silent)."""
+        repo = os.environ.get("CUARENA_TEST_REPO") or os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+        old = subprocess.run(["git", "-C", repo, "show", "e20ca0f~1:python/cuarena/torch_shim.cpp"],
+                             capture_output=True)
+        if old.returncode != 0:
+            self.skipTest("the repository's history is not at hand: " + old.stderr.decode(errors="replace"))
+        root = os.path.join(self.dir, "torch")
+        torch = _fake_torch(root, _HEADER, pluggable=True)
+        old_src = os.path.join(self.dir, "torch_shim.cpp")
+        with open(old_src, "wb") as f:
+            f.write(old.stdout)
+        os.environ["CUDA_HOME"] = os.path.join(root, "cuda")
+        real = glue._SHIM_SOURCE
+        glue._SHIM_SOURCE = old_src
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                old_shim, level = glue._checked_shim(torch)
+        finally:
+            glue._SHIM_SOURCE = real
+            del os.environ["CUDA_HOME"]
+        self.assertEqual(level, 2)
+        code = f"""
+import ctypes, sys, types, warnings
+ctypes.CDLL({os.path.join(root, "lib", "libcudart.so.99")!r})
+torch = types.ModuleType("torch")
+torch.__file__ = {os.path.join(root, "__init__.py")!r}
+torch.__version__ = "0.0-stand-in"
+torch._C = types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True)
+torch.cuda = types.ModuleType("torch.cuda")
+torch.cuda.memory = types.ModuleType("torch.cuda.memory")
+torch.cuda.memory._get_current_allocator = lambda: "cur"
+sys.modules.update({{"torch": torch, "torch.cuda": torch.cuda, "torch.cuda.memory": torch.cuda.memory}})
+import cuarena.torch
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    cuarena.torch.use()
+print("WARNED" if any("cuarena_torch_record_stream" in str(x.message) for x in w) else "SILENT")
+"""
+        env = dict(os.environ, CUDA_HOME=os.path.join(root, "cuda"), CUARENA_TORCH_SHIM=old_shim)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertEqual(r.stdout.strip().splitlines()[-1], "WARNED",
+                         "level 2 with a pre-e20ca0f shim installs the silent hook without a warning")
+
     def test_headers_that_do_not_compile_fall_back_with_a_warning_and_are_not_tried_again(self):
         torch = _fake_torch(os.path.join(self.dir, "torch"), '#error "not this PyTorch"\n')
         calls = []
