@@ -234,7 +234,7 @@ pub(crate) fn record_with<'a>(
     // and a free reads the declarations at its block's start only: a declaration elsewhere
     // (a view into a block made outside PyTorch's allocator, as from DLPack) would fence no
     // free and stay in the table for good, since no block can ever start there.
-    if p % 256 != 0 {
+    if !p.is_multiple_of(256) {
         return Err(NotKept::Foreign(format!(
             "cuarena_record_stream: {p:#x} is not on a 256-byte boundary, so no block of cuarena's starts there \
              (a pointer into a block); refused"
