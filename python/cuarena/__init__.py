@@ -204,7 +204,10 @@ def free(ptr, size, device=0, stream=0):
 
 def stats(device=0):
     """cuarena's statistics for `device` as a dict of ints (field names as in
-    include/cuarena.h). Under PyTorch, its own memory statistics are not kept: use this."""
+    include/cuarena.h). Asked of a device cuarena has not used yet, this makes its allocator
+    (with the configuration of that moment). Under PyTorch, torch.cuda.memory_allocated() and
+    its other memory statistics read these where the shim builds with its own allocator
+    (cuarena.torch.TorchInstall.torch_stats); this dict has every field either way."""
     s = _Stats()
     s.size = ctypes.sizeof(_Stats)
     r = load().cuarena_get_stats(device, ctypes.byref(s))
