@@ -115,7 +115,7 @@ typedef struct cuarena_stats {
     uint64_t alloc_retries;         /* allocations retried after out-of-memory (reclaim or OOM hook) */
     uint64_t ooms;                  /* allocations that failed out of memory */
     uint64_t oom_hook_calls;        /* calls of the OOM hook (cuarena_set_oom_hook) */
-    uint64_t limit_bytes;           /* the cap on reserved_bytes now (CUARENA_CONF max, or the memory fraction set last) */
+    uint64_t limit_bytes;           /* the cap on reserved_bytes now (CUARENA_CONF max, or the memory fraction or limit set last; may exceed the total) */
     uint64_t device_total_bytes;    /* the device's total memory, as the driver reported it */
 } cuarena_stats;
 

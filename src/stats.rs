@@ -479,9 +479,10 @@ pub struct Stats {
     pub ooms: u64,
     /// Calls of the OOM hook ([`Allocator::set_oom_hook`](crate::Allocator::set_oom_hook)).
     pub oom_hook_calls: u64,
-    /// The cap on `reserved_bytes` now: the configuration's `max`, or the fraction of
-    /// `device_total_bytes` set last by
-    /// [`Allocator::set_memory_fraction`](crate::Allocator::set_memory_fraction).
+    /// The cap on `reserved_bytes` now: the configuration's `max`, or what was set last by
+    /// [`Allocator::set_memory_fraction`](crate::Allocator::set_memory_fraction) (a fraction of
+    /// `device_total_bytes`) or [`Allocator::set_limit_bytes`](crate::Allocator::set_limit_bytes).
+    /// It may exceed `device_total_bytes` (a `max` in bytes over the device's size).
     pub limit_bytes: u64,
     /// The device's total memory, as the driver reported it when the allocator was made.
     pub device_total_bytes: u64,

@@ -92,6 +92,19 @@ fn python_fields() -> Vec<String> {
         .collect()
 }
 
+/// The PyTorch shim's own copy of the struct (`cuarena_stats_v2` in
+/// `python/cuarena/torch_shim.cpp`: `uint64_t size, a, b, ...;`), in order.
+fn shim_stats_fields() -> Vec<String> {
+    let cpp = strip_c_comments(&read("python/cuarena/torch_shim.cpp"));
+    let start = cpp.find("struct cuarena_stats_v2 {").expect("no `struct cuarena_stats_v2 {` in the shim")
+        + "struct cuarena_stats_v2 {".len();
+    let end = cpp[start..].find("};").unwrap() + start;
+    let decl = cpp[start..end].trim();
+    let list =
+        decl.strip_prefix("uint64_t").and_then(|d| d.strip_suffix(';')).unwrap_or_else(|| panic!("{decl}"));
+    list.split(',').map(|w| w.trim().to_string()).collect()
+}
+
 /// The integer value of `#define NAME value` in the header (parentheses allowed).
 fn header_define(name: &str) -> i64 {
     let h = read("include/cuarena.h");
@@ -111,6 +124,9 @@ fn header_rust_and_python_stats_fields_match_in_order() {
     assert_eq!(header.first().map(String::as_str), Some("size"), "the header's first field is `size`");
     assert_eq!(header[1..], rust[..], "include/cuarena.h's cuarena_stats against the Rust Stats");
     assert_eq!(python, rust, "python/cuarena's _FIELDS against the Rust Stats");
+    // The shim reads the fields it uses by name from its copy: a field out of place there
+    // would answer PyTorch with another counter.
+    assert_eq!(shim_stats_fields(), header, "torch_shim.cpp's cuarena_stats_v2 against the header");
     assert_eq!(header.len() * 8, size_of::<cuarena_stats>());
 }
 

@@ -186,8 +186,10 @@ class CuarenaAllocator : public Pluggable {
             free_bytes = 0;
             (void)cudaGetLastError();  // leave no error behind for the caller's next check
         }
-        const cuarena_stats_v2 s = read_stats(device);
-        if (filled(s, &s.limit_bytes) && s.limit_bytes != 0) {
+        bool used = false;
+        const cuarena_stats_v2 s = read_stats(device, &used);
+        // A cap of 0 (PyTorch's fraction 0) is a cap: only an unused device has none yet.
+        if (used && filled(s, &s.limit_bytes)) {
             // No more than cuarena's cap lets it reserve (CUARENA_CONF max, the memory fraction).
             free_bytes = std::min<uint64_t>(free_bytes, s.limit_bytes - std::min(s.limit_bytes, s.reserved_bytes));
         }

@@ -214,17 +214,9 @@ int main() {
     call("resetAccumulatedStats", [&] { a->resetAccumulatedStats(0); });
     call("cacheInfo", [&] { size_t l = 0; a->cacheInfo(0, &l); if (gpu) std::printf("largest %zu\n", l); });
     call("getMemoryFraction", [&] { std::printf("fraction %.3f\n", a->getMemoryFraction(0)); });
-    if (gpu) {  // cacheInfo stays under cuarena's cap, and the fraction reads it back
+    if (gpu) {  // the fraction reads cuarena's cap back (cacheInfo under it: test_shim_cap.py)
         a->memory_fraction_fn_(0.25, 0);
         call("getMemoryFraction quarter", [&] { std::printf("fraction %.3f\n", a->getMemoryFraction(0)); });
-        raw[0] = sizeof raw;
-        cuarena_peek_stats(0, raw);
-        call("cacheInfo quarter", [&] {
-            size_t l = 0;
-            a->cacheInfo(0, &l);
-            // raw[3]: reserved, raw[6]: the pool's largest free block, raw[31]: the cap.
-            std::printf("within the cap %d\n", l <= std::max(raw[31] - std::min(raw[31], raw[3]), raw[6]));
-        });
         a->memory_fraction_fn_(1.0, 0);
     }
     std::printf("cudart error left: %d\n", cudart_pending_error_for_test());
@@ -409,7 +401,6 @@ print(inst.torch_stats, inst.oom_error, ",".join(inst.hooks_installed), inst.hoo
         self.assertIn("fraction 1.000\n", out)  # PyTorch's default, not the plug-in's refusal
         if gpu:
             self.assertIn("fraction 0.250\n", out)
-            self.assertIn("within the cap 1\n", out)
         if gpu:  # PyTorch's figures are cuarena's
             m = re.search(r"live (\d+) = (\d+), reserved (\d+) = (\d+)", out)
             self.assertTrue(m and m[1] == m[2] and m[3] == m[4], out)

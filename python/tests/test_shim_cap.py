@@ -1,0 +1,135 @@
+"""The level-2 shim's getMemoryFraction and cacheInfo against cuarena's cap (limit_bytes,
+device_total_bytes), without a GPU: the shim is compiled against test_torch_shim's stand-in
+PyTorch headers and linked with a stand-in libcuarena whose cuarena_peek_stats answers what the
+test sets, and a stand-in libcudart whose cudaMemGetInfo succeeds (test_torch_shim's fails, so
+there the clamp is never reached). helper-17 wrote it: a cap of 0 offered cuDNN the device's
+free memory."""
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+from test_torch_shim import CXX, _HEADER, _fake_torch, _write
+
+_SHIM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cuarena", "torch_shim.cpp")
+
+# libcuarena stand-in: cuarena_peek_stats reports stub_* (used or not, which fields are filled).
+_STUB = r"""
+#include <cstdint>
+#include <cstddef>
+#include <cstring>
+extern "C" {
+static int used = 0;
+static uint64_t filled = 0, vals[64];
+void stub_set(int u, uint64_t bytes_filled, uint64_t reserved, uint64_t largest, uint64_t limit, uint64_t total) {
+    used = u; filled = bytes_filled; std::memset(vals, 0, sizeof vals);
+    vals[3] = reserved; vals[6] = largest; vals[31] = limit; vals[32] = total;
+}
+int cuarena_peek_stats(int, void *out) {
+    uint64_t size; std::memcpy(&size, out, 8);
+    uint64_t n = size < filled ? size : filled;
+    vals[0] = n;
+    std::memcpy(out, vals, n);
+    return used ? 0 : 1;
+}
+void *cuarena_malloc(size_t, int, void *) { return nullptr; }
+void cuarena_free(void *, size_t, int, void *) {}
+int cuarena_record_stream_checked(void *, void *) { return 0; }
+const char *cuarena_last_error(void) { return "stub"; }
+int cuarena_reset_peak(int) { return 0; }
+int cuarena_reset_counters(int) { return 0; }
+void cuarena_empty_cache(void) {}
+void cuarena_set_memory_fraction(double, int) {}
+}
+"""
+
+# A CUDA runtime whose device has 8 GiB free of 80 GiB.
+_CUDART = r"""
+#include <cuda_runtime_api.h>
+extern "C" cudaError_t cudaMemGetInfo(size_t *f, size_t *t) { *f = size_t(8) << 30; *t = size_t(80) << 30; return cudaSuccess; }
+extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+"""
+
+_PROG = r"""
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <cstdio>
+extern "C" int cuarena_torch_install(char *err, size_t n);
+extern "C" void stub_set(int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t);
+using namespace torch::cuda::CUDAPluggableAllocator;
+const uint64_t MiB = 1 << 20, GiB = 1 << 30, V3 = 8 + 32 * 8, V2 = 8 + 30 * 8;
+int main() {
+    char err[256];
+    if (cuarena_torch_install(err, sizeof err) != 0) { std::printf("install failed %s\n", err); return 1; }
+    auto a = current_for_test();
+    struct { const char *name; int used; uint64_t filled, reserved, largest, limit, total; } cases[] = {
+        {"unused", 0, V3, 0, 0, 0, 0},
+        {"cap 1GiB, 512MiB reserved", 1, V3, 512 * MiB, 0, GiB, 80 * GiB},
+        {"cap under reserved", 1, V3, 2 * GiB, 64 * MiB, GiB, 80 * GiB},
+        {"cap over total", 1, V3, 0, 0, 1024 * GiB, 80 * GiB},
+        {"fraction 0", 1, V3, 0, 0, 0, 80 * GiB},
+        {"fraction 0 with reserved", 1, V3, GiB, 32 * MiB, 0, 80 * GiB},
+        {"old library", 1, V2, 0, 0, 0, 0},
+    };
+    for (auto &c : cases) {
+        stub_set(c.used, c.filled, c.reserved, c.largest, c.limit, c.total);
+        size_t l = 0;
+        a->cacheInfo(0, &l);
+        std::printf("%s: largest %llu fraction %.6f\n", c.name, (unsigned long long)l, a->getMemoryFraction(0));
+    }
+    return 0;
+}
+"""
+
+
+@unittest.skipIf(shutil.which(CXX) is None, "no C++ compiler")
+class ShimCap(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def run_cases(self):
+        root = os.path.join(self.dir, "torch")
+        _fake_torch(root, _HEADER, pluggable=True)
+        lib = os.path.join(root, "lib")
+        inc = [f"-I{root}/include", f"-I{root}/cuda/include"]
+        for name, src in (("libcuarena_stub.so", _STUB), ("libcudart_ok.so", _CUDART)):
+            _write(os.path.join(self.dir, name + ".cpp"), src)
+            subprocess.run([CXX, "-std=c++17", "-shared", "-fPIC", *inc, os.path.join(self.dir, name + ".cpp"),
+                            "-o", os.path.join(lib, name)], check=True, capture_output=True)
+        shim = os.path.join(lib, "libshim.so")
+        subprocess.run([CXX, "-std=c++17", "-O2", "-shared", "-fPIC", "-DCUARENA_C10", "-DCUARENA_TORCH_ALLOCATOR",
+                        *inc, _SHIM, "-o", shim, f"-L{lib}", "-l:libcuarena_stub.so", "-ltorch_cuda", "-lc10",
+                        "-l:libcudart_ok.so", f"-Wl,-rpath,{lib}"], check=True, capture_output=True, text=True)
+        prog = os.path.join(self.dir, "prog")
+        _write(prog + ".cpp", _PROG)
+        subprocess.run([CXX, "-std=c++17", *inc, prog + ".cpp", "-o", prog, shim, f"-L{lib}",
+                        "-l:libcuarena_stub.so", "-ltorch_cuda", "-lc10", f"-Wl,-rpath,{lib}"],
+                       check=True, capture_output=True, text=True)
+        out = subprocess.run([prog], capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        return dict(line.split(": ", 1) for line in out.stdout.splitlines())
+
+    def test_what_holds(self):
+        r = self.run_cases()
+        gib = 1 << 30
+        self.assertEqual(r["unused"], f"largest {8 * gib} fraction 1.000000", r)
+        self.assertEqual(r["cap 1GiB, 512MiB reserved"], f"largest {512 << 20} fraction 0.012500", r)
+        self.assertEqual(r["cap under reserved"], f"largest {64 << 20} fraction 0.012500", r)
+        self.assertEqual(r["cap over total"], f"largest {8 * gib} fraction 1.000000", r)
+        self.assertEqual(r["old library"], f"largest {8 * gib} fraction 1.000000", r)
+
+    def test_a_cap_of_zero_offers_cudnn_nothing_beyond_the_pool(self):
+        """torch.cuda.set_per_process_memory_fraction(0) makes limit_bytes 0: cuarena then reserves
+        nothing more, so cacheInfo offers only the pool's largest free block (a `limit_bytes != 0`
+        guard, meant for a device cuarena has not used, skipped the clamp here)."""
+        r = self.run_cases()
+        self.assertTrue(r["fraction 0"].endswith("fraction 0.000000"), r)
+        self.assertEqual(r["fraction 0"], "largest 0 fraction 0.000000", r)
+        self.assertEqual(r["fraction 0 with reserved"], f"largest {32 << 20} fraction 0.000000", r)
+
+
+if __name__ == "__main__":
+    unittest.main()
