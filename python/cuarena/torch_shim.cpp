@@ -9,9 +9,11 @@
 //   headers and libtorch_cuda: cuarena_torch_install() makes a CUDAPluggableAllocator of its
 //   own PyTorch's allocator, whose statistics calls PyTorch's plug-in refuses are answered from
 //   cuarena's: getDeviceStats (torch.cuda.memory_allocated, max_memory_allocated,
-//   memory_stats, memory_summary), resetPeakStats, resetAccumulatedStats, and cacheInfo (cuDNN's
-//   benchmark asks it how large a workspace to try; the plug-in's refusal failed every
-//   benchmarked convolution under autocast).
+//   memory_stats, memory_summary), resetPeakStats, resetAccumulatedStats, getMemoryFraction
+//   (torch.cuda.get_per_process_memory_fraction), and cacheInfo (cuDNN's benchmark asks it how
+//   large a workspace to try; the plug-in's refusal failed every benchmarked convolution under
+//   autocast). At every level PyTorch's record_stream hook is cuarena_torch_record_stream, which
+//   raises where cuarena cannot keep the declaration.
 // - CUARENA_C10 alone, against PyTorch's headers and libc10: the plug-in is made from Python;
 //   out of memory throws c10::OutOfMemoryError, the type PyTorch's caching allocator throws.
 //   Python sees torch.OutOfMemoryError (torch.cuda.OutOfMemoryError), and PyTorch's C++
