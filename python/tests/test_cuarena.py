@@ -193,12 +193,21 @@ def _have(module):
 class Frameworks(unittest.TestCase):
     """The three-line switch, each in its own process (needs the framework and a GPU)."""
 
-    def test_torch_three_lines(self):
-        if not _have("torch"):
-            self.skipTest("torch is not installed")
+    def run_with(self, module, code, done):
+        """Runs `code` in its own process where `module` and a GPU are there (else skips): it
+        must exit 0, print `done`, and print nothing saying "no error" (what it prints where
+        an error it expects did not come)."""
+        if not _have(module):
+            self.skipTest(f"{module} is not installed")
         if not gpu_present():
             self.skipTest("no GPU")
-        code, out = run_python("""
+        rc, out = run_python(code)
+        self.assertEqual(rc, 0, out)
+        self.assertIn(done, out)
+        self.assertNotIn("no error", out)
+
+    def test_torch_three_lines(self):
+        self.run_with("torch", """
             import torch, cuarena, cuarena.torch
             cuarena.torch.use()
             x = torch.arange(1 << 20, device="cuda", dtype=torch.float64)
@@ -253,17 +262,10 @@ class Frameworks(unittest.TestCase):
             assert int(z.sum().item()) == 1 << 28
             del x
             print("torch OK", s["allocations"], s["arena_allocations"], s["pool_allocations"])
-        """)
-        self.assertEqual(code, 0, out)
-        self.assertIn("torch OK", out)
-        self.assertNotIn("no error", out)
+        """, "torch OK")
 
     def test_torch_record_stream_past_the_caps_raises_and_foreign_memory_is_skipped(self):
-        if not _have("torch"):
-            self.skipTest("torch is not installed")
-        if not gpu_present():
-            self.skipTest("no GPU")
-        code, out = run_python("""
+        self.run_with("torch", """
             import ctypes, torch, cuarena, cuarena.torch
             cuarena.torch.use()
             t = torch.ones(1024, device="cuda")
@@ -297,17 +299,10 @@ class Frameworks(unittest.TestCase):
                 assert cuda.cuStreamDestroy_v2(h) == 0
             assert cuarena.stats()["invalid_frees"] == 0
             print("record_stream OK")
-        """)
-        self.assertEqual(code, 0, out)
-        self.assertIn("record_stream OK", out)
-        self.assertNotIn("no error", out)
+        """, "record_stream OK")
 
     def test_cupy_three_lines(self):
-        if not _have("cupy"):
-            self.skipTest("cupy is not installed")
-        if not gpu_present():
-            self.skipTest("no GPU")
-        code, out = run_python("""
+        self.run_with("cupy", """
             import cupy, cuarena, cuarena.cupy
             cuarena.cupy.use()
             x = cupy.arange(1 << 20, dtype=cupy.float64)
@@ -321,10 +316,7 @@ class Frameworks(unittest.TestCase):
             except cupy.cuda.memory.OutOfMemoryError as e:
                 assert "cuarena" in str(e), e
             print("cupy OK", s["allocations"], s["arena_allocations"], s["pool_allocations"])
-        """)
-        self.assertEqual(code, 0, out)
-        self.assertIn("cupy OK", out)
-        self.assertNotIn("no error", out)
+        """, "cupy OK")
 
 
 if __name__ == "__main__":
