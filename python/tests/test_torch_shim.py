@@ -284,6 +284,31 @@ def _fake_torch(root, header, pluggable=False):
                                  _C=types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True))
 
 
+def _use_stand_in(root, body, **env):
+    """Runs `body` in a fresh interpreter where `torch` is the stand-in at `root` (with
+    _fake_torch's pluggable parts: its libcudart loaded, as PyTorch's import maps it, and the
+    Python plug-in path refused, so only the shim's own allocator can be installed); `env` is
+    added to the environment. Returns the CompletedProcess."""
+    prelude = f"""
+import ctypes, os, sys, types, warnings
+ctypes.CDLL({os.path.join(root, "lib", "libcudart.so.99")!r})
+torch = types.ModuleType("torch")
+torch.__file__ = {os.path.join(root, "__init__.py")!r}
+torch.__version__ = "0.0-stand-in"
+torch._C = types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True)
+torch.cuda = types.ModuleType("torch.cuda")
+torch.cuda.memory = types.ModuleType("torch.cuda.memory")
+torch.cuda.memory._get_current_allocator = lambda: "the current allocator"
+def refuse(*a):
+    raise AssertionError("the Python plug-in path was taken")
+torch.cuda.memory.CUDAPluggableAllocator = torch.cuda.memory.change_current_allocator = refuse
+sys.modules.update({{"torch": torch, "torch.cuda": torch.cuda, "torch.cuda.memory": torch.cuda.memory}})
+"""
+    env = dict(os.environ, CUDA_HOME=os.path.join(root, "cuda"), **env)
+    return subprocess.run([sys.executable, "-c", prelude + body], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
 @unittest.skipIf(shutil.which(CXX) is None, "no C++ compiler")
 class TorchShim(unittest.TestCase):
     def setUp(self):
@@ -335,28 +360,13 @@ class TorchShim(unittest.TestCase):
         root = os.path.join(self.dir, "torch")
         # A PyTorch before 2.11, whose plug-in has no getMemoryFraction: still level 2.
         _fake_torch(root, _HEADER, pluggable="before 2.11")
-        code = f"""
-import ctypes, os, sys, types, warnings
+        r = _use_stand_in(root, """
 warnings.simplefilter("error")
-ctypes.CDLL({os.path.join(root, "lib", "libcudart.so.99")!r})  # as PyTorch's import maps it
-torch = types.ModuleType("torch")
-torch.__file__ = {os.path.join(root, "__init__.py")!r}
-torch.__version__ = "0.0-stand-in"
-torch._C = types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True)
-torch.cuda = types.ModuleType("torch.cuda")
-torch.cuda.memory = types.ModuleType("torch.cuda.memory")
-torch.cuda.memory._get_current_allocator = lambda: "the current allocator"
-def refuse(*a):
-    raise AssertionError("the Python plug-in path was taken")
-torch.cuda.memory.CUDAPluggableAllocator = torch.cuda.memory.change_current_allocator = refuse
-sys.modules.update({{"torch": torch, "torch.cuda": torch.cuda, "torch.cuda.memory": torch.cuda.memory}})
 import cuarena.torch
 inst = cuarena.torch.use()
 assert inst is cuarena.torch.use()
 print(inst.torch_stats, inst.oom_error, ",".join(inst.hooks_installed), inst.hooks_missing, inst.allocator)
-"""
-        env = dict(os.environ, CUDA_HOME=os.path.join(root, "cuda"))
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+""")
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertEqual(r.stdout.strip(), "True torch.OutOfMemoryError set_record_stream_fn,set_reset_fn,"
                                            "set_memory_fraction_fn () the current allocator", r.stderr)
@@ -434,25 +444,13 @@ print(inst.torch_stats, inst.oom_error, ",".join(inst.hooks_installed), inst.hoo
             glue._SHIM_SOURCE = real
             del os.environ["CUDA_HOME"]
         self.assertEqual(level, 2)
-        code = f"""
-import ctypes, sys, types, warnings
-ctypes.CDLL({os.path.join(root, "lib", "libcudart.so.99")!r})
-torch = types.ModuleType("torch")
-torch.__file__ = {os.path.join(root, "__init__.py")!r}
-torch.__version__ = "0.0-stand-in"
-torch._C = types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True)
-torch.cuda = types.ModuleType("torch.cuda")
-torch.cuda.memory = types.ModuleType("torch.cuda.memory")
-torch.cuda.memory._get_current_allocator = lambda: "cur"
-sys.modules.update({{"torch": torch, "torch.cuda": torch.cuda, "torch.cuda.memory": torch.cuda.memory}})
+        r = _use_stand_in(root, """
 import cuarena.torch
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     cuarena.torch.use()
 print("WARNED" if any("cuarena_torch_record_stream" in str(x.message) for x in w) else "SILENT")
-"""
-        env = dict(os.environ, CUDA_HOME=os.path.join(root, "cuda"), CUARENA_TORCH_SHIM=old_shim)
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+""", CUARENA_TORCH_SHIM=old_shim)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertEqual(r.stdout.strip().splitlines()[-1], "WARNED",
                          "level 2 with a pre-e20ca0f shim installs the silent hook without a warning")
