@@ -2,13 +2,9 @@
 # Session 18, call 2: record_stream refusals raise through PyTorch (the Python package's tests
 # with the GPU required, test-ffi's GPU tests), and 3 interleaved torch_train rounds with the
 # shim's own allocator (level 2).
-set -u
-cd "$(dirname "$0")/../.."
-O=${OUT:-/tmp/out}; mkdir -p $O
-export CUARENA_LIB=$PWD/gpu-bundle/libcuarena.so PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/cuarena-cache
-( CUARENA_REQUIRE_GPU=1 bash tools/python-check.sh gpu-bundle/libcuarena.so ) > $O/python.log 2>&1; echo "python rc=$? $(tail -1 $O/python.log)" >> $O/summary.txt
-grep -E "FAIL|ERROR|Error:|error:|assert|record_stream" $O/python.log | cut -c1-600 | head -20 >> $O/summary.txt
-bash gpu-bundle/run.sh test-ffi > $O/rust.log 2>&1; echo "rust rc=$?" >> $O/summary.txt; grep -E "test result|FAILED|panicked|record_stream" $O/rust.log | head >> $O/summary.txt
+source "$(dirname "$0")/gpu-checks.sh"
+python_checks
+rust_tests test-ffi
 T=/tmp/train; mkdir -p $T
 bash notes/experiments/train-rounds.sh $T 3; cp $T/train.jsonl $O/train.jsonl; tail -c 3000 $T/train.err > $O/train-err-tail.txt
 python3 - $O/train.jsonl >> $O/summary.txt <<'PY'

@@ -2,13 +2,9 @@
 # Session 18, call 5: after helper-17's mend (a cap of 0 limits cacheInfo): the Python package's
 # tests with the GPU required, test-ffi, and cacheInfo through real PyTorch at fraction 0
 # (cuDNN's benchmark under autocast must not fail).
-set -u
-cd "$(dirname "$0")/../.."
-O=${OUT:-/tmp/out}; mkdir -p $O
-export CUARENA_LIB=$PWD/gpu-bundle/libcuarena.so PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/cuarena-cache
-( CUARENA_REQUIRE_GPU=1 bash tools/python-check.sh gpu-bundle/libcuarena.so ) > $O/python.log 2>&1; echo "python rc=$? $(tail -1 $O/python.log)" >> $O/summary.txt
-grep -E "FAIL|ERROR|Error:|error:|assert" $O/python.log | cut -c1-600 | head -20 >> $O/summary.txt
-bash gpu-bundle/run.sh test-ffi > $O/rust.log 2>&1; echo "rust rc=$?" >> $O/summary.txt; grep -E "test result|FAILED|panicked" $O/rust.log | head >> $O/summary.txt
+source "$(dirname "$0")/gpu-checks.sh"
+python_checks
+rust_tests test-ffi
 PYTHONPATH=$PWD/python timeout 120 python3 -c '
 import torch, cuarena, cuarena.torch
 cuarena.torch.use()
