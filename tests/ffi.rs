@@ -37,6 +37,17 @@ fn gpu_present() -> bool {
     present
 }
 
+/// For a GPU test: the serial lock, or `None` (the test is skipped, and says so) without a
+/// usable GPU; `CUARENA_REQUIRE_GPU=1` makes that a failure (`gpu_present`).
+fn serial_on_a_gpu() -> Option<std::sync::MutexGuard<'static, ()>> {
+    let g = serial();
+    if gpu_present() {
+        return Some(g);
+    }
+    eprintln!("skipped: no CUDA driver");
+    None
+}
+
 fn stats(device: i32) -> cuarena::Stats {
     let mut s = cuarena_stats::default();
     // SAFETY: `s` is a valid cuarena_stats whose `size` is its own.
@@ -307,11 +318,7 @@ fn after_a_failed_init_child() {
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn on_a_gpu_the_abi_allocates_fences_and_refuses_bad_frees() {
-    let _g = serial();
-    if !gpu_present() {
-        eprintln!("skipped: no CUDA driver");
-        return;
-    }
+    let Some(_g) = serial_on_a_gpu() else { return };
     let start = stats(0);
     let streams = [NULL, ptr(0x1), ptr(0x2)];
     let mut blocks = Vec::new();
@@ -350,11 +357,7 @@ fn on_a_gpu_the_abi_allocates_fences_and_refuses_bad_frees() {
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn on_a_gpu_a_record_stream_past_the_caps_is_answered_minus_one() {
-    let _g = serial();
-    if !gpu_present() {
-        eprintln!("skipped: no CUDA driver");
-        return;
-    }
+    let Some(_g) = serial_on_a_gpu() else { return };
     let size = 4096;
     let p = cuarena_malloc(size, 0, NULL);
     assert!(!p.is_null(), "{}", err());
@@ -378,11 +381,7 @@ fn on_a_gpu_a_record_stream_past_the_caps_is_answered_minus_one() {
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn on_a_gpu_every_bad_input_is_refused_and_the_stats_add_up() {
-    let _g = serial();
-    if !gpu_present() {
-        eprintln!("skipped: no CUDA driver");
-        return;
-    }
+    let Some(_g) = serial_on_a_gpu() else { return };
     let count = cuarena::device::cuda::device_count().unwrap();
     let legacy = ptr(0x1);
     let start = stats(0);
