@@ -1713,22 +1713,24 @@ impl Allocator {
     /// A snapshot of the allocator's state.
     pub fn stats(&self) -> Stats {
         let pool = &self.inner.pool;
-        if let Some(p) = &self.inner.passthrough {
-            // Pass-through mode; the OOM path's counts are kept per thread as usual, and the
-            // cap is the pool's, which pass-through allocations obey.
+        let mut s = if let Some(p) = &self.inner.passthrough {
+            // Pass-through mode; the OOM path's counts are kept per thread as usual.
             let (mut s, mut c) = (p.stats(), Stats::default());
             self.inner.counters.fill(&mut c);
             (s.alloc_retries, s.ooms, s.oom_hook_calls) = (c.alloc_retries, c.ooms, c.oom_hook_calls);
-            (s.limit_bytes, s.device_total_bytes) = (pool.limit() as u64, pool.total() as u64);
-            return s;
-        }
-        let mut s = Stats::default();
-        self.inner.counters.fill(&mut s);
-        self.inner.pool.fill_stats(&mut s);
-        s.arenas = self.inner.arenas.load(Ordering::Relaxed) as u64;
-        // `pool_allocations` is part of `allocations` (one counter per allocation, see
-        // `stats.rs`), so this is never below 0, even read racing allocations or a reset.
-        s.arena_allocations = s.allocations.saturating_sub(s.pool_allocations);
+            s
+        } else {
+            let mut s = Stats::default();
+            self.inner.counters.fill(&mut s);
+            pool.fill_stats(&mut s);
+            s.arenas = self.inner.arenas.load(Ordering::Relaxed) as u64;
+            // `pool_allocations` is part of `allocations` (one counter per allocation, see
+            // `stats.rs`), so this is never below 0, even read racing allocations or a reset.
+            s.arena_allocations = s.allocations.saturating_sub(s.pool_allocations);
+            s
+        };
+        // The pool's cap, which pass-through allocations obey too.
+        (s.limit_bytes, s.device_total_bytes) = (pool.limit() as u64, pool.total() as u64);
         s
     }
 

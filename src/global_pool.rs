@@ -567,8 +567,6 @@ impl GlobalPool {
         s.pool_in_use_bytes = st.in_use as u64;
         s.largest_free_block = st.free.max_len();
         s.free_extents = st.free.len() as u64;
-        s.limit_bytes = self.limit() as u64;
-        s.device_total_bytes = self.total as u64;
     }
 
     /// Checks the invariants in the module comment; panics on a violation.
