@@ -78,6 +78,7 @@ use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::Fence;
 use crate::global_pool::{GlobalPool, Origin};
+use crate::graph_pool::{GraphPoolId, GraphPools};
 use crate::outbox::{Outbox, ParkedFrees, UserSend};
 use crate::shell::{ArenaShell, Freed};
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
@@ -129,6 +130,8 @@ pub(crate) struct Inner {
     oom_hook: Mutex<Option<OomHook>>,
     /// Allocation traces (trace.rs): off, it costs `allocate` and `deallocate` one `Relaxed` load.
     trace: Arc<crate::trace::Shared>,
+    /// CUDA graphs' private pools (graph_pool.rs).
+    graphs: GraphPools,
 }
 
 /// A free held back by a capture: the block, the free's stream and the streams it orders
@@ -506,7 +509,9 @@ impl Inner {
     #[cold]
     fn bury_zombies(&self, env: &Env<'_>) -> Result<usize> {
         let z = std::mem::take(&mut *lock(&self.zombies));
-        if z.is_empty() {
+        // Segments of retired graph pools wait for the same synchronise (graph_pool.rs).
+        let segments = self.graphs.take_parked();
+        if z.is_empty() && segments.is_empty() {
             return Ok(0);
         }
         // Mutation for the loom model of parked arenas: give them back with no synchronise.
@@ -520,7 +525,14 @@ impl Inner {
             back.bytes += z.bytes;
             back.arenas.extend(z.arenas);
             back.frees.append(z.frees);
+            self.graphs.repark(segments);
             return Err(e);
+        }
+        // Every replay of the retired pools' graphs was queued before the synchronise.
+        let mut graph_bytes = 0;
+        for (base, len) in segments {
+            self.pool.give_back_segment(base);
+            graph_bytes += len as usize;
         }
 
         for owned in z.arenas {
@@ -532,7 +544,7 @@ impl Inner {
         // Every use of the parked frees' blocks was queued before the synchronise too. (After
         // the arenas' exits: a free towards one of them now goes to the pool.)
         z.frees.deliver(env, None);
-        Ok(z.bytes)
+        Ok(z.bytes + graph_bytes)
     }
 
     /// Takes memory back from other threads' arenas whose owners are idle, without their
@@ -1318,6 +1330,7 @@ impl Allocator {
                 arenas: AtomicUsize::new(0),
                 oom_hook: Mutex::new(None),
                 trace: crate::trace::Shared::new(crate::trace::BUFFER_RECORDS),
+                graphs: GraphPools::default(),
             }),
         };
         if let Some(path) = trace_path {
@@ -1545,6 +1558,9 @@ impl Allocator {
         if let Some(e) = refused {
             return Err(e);
         }
+        if let Some(r) = self.free_graph(ptr, size, stream, false) {
+            return r; // a CUDA graph pool's block
+        }
         if let Some(p) = &self.inner.passthrough {
             return p.deallocate(ptr, size, stream); // pass-through mode
         }
@@ -1586,6 +1602,11 @@ impl Allocator {
         stream: Stream,
         used_on: &[Stream],
     ) -> Result<()> {
+        // A graph pool's block declared used on another stream is held, not fenced
+        // (graph_pool.rs): no event orders a capture's streams from outside it.
+        if let Some(r) = self.free_graph(ptr, size, stream, used_on.iter().any(|&s| s != stream)) {
+            return r;
+        }
         if let Some(p) = &self.inner.passthrough {
             return p.deallocate_used_on(ptr, size, stream, used_on); // pass-through mode
         }
@@ -1784,10 +1805,12 @@ impl Allocator {
         &self.inner.cfg
     }
 
-    /// Checks the global pool's invariants; panics on a violation. For tests.
+    /// Checks the global pool's and the graph pools' invariants; panics on a violation. For
+    /// tests.
     #[doc(hidden)]
     pub fn check_invariants(&self) {
         self.inner.pool.check();
+        self.inner.graphs.check();
         self.inner.passthrough.iter().for_each(|p| p.check()); // pass-through mode
     }
 
@@ -1861,6 +1884,95 @@ impl Allocator {
     #[doc(hidden)]
     pub fn contains_reserved(&self, ptr: u64) -> bool {
         self.inner.pool.contains(ptr) || self.inner.passthrough.as_ref().is_some_and(|p| p.is_live(ptr))
+    }
+}
+
+// ---- CUDA graph pools (graph_pool.rs) ----
+
+impl Allocator {
+    /// Retains the CUDA graph pool `id`, making it if new: allocations may then be routed to
+    /// it with [`Allocator::graph_allocate`]. A pool is retained once per capture into it (and
+    /// per other user, such as a PyTorch `MemPool`) and released as often
+    /// ([`Allocator::graph_pool_release`]). See `graph_pool.rs` for how its memory is kept and
+    /// reused.
+    pub fn graph_pool_retain(&self, id: GraphPoolId) {
+        self.inner.graphs.retain(id);
+    }
+
+    /// Releases the CUDA graph pool `id` once. At the last release, once no block of the pool
+    /// is live, its memory waits for a device synchronise that happens anyway (out of memory,
+    /// `trim(true)`, the allocator's drop), then returns to the global pool: its graphs'
+    /// replays may still run. Never blocks. [`Error::UnknownGraphPool`] for a pool not
+    /// retained.
+    pub fn graph_pool_release(&self, id: GraphPoolId) -> Result<()> {
+        if self.inner.graphs.release(id) { Ok(()) } else { Err(Error::UnknownGraphPool { id: (id.0, id.1) }) }
+    }
+
+    /// Allocates `size` bytes for `stream` in the retained CUDA graph pool `id` (512-byte
+    /// aligned; `size == 0` gives [`DeviceAddr::NULL`]). Meant for allocations made while
+    /// `stream` is being captured: it makes no stream query, no event and no wait, and a pool
+    /// grows only by memory that needs none ([`crate::graph_pool`'s rules](GraphPoolId)). The
+    /// block is freed with [`Allocator::deallocate`] like any other, and goes back to its pool.
+    /// Out of memory is [`Error::OutOfMemory`] at once: no reclaim, no OOM hook (both may
+    /// synchronise, which would break a capture).
+    pub fn graph_allocate(&self, id: GraphPoolId, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        if size == 0 {
+            return Ok(DeviceAddr::NULL);
+        }
+        let inner = &self.inner;
+        if size > inner.pool.limit().max(inner.pool.total()) {
+            return Err(inner.oom(size));
+        }
+        with_slot(inner, |slot, inner| {
+            let env = inner.env(&slot.counters);
+            let (addr, bytes) = inner
+                .graphs
+                .alloc(id, size, stream, |b| inner.pool.take_segment(&env.dev, b))
+                .map_err(|e| match e {
+                    // The size asked for, not the segment's.
+                    Error::OutOfMemory { .. } => inner.oom(size),
+                    e => e,
+                })?;
+            slot.counted_alloc(bytes as usize, AllocPath::Pool);
+            Ok(DeviceAddr(addr))
+        })
+    }
+
+    /// The live blocks of the retained CUDA graph pool `id`, by address
+    /// (PyTorch's `checkPoolLiveAllocations` compares them with the tensors it expects).
+    /// [`Error::UnknownGraphPool`] for a pool not retained.
+    pub fn graph_pool_live(&self, id: GraphPoolId) -> Result<Vec<DeviceAddr>> {
+        let v = self.inner.graphs.live(id).ok_or(Error::UnknownGraphPool { id: (id.0, id.1) })?;
+        Ok(v.into_iter().map(DeviceAddr).collect())
+    }
+
+    /// Bytes of device memory in CUDA graph pools: their segments, retained or waiting for a
+    /// synchronise. Part of `reserved_bytes` and `pool_in_use_bytes`.
+    pub fn graph_pool_bytes(&self) -> u64 {
+        self.inner.graphs.bytes()
+    }
+
+    /// A free of a graph pool's block (`other_streams`: declared used on another stream than
+    /// `stream`), counted; `None` if `ptr` is not in a graph pool.
+    #[cold]
+    fn free_graph(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        other_streams: bool,
+    ) -> Option<Result<()>> {
+        let r = self.inner.graphs.free(ptr.0, size, stream, other_streams)?;
+        Some(with_slot(&self.inner, |slot, _| match r {
+            Ok(f) => {
+                slot.counted_free(f.bytes as usize);
+                Ok(())
+            }
+            Err(e) => {
+                slot.counters.bump(&slot.counters.invalid_frees, 1);
+                Err(e)
+            }
+        }))
     }
 }
 

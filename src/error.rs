@@ -64,6 +64,9 @@ pub enum Error {
     /// declared used on one): refused, nothing changed (see README, "CUDA graphs"). `stream`
     /// is the raw handle.
     StreamCapturing { stream: usize },
+    /// An allocation for, or a release of, a CUDA graph pool that is not retained (never
+    /// retained, or released as often as retained): see [`crate::GraphPoolId`].
+    UnknownGraphPool { id: (u64, u64) },
     // --- traces (issue 11) ---
     /// Recording or reading an allocation trace failed (the message says what and where).
     Trace(String),
@@ -103,6 +106,11 @@ impl fmt::Display for Error {
                 f,
                 "stream {stream:#x} is being captured into a CUDA graph: cuarena does not allocate or free on a \
                  capturing stream (allocate before the capture, or on a stream not being captured)"
+            ),
+            Error::UnknownGraphPool { id } => write!(
+                f,
+                "graph pool ({}, {}) is not retained: retain it before allocating in it, and release it once per retain",
+                id.0, id.1
             ),
             Error::Trace(msg) => write!(f, "trace: {msg}"),
         }

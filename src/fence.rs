@@ -321,6 +321,12 @@ impl FenceSet {
         FenceSet { fences: Vec::new(), legacy: true }
     }
 
+    /// True if memory guarded by this set may be used on any stream now, with no wait and no
+    /// query: no lazy legacy fence, and every fence already known complete.
+    pub(crate) fn is_clear(&self) -> bool {
+        !self.legacy && self.fences.iter().all(|f| f.known_done())
+    }
+
     /// True if the set holds a lazy legacy fence.
     pub(crate) fn has_lazy_legacy(&self) -> bool {
         self.legacy

@@ -62,6 +62,9 @@ struct FreeExt {
 enum UsedKind {
     Block,
     Superblock,
+    /// A segment of a CUDA graph's private pool (`graph_pool.rs`): never freed by a caller's
+    /// free (which is refused here as an unknown pointer), only by [`GlobalPool::give_back_segment`].
+    GraphSegment,
 }
 
 #[derive(Clone, Copy)]
@@ -173,20 +176,31 @@ impl GlobalPool {
         }
     }
 
-    /// Reserves a new chunk of at least `min` bytes (a multiple of the superblock).
-    fn grow(&self, st: &mut PoolState, dev: &Counted<'_>, min: usize, requested: usize) -> Result<()> {
+    /// Reserves a new chunk of at least `min` bytes (a multiple of the superblock) and returns
+    /// its base. With `may_trim`, a full cap or device first gives back what it can (`trim`,
+    /// non-blocking); a graph pool's growth, which may run inside a capture, does not.
+    fn grow(
+        &self,
+        st: &mut PoolState,
+        dev: &Counted<'_>,
+        min: usize,
+        requested: usize,
+        may_trim: bool,
+    ) -> Result<u64> {
         // Bytes the cap still allows, in whole superblocks.
         let room =
             |st: &PoolState| self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
         if min > room(st) {
-            self.trim_locked(st, dev, false)?;
+            if may_trim {
+                self.trim_locked(st, dev, false)?;
+            }
             if min > room(st) {
                 return Err(self.oom(st, requested));
             }
         }
         let size = self.chunk.max(min).min(room(st));
         let mut got = dev.reserve(size)?.map(|p| (p, size));
-        if got.is_none() {
+        if got.is_none() && may_trim {
             // The device is full (other processes, or our own cache): give back what we can.
             self.trim_locked(st, dev, false)?;
             got = dev.reserve(min)?.map(|p| (p, min));
@@ -196,7 +210,7 @@ impl GlobalPool {
         st.free.insert(base, len as u64, FreeExt { chunk: base, fences: FenceSet::default() });
         st.reserved += len;
         st.peak_reserved = st.peak_reserved.max(st.reserved);
-        Ok(())
+        Ok(base)
     }
 
     /// Takes `[take, take+len)` out of the free extent starting at `ext`, putting the
@@ -254,7 +268,7 @@ impl GlobalPool {
                     let min = bytes
                         .checked_next_multiple_of(self.superblock)
                         .ok_or_else(|| self.oom(&st, bytes))?;
-                    self.grow(&mut st, dev, min, bytes)?;
+                    self.grow(&mut st, dev, min, bytes, true)?;
                     st.free.first_fit(bytes as u64).expect("a new chunk fits the request")
                 }
             };
@@ -274,6 +288,59 @@ impl GlobalPool {
             return Err(e);
         }
         Ok(addr)
+    }
+
+    /// Hands out `bytes` (a multiple of [`GRANULE`]) as a segment of a CUDA graph's private
+    /// pool (`graph_pool.rs`): memory that needs no stream wait and no driver call before use,
+    /// so that a pool may grow while its stream is being captured (a wait on an event recorded
+    /// outside the capture would break it). That is the lowest-addressed free extent that is
+    /// long enough and whose fences are all known complete without a query
+    /// ([`FenceSet::is_clear`]), found by a scan of the free extents (a graph pool grows
+    /// seldom), or else a new chunk, reserved without the `trim` that growth otherwise runs
+    /// when full (its queries and releases are not for a capture). The segment stays in
+    /// `used` until [`GlobalPool::give_back_segment`]; a caller's free of it is refused.
+    pub(crate) fn take_segment(&self, dev: &Counted<'_>, bytes: usize) -> Result<u64> {
+        let mut st = lock(&self.state);
+        let mut found = None;
+        st.free.for_each(|a, l, v| {
+            if found.is_none() && l >= bytes as u64 && v.fences.is_clear() {
+                found = Some(a);
+            }
+        });
+        let addr = match found {
+            Some(a) => a,
+            None => {
+                let min =
+                    bytes.checked_next_multiple_of(self.superblock).ok_or_else(|| self.oom(&st, bytes))?;
+                self.grow(&mut st, dev, min, bytes, false)?
+            }
+        };
+        let (chunk, _clear) = Self::carve(&mut st, addr, addr, bytes);
+        st.used.insert(
+            addr,
+            Used { len: bytes, kind: UsedKind::GraphSegment, chunk, from_arena: false, freeing: false },
+        );
+        st.in_use += bytes;
+        Ok(addr)
+    }
+
+    /// Takes back a segment from [`GlobalPool::take_segment`]. The caller guarantees that no
+    /// work queued so far uses it (a device synchronise came after its last use), so it
+    /// becomes free with no fence.
+    pub(crate) fn give_back_segment(&self, addr: u64) {
+        let mut st = lock(&self.state);
+        match st.used.remove(&addr) {
+            Some(u) if u.kind == UsedKind::GraphSegment => {
+                st.in_use -= u.len;
+                Self::insert_free(&mut st, addr, u.len, u.chunk, FenceSet::default());
+            }
+            other => {
+                debug_assert!(false, "giving back a segment not taken at {addr:#x}");
+                if let Some(u) = other {
+                    st.used.insert(addr, u);
+                }
+            }
+        }
     }
 
     /// Checks a free of `[ptr, ptr + size)` as [`GlobalPool::free`] would, changing nothing:
@@ -435,12 +502,12 @@ impl GlobalPool {
             let ext = match st.free.first_fit_aligned(len as u64) {
                 Some(a) => a,
                 None => {
-                    self.grow(&mut st, dev, len, requested)?;
+                    self.grow(&mut st, dev, len, requested, true)?;
                     match st.free.first_fit_aligned(len as u64) {
                         Some(a) => a,
                         // The device returned a chunk not aligned to the superblock size.
                         None => {
-                            self.grow(&mut st, dev, len + s, requested)?;
+                            self.grow(&mut st, dev, len + s, requested, true)?;
                             st.free
                                 .first_fit_aligned(len as u64)
                                 .expect("a chunk of one superblock more holds an aligned run")

@@ -18,6 +18,7 @@ mod fence;
 mod free_lists;
 pub mod global;
 mod global_pool;
+mod graph_pool;
 #[doc(hidden)]
 pub mod inbox;
 mod legacy_kept;
@@ -46,6 +47,7 @@ pub use device::cuda::CudaDevice;
 pub use device::{Device, DeviceKind, Event};
 pub use error::{Error, InvalidFree, Result};
 pub use global::global;
+pub use graph_pool::GraphPoolId;
 pub use ptr::DeviceAddr;
 pub use stats::Stats;
 pub use stream::{Stream, StreamKey, StreamUse};

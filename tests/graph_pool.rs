@@ -1,0 +1,276 @@
+//! CUDA graph pools (`src/graph_pool.rs`) on the simulated device: allocations routed to a
+//! pool while its stream is being captured succeed without an event recorded or waited on the
+//! capturing stream (the simulator reports any as a violation), never take memory a fence
+//! still guards, stay out of eager allocations' way while the pool is retained, are reused by
+//! their own stream only, and come back to the device after the pool's last release and a
+//! synchronise. Bad input is refused and changes nothing.
+
+mod common;
+
+use common::{Live, host, small};
+use cuarena::{DeviceAddr, Error, GraphPoolId, InvalidFree, Stream};
+use cuarena_testkit::{assert_all_returned, host_allocator};
+
+fn ranges_overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+/// A capture allocates and frees its temporaries in a pool; eager work meanwhile and after
+/// never gets the pool's memory; a second capture into the same pool reuses the first's
+/// frees on the same stream; the last release and a synchronise give everything back.
+#[test]
+fn a_capture_allocates_in_its_pool_and_eager_work_never_gets_that_memory() {
+    let dev = host(20);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let (s, other) = (dev.create_stream(), dev.create_stream());
+    let pool = GraphPoolId(7, 1);
+    a.graph_pool_retain(pool);
+    dev.begin_capture(s).unwrap();
+    // A capture's allocations: small, medium and large; some freed inside the capture.
+    let sizes = [1000usize, 4096, 70_000, 1 << 20, 3 << 20, 12 << 20, 300];
+    let mut graph: Vec<(u64, u64)> = Vec::new();
+    let mut blocks = Vec::new();
+    for &n in &sizes {
+        let p = a.graph_allocate(pool, n, s).unwrap();
+        assert_eq!(p.0 % 512, 0, "512-byte aligned");
+        graph.push((p.0, n.next_multiple_of(512) as u64));
+        blocks.push((p, n));
+    }
+    Live::of(&blocks).assert_clean(); // no two graph blocks overlap
+    // Freed inside the capture, on the capturing stream: reused by the capture's next request.
+    let (p, n) = blocks.remove(1);
+    a.deallocate(p, n, s).unwrap();
+    let again = a.graph_allocate(pool, n, s).unwrap();
+    assert_eq!(again, p, "the capture's own free is reused on its stream");
+    blocks.push((again, n));
+    // Eager work on other streams during the capture never lands in the pool.
+    for i in 0..200usize {
+        let n = 256 + (i * 7919) % (2 << 20);
+        let e = a.allocate(n, if i % 2 == 0 { other } else { Stream::PER_THREAD }).unwrap();
+        for &g in &graph {
+            assert!(!ranges_overlap((e.0, n as u64), g), "eager block {e:?} inside graph memory {g:?}");
+        }
+        a.deallocate(e, n, if i % 2 == 0 { other } else { Stream::PER_THREAD }).unwrap();
+    }
+    // The capture frees the rest (a graph's temporaries), then ends.
+    for (p, n) in blocks.drain(..) {
+        a.deallocate(p, n, s).unwrap();
+    }
+    dev.end_capture(s).unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    // After the capture, while the pool is retained (its graph may replay), eager requests on
+    // every stream, the capturing one included, stay out of the graph's memory.
+    for i in 0..200usize {
+        let n = 256 + (i * 104_729) % (4 << 20);
+        let st = [s, other, Stream::LEGACY][i % 3];
+        let e = a.allocate(n, st).unwrap();
+        for &g in &graph {
+            assert!(!ranges_overlap((e.0, n as u64), g), "eager block {e:?} inside graph memory {g:?}");
+        }
+        a.deallocate(e, n, st).unwrap();
+    }
+    // A second capture into the same pool (a second graph sharing it) reuses the first's memory.
+    a.graph_pool_retain(pool);
+    dev.begin_capture(s).unwrap();
+    let q = a.graph_allocate(pool, 1000, s).unwrap();
+    assert!(graph.iter().any(|&g| ranges_overlap((q.0, 1024), g)), "the pool's memory is reused");
+    a.deallocate(q, 1000, s).unwrap();
+    dev.end_capture(s).unwrap();
+    assert!(a.graph_pool_live(pool).unwrap().is_empty());
+    let bytes = a.graph_pool_bytes();
+    assert_eq!(bytes, (2 + 20) << 20, "a 2 MiB segment and a 20 MiB one (the 12 MiB block fits its rest)");
+    // Released by both graphs: the memory waits for a synchronise, which trim(true) makes.
+    a.graph_pool_release(pool).unwrap();
+    assert_eq!(a.graph_pool_bytes(), bytes, "still retained by one graph");
+    a.graph_pool_release(pool).unwrap();
+    assert_eq!(a.graph_pool_bytes(), bytes, "parked until a synchronise");
+    assert!(matches!(a.graph_pool_release(pool), Err(Error::UnknownGraphPool { id: (7, 1) })));
+    a.check_invariants();
+    assert_all_returned(&a, Some(&dev), 0);
+    assert_eq!(a.graph_pool_bytes(), 0);
+}
+
+/// A pool's free is reused by its own stream handle only; fresh memory serves any; a block
+/// declared used on another stream is not reused while the pool lives.
+#[test]
+fn reuse_inside_a_pool_is_by_stream_and_cross_stream_blocks_are_held() {
+    let dev = host(0);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let (s1, s2) = (dev.create_stream(), dev.create_stream());
+    let pool = GraphPoolId(1, 0);
+    a.graph_pool_retain(pool);
+    let p = a.graph_allocate(pool, 4096, s1).unwrap();
+    a.deallocate(p, 4096, s1).unwrap();
+    let q = a.graph_allocate(pool, 4096, s2).unwrap();
+    assert_ne!(p, q, "another stream does not reuse s1's free");
+    let r = a.graph_allocate(pool, 4096, s1).unwrap();
+    assert_eq!(p, r, "s1 reuses its own free");
+    // Declared used on s2 and freed on s1: held, not reused by either stream.
+    a.deallocate_used_on(r, 4096, s1, &[s2]).unwrap();
+    let t = a.graph_allocate(pool, 4096, s1).unwrap();
+    assert_ne!(t, r);
+    assert!(matches!(
+        a.deallocate(r, 4096, s1),
+        Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })
+    ));
+    for (x, st) in [(q, s2), (t, s1)] {
+        a.deallocate(x, 4096, st).unwrap();
+    }
+    a.graph_pool_release(pool).unwrap();
+    assert_all_returned(&a, Some(&dev), 1);
+}
+
+/// Memory a fence still guards (freed on a stream whose work has not run) is never given to a
+/// pool: a capturing stream would have to wait on it. The simulator reports such a wait.
+#[test]
+fn a_pool_never_grows_into_memory_under_a_pending_fence() {
+    let dev = host(0);
+    // Pool blocks over 64 KiB: the 1 MiB block below is the global pool's.
+    let a = host_allocator(dev.clone(), small().large_max(64 << 10).build().unwrap()).unwrap();
+    let (s, busy) = (dev.create_stream(), dev.create_stream());
+    let gate = dev.gate(busy).unwrap();
+    let big = a.allocate(4 << 20, busy).unwrap();
+    dev.write_tag(big.0, 4 << 20, 0xfeed, busy).unwrap();
+    a.deallocate(big, 4 << 20, busy).unwrap(); // its fence waits behind the gate
+    let pool = GraphPoolId(2, 0);
+    a.graph_pool_retain(pool);
+    dev.begin_capture(s).unwrap();
+    let p = a.graph_allocate(pool, 1 << 20, s).unwrap();
+    assert!(!ranges_overlap((p.0, 1 << 20), (big.0, 4 << 20)), "the pool took fenced memory");
+    a.deallocate(p, 1 << 20, s).unwrap();
+    dev.end_capture(s).unwrap();
+    gate.open();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    a.graph_pool_release(pool).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
+/// Bad input: a pool not retained, sizes 0 and huge, a wrong size, a double free, an interior
+/// pointer, a foreign pointer. Each is refused, counted where it is a free, and changes nothing.
+#[test]
+fn bad_input_to_graph_pools_is_refused_and_changes_nothing() {
+    let dev = host(0);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let s = dev.create_stream();
+    let pool = GraphPoolId(3, 3);
+    assert!(matches!(a.graph_allocate(pool, 100, s), Err(Error::UnknownGraphPool { id: (3, 3) })));
+    assert!(matches!(a.graph_pool_live(pool), Err(Error::UnknownGraphPool { .. })));
+    assert!(matches!(a.graph_pool_release(pool), Err(Error::UnknownGraphPool { .. })));
+    a.graph_pool_retain(pool);
+    assert_eq!(a.graph_allocate(pool, 0, s).unwrap(), DeviceAddr::NULL);
+    assert!(matches!(
+        a.graph_allocate(pool, usize::MAX, s),
+        Err(Error::OutOfMemory { requested: usize::MAX, .. })
+    ));
+    assert!(matches!(a.graph_allocate(pool, 1 << 40, s), Err(Error::OutOfMemory { .. })));
+    let p = a.graph_allocate(pool, 5000, s).unwrap();
+    let before = a.stats();
+    for (ptr, n, why) in
+        [(p, 6000usize, "size"), (p, 0, "zero size"), (DeviceAddr(p.0 + 512), 512, "interior")]
+    {
+        let e = a.deallocate(ptr, n, s).unwrap_err();
+        assert!(matches!(e, Error::InvalidFree { .. }), "{why}: {e}");
+    }
+    let after = a.stats();
+    assert_eq!(after.invalid_frees, before.invalid_frees + 3);
+    assert_eq!(after.live_bytes, before.live_bytes, "nothing freed");
+    assert_eq!(a.graph_pool_live(pool).unwrap(), vec![p]);
+    a.deallocate(p, 5000, s).unwrap();
+    assert!(matches!(
+        a.deallocate(p, 5000, s),
+        Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })
+    ));
+    assert!(matches!(
+        a.deallocate(DeviceAddr(0x10), 5000, s),
+        Err(Error::InvalidFree { reason: InvalidFree::UnknownPointer, .. })
+    ));
+    a.graph_pool_release(pool).unwrap();
+    assert!(matches!(a.graph_allocate(pool, 100, s), Err(Error::UnknownGraphPool { .. })));
+    assert_all_returned(&a, Some(&dev), 5);
+}
+
+/// A pool whose last release comes while blocks live (a graph's output tensors outlive it)
+/// keeps them valid; their frees, on any thread, return them, and the last one parks the pool.
+#[test]
+fn blocks_outliving_their_pools_release_are_freed_later_from_other_threads() {
+    let dev = host(0);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let s = dev.create_stream();
+    let pool = GraphPoolId(9, 0);
+    a.graph_pool_retain(pool);
+    let outs: Vec<DeviceAddr> = (0..8).map(|i| a.graph_allocate(pool, 1000 * (i + 1), s).unwrap()).collect();
+    a.graph_pool_release(pool).unwrap();
+    assert!(a.graph_pool_bytes() > 0);
+    let a2 = a.clone();
+    std::thread::spawn(move || {
+        for (i, p) in outs.into_iter().enumerate() {
+            a2.deallocate(p, 1000 * (i + 1), s).unwrap();
+        }
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    a.check_invariants();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
+/// Many threads, each capturing into its own pool while others churn eagerly: no block
+/// overlaps another (graph or eager), the invariants hold, and everything comes back.
+#[test]
+fn threads_capturing_into_their_own_pools_alongside_eager_churn_never_overlap() {
+    let dev = host(5);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let live = std::sync::Arc::new(Live::default());
+    let mut hs = Vec::new();
+    for t in 0..6u64 {
+        let (a, dev, live) = (a.clone(), dev.clone(), live.clone());
+        hs.push(std::thread::spawn(move || {
+            let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
+            let s = dev.create_stream();
+            let pool = GraphPoolId(100 + t, 0);
+            for round in 0..20 {
+                let capture = t % 2 == 0;
+                if capture {
+                    a.graph_pool_retain(pool);
+                    dev.begin_capture(s).unwrap();
+                }
+                let mut mine = Vec::new();
+                for _ in 0..40 {
+                    let n = 256 + (common::rng(&mut x) % (3 << 20)) as usize;
+                    let p = if capture {
+                        a.graph_allocate(pool, n, s).unwrap()
+                    } else {
+                        a.allocate(n, s).unwrap()
+                    };
+                    live.insert(p, n);
+                    mine.push((p, n));
+                    if common::rng(&mut x).is_multiple_of(3) {
+                        let (p, n) = mine.swap_remove((common::rng(&mut x) as usize) % mine.len());
+                        live.remove(p);
+                        a.deallocate(p, n, s).unwrap();
+                    }
+                }
+                for (p, n) in mine {
+                    live.remove(p);
+                    a.deallocate(p, n, s).unwrap();
+                }
+                if capture {
+                    dev.end_capture(s).unwrap();
+                    if round % 5 == 4 {
+                        // Destroyed graphs: the pool's memory parks until a synchronise.
+                        for _ in 0..5 {
+                            a.graph_pool_release(pool).unwrap();
+                        }
+                    }
+                }
+            }
+            a.release_thread().unwrap();
+        }));
+    }
+    for h in hs {
+        h.join().unwrap();
+    }
+    live.assert_clean();
+    a.check_invariants();
+    assert_all_returned(&a, Some(&dev), 0);
+}
