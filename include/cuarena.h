@@ -207,6 +207,22 @@ int cuarena_set_defaults(const char *items);
  * or none running, a file error; the reason is in cuarena_last_error). */
 int cuarena_trace_start(int device, const char *path);
 int cuarena_trace_stop(int device);
+/* CUDA graph pools (PyTorch's private pools; id_a, id_b: its MempoolId_t). Memory allocated
+ * while a stream is being captured must stay out of general use while the graph may be replayed:
+ * route such allocations to a retained pool with cuarena_graph_malloc (freed with cuarena_free,
+ * back into the pool). A pool grows only by memory needing no stream wait (no event, no query,
+ * so the capture is not broken); its frees are reused by the same stream handle only, with no
+ * fence (PyTorch's rule: graphs sharing a pool are replayed in capture order); a block declared
+ * used on another stream (record_stream) is not reused while the pool lives. Retain once per
+ * capture (or other user), release as often; after the last release and the last free its
+ * memory returns after the next device synchronise (cuarena_empty_cache, out of memory).
+ * retain/release: 0 or -1 (release of a pool not retained). cuarena_graph_malloc: NULL on
+ * failure (out of memory at once: no reclaim, no OOM hook). cuarena_graph_pool_live: writes the
+ * number of live blocks to *count and the first min(n, count) addresses to out; 0 or -1. */
+int cuarena_graph_pool_retain(uint64_t id_a, uint64_t id_b, int device);
+int cuarena_graph_pool_release(uint64_t id_a, uint64_t id_b, int device);
+void *cuarena_graph_malloc(uint64_t id_a, uint64_t id_b, size_t size, int device, cudaStream_t stream);
+int cuarena_graph_pool_live(uint64_t id_a, uint64_t id_b, int device, void **out, size_t n, size_t *count);
 /* This thread's last error message, or NULL if no call has failed on this thread. Valid until
  * the next failing call on this thread. */
 const char *cuarena_last_error(void);

@@ -696,3 +696,102 @@ fn a_per_thread_stream_declared_by_one_thread_is_waited_for_when_another_frees()
     // third allocation takes in the remote free).
     cuarena_testkit::assert_reuse_waits(&sim, &a, (size, user, p), 8, "the declaring thread's work");
 }
+
+/// The graph-pool calls without a driver, and with bad arguments: -1 or NULL and a reason,
+/// never a panic; `(size 0)` is NULL with no error.
+#[test]
+fn graph_pool_calls_fail_cleanly_without_a_driver_or_with_bad_arguments() {
+    let _g = serial();
+    let mut count = 0usize;
+    // SAFETY: NULL count (refused before anything is written).
+    assert_eq!(unsafe { cuarena_graph_pool_live(1, 2, 0, NULL.cast(), 4, &mut count) }, -1);
+    assert!(err().contains("NULL"), "{}", err());
+    // SAFETY: as above, with a NULL count.
+    assert_eq!(unsafe { cuarena_graph_pool_live(1, 2, 0, NULL.cast(), 0, std::ptr::null_mut()) }, -1);
+    assert!(cuarena_graph_malloc(1, 2, 0, 0, NULL).is_null());
+    assert_eq!(cuarena_graph_pool_release(1, 2, 9999), -1);
+    assert!(err().contains("no cuarena allocator"), "{}", err());
+    if gpu_present() {
+        return;
+    }
+    assert_eq!(cuarena_graph_pool_retain(1, 2, 0), -1);
+    assert!(err().contains("driver"), "{}", err());
+    assert!(cuarena_graph_malloc(1, 2, 100, 0, NULL).is_null());
+    assert!(err().contains("driver"), "{}", err());
+    assert_eq!(cuarena_graph_pool_release(1, 2, 0), -1);
+}
+
+/// Through the C ABI on the process-wide allocator: a global-mode capture allocates in a graph
+/// pool, frees a temporary and gets it back, and ends unbroken; the graph runs; the pool's live
+/// blocks are listed; bad frees are refused; release and `cuarena_empty_cache` give the memory
+/// back; a pool not retained is refused.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn on_a_gpu_a_capture_allocates_through_the_abi_in_a_graph_pool() {
+    use cudarc::driver::sys;
+    let Some(_g) = serial_on_a_gpu() else { return };
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let st = ctx.new_stream().unwrap();
+    let s: *mut c_void = st.cu_stream().cast();
+    let (ia, ib) = (0xdead, 0xbeef);
+    assert!(cuarena_graph_malloc(ia, ib, 100, 0, s).is_null(), "not retained yet");
+    assert!(err().contains("not retained"), "{}", err());
+    assert_eq!(cuarena_graph_pool_retain(ia, ib, 0), 0, "{}", err());
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: a live stream of the primary context.
+    assert_eq!(unsafe { sys::cuStreamBeginCapture_v2(st.cu_stream(), mode) }, sys::CUresult::CUDA_SUCCESS);
+    let out = cuarena_graph_malloc(ia, ib, 1 << 20, 0, s);
+    assert!(!out.is_null(), "{}", err());
+    let tmp = cuarena_graph_malloc(ia, ib, 3 << 20, 0, s);
+    assert!(!tmp.is_null(), "{}", err());
+    // SAFETY: `tmp` holds 3 MiB; captured on the stream.
+    let r = unsafe { sys::cuMemsetD8Async(tmp as u64, 1, 3 << 20, st.cu_stream()) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    assert_eq!(cuarena_free_checked(tmp, 3 << 20, 0, s), 0, "{}", err());
+    let again = cuarena_graph_malloc(ia, ib, 3 << 20, 0, s);
+    assert_eq!(again, tmp, "the capture's free is reused on its stream");
+    // SAFETY: `out` holds 1 MiB; captured on the stream.
+    let r = unsafe { sys::cuMemsetD8Async(out as u64, 9, 1 << 20, st.cu_stream()) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    assert_eq!(cuarena_free_checked(again, 3 << 20, 0, s), 0, "{}", err());
+    // The ordinary path still refuses the capturing stream.
+    assert!(cuarena_malloc(64 << 20, 0, s).is_null());
+    assert!(err().contains("captured"), "{}", err());
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: the stream is capturing; `graph` is a valid out-pointer.
+    let r = unsafe { sys::cuStreamEndCapture(st.cu_stream(), &mut graph) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "capture broken");
+    let mut exec = std::ptr::null_mut();
+    // SAFETY: `graph` is the captured graph; `exec` a valid out-pointer; then launched on a
+    // live stream and waited for.
+    unsafe {
+        assert_eq!(sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(sys::cuGraphLaunch(exec, st.cu_stream()), sys::CUresult::CUDA_SUCCESS);
+    }
+    st.synchronize().unwrap();
+    let mut host = vec![0u8; 1 << 20];
+    // SAFETY: `out` holds 1 MiB, written by the finished graph; `host` as many bytes.
+    let r = unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), out as u64, 1 << 20) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    assert!(host.iter().all(|&b| b == 9));
+    let mut live = [NULL; 4];
+    let mut count = 0usize;
+    // SAFETY: `live` holds 4 pointers, `count` is writable.
+    let r = unsafe { cuarena_graph_pool_live(ia, ib, 0, live.as_mut_ptr(), 4, &mut count) };
+    assert_eq!(r, 0, "{}", err());
+    assert_eq!((count, live[0]), (1, out));
+    assert_eq!(cuarena_free_checked(out, 2 << 20, 0, s), -1, "a wrong size");
+    assert!(err().contains("does not match"), "{}", err());
+    assert_eq!(cuarena_free_checked(ptr(out as usize + 512), 512, 0, s), -1, "an interior pointer");
+    assert_eq!(cuarena_free_checked(out, 1 << 20, 0, s), 0, "{}", err());
+    assert_eq!(cuarena_free_checked(out, 1 << 20, 0, s), -1, "a double free");
+    // SAFETY: idle; destroyed once.
+    unsafe {
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
+    assert_eq!(cuarena_graph_pool_release(ia, ib, 0), 0, "{}", err());
+    assert_eq!(cuarena_graph_pool_release(ia, ib, 0), -1, "released once only");
+    cuarena_empty_cache();
+    assert_eq!(cuarena::global(0).unwrap().graph_pool_bytes(), 0);
+}

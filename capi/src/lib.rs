@@ -392,6 +392,96 @@ unsafe fn write_stats(stats: Stats, out: *mut u8, size: u64) {
     unsafe { std::ptr::copy_nonoverlapping((&raw const full).cast::<u8>(), out, n) };
 }
 
+// ---- CUDA graph pools (src/graph_pool.rs) ----
+
+fn graph_id(a: u64, b: u64) -> cuarena::GraphPoolId {
+    cuarena::GraphPoolId(a, b)
+}
+
+/// Retains `device`'s CUDA graph pool `(id_a, id_b)` (PyTorch's `MempoolId_t`), making it if
+/// new. 0, or -1 if the device's allocator cannot be had (see [`cuarena_last_error`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_graph_pool_retain(id_a: u64, id_b: u64, device: c_int) -> c_int {
+    guard(-1, || {
+        global(device).map_err(|e| e.to_string())?.graph_pool_retain(graph_id(id_a, id_b));
+        Ok(0)
+    })
+}
+
+/// Releases `device`'s CUDA graph pool `(id_a, id_b)` once. 0, or -1 for a pool not retained
+/// (nothing changes) or a device without an allocator (see [`cuarena_last_error`]). Never
+/// blocks.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_graph_pool_release(id_a: u64, id_b: u64, device: c_int) -> c_int {
+    guard(-1, || {
+        if process_exiting() {
+            return Ok(0);
+        }
+        let (_, a) = created().find(|(d, _)| *d == device).ok_or_else(|| {
+            format!("graph pool ({id_a}, {id_b}): CUDA device {device} has no cuarena allocator")
+        })?;
+        a.graph_pool_release(graph_id(id_a, id_b)).map(|()| 0).map_err(|e| e.to_string())
+    })
+}
+
+/// Allocates `size` bytes for `stream` in `device`'s retained CUDA graph pool `(id_a, id_b)`:
+/// for allocations made while `stream` is being captured. NULL on failure (see
+/// [`cuarena_last_error`]); NULL without an error for `size == 0`. Freed with
+/// [`cuarena_free`].
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_graph_malloc(
+    id_a: u64,
+    id_b: u64,
+    size: usize,
+    device: c_int,
+    stream_: *mut c_void,
+) -> *mut c_void {
+    if size == 0 {
+        return std::ptr::null_mut();
+    }
+    guard(std::ptr::null_mut(), || {
+        if process_exiting() {
+            return Err(Error::ShutDown.to_string());
+        }
+        let a = global(device).map_err(|e| e.to_string())?;
+        let p = a.graph_allocate(graph_id(id_a, id_b), size, stream(stream_)).map_err(|e| e.to_string())?.0;
+        RECORDED.forget(p); // as in `malloc_with`
+        Ok(p as *mut c_void)
+    })
+}
+
+/// The live blocks of `device`'s retained CUDA graph pool `(id_a, id_b)`: their number goes to
+/// `*count`, and the first `min(n, count)` of their addresses, in address order, to `out`.
+/// 0, or -1 (nothing written) for a pool not retained, a NULL `count`, or a NULL `out` with
+/// `n > 0` (see [`cuarena_last_error`]).
+///
+/// # Safety
+/// `out` must point to `n` writable pointers (or `n` is 0), `count` to a writable `size_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuarena_graph_pool_live(
+    id_a: u64,
+    id_b: u64,
+    device: c_int,
+    out: *mut *mut c_void,
+    n: usize,
+    count: *mut usize,
+) -> c_int {
+    guard(-1, || {
+        if count.is_null() || (out.is_null() && n > 0) {
+            return Err("cuarena_graph_pool_live: count is NULL, or out is NULL with n > 0".into());
+        }
+        let a = global(device).map_err(|e| e.to_string())?;
+        let live = a.graph_pool_live(graph_id(id_a, id_b)).map_err(|e| e.to_string())?;
+        for (i, p) in live.iter().take(n).enumerate() {
+            // SAFETY: `i < n`, and the caller guarantees `out` holds `n` pointers.
+            unsafe { *out.add(i) = p.0 as *mut c_void };
+        }
+        // SAFETY: not NULL (checked), and the caller guarantees it is writable.
+        unsafe { *count = live.len() };
+        Ok(0)
+    })
+}
+
 // ---- Statistics resets and the size histogram (issue 11, item 3) ----
 
 /// Restarts `device`'s peaks (`peak_live_bytes`, `peak_live_bytes_upper`,
