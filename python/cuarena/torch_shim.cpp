@@ -12,8 +12,10 @@
 //   memory_stats, memory_summary), resetPeakStats, resetAccumulatedStats, getMemoryFraction
 //   (torch.cuda.get_per_process_memory_fraction), and cacheInfo (cuDNN's benchmark asks it how
 //   large a workspace to try; the plug-in's refusal failed every benchmarked convolution under
-//   autocast). At every level PyTorch's record_stream hook is cuarena_torch_record_stream, which
-//   raises where cuarena cannot keep the declaration.
+//   autocast). CUDA graphs: a capture's allocations go to cuarena's graph pools (PyTorch's
+//   private pools: torch.cuda.graph, make_graphed_callables, MemPool, and graph trees'
+//   checkPoolLiveAllocations). At every level PyTorch's record_stream hook is
+//   cuarena_torch_record_stream, which raises where cuarena cannot keep the declaration.
 // - CUARENA_C10 alone, against PyTorch's headers and libc10: the plug-in is made from Python;
 //   out of memory throws c10::OutOfMemoryError, the type PyTorch's caching allocator throws.
 //   Python sees torch.OutOfMemoryError (torch.cuda.OutOfMemoryError), and PyTorch's C++
@@ -41,24 +43,29 @@ int cuarena_record_stream_checked(void *ptr, void *stream);
 const char *cuarena_last_error(void);
 }
 
+// Throws for an allocation of `size` bytes that failed (NULL): out of memory as PyTorch's own
+// allocator does, anything else as an error with cuarena's reason.
+[[noreturn]] static void throw_alloc_failure(size_t size, int device) {
+    const char *e = cuarena_last_error();
+    std::string why = e != nullptr ? e : "no reason recorded";
+    // cuarena's Error::OutOfMemory displays as "out of device memory: ..." (src/error.rs).
+    bool oom = why.rfind("out of device memory", 0) == 0;
+    std::string what = oom ? "CUDA out of memory. cuarena: out of memory: " : "cuarena: ";
+    what += "cannot allocate " + std::to_string(size) + " bytes on CUDA device " + std::to_string(device) + ": " + why;
+#ifdef CUARENA_C10
+    if (oom) {
+        C10_THROW_ERROR(OutOfMemoryError, what);
+    }
+    C10_THROW_ERROR(Error, what);
+#else
+    throw std::runtime_error(what);
+#endif
+}
+
 extern "C" void *cuarena_torch_malloc(size_t size, int device, void *stream) {
     void *p = cuarena_malloc(size, device, stream);
     if (p == nullptr && size > 0) {
-        const char *e = cuarena_last_error();
-        std::string why = e != nullptr ? e : "no reason recorded";
-        // cuarena's Error::OutOfMemory displays as "out of device memory: ..." (src/error.rs).
-        bool oom = why.rfind("out of device memory", 0) == 0;
-        std::string what = oom ? "CUDA out of memory. cuarena: out of memory: " : "cuarena: ";
-        what += "cannot allocate " + std::to_string(size) + " bytes on CUDA device " + std::to_string(device) + ": " +
-                why;
-#ifdef CUARENA_C10
-        if (oom) {
-            C10_THROW_ERROR(OutOfMemoryError, what);
-        }
-        C10_THROW_ERROR(Error, what);
-#else
-        throw std::runtime_error(what);
-#endif
+        throw_alloc_failure(size, device);
     }
     return p;
 }
@@ -108,10 +115,15 @@ extern "C" int cuarena_torch_shim_level(void) {
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 extern "C" {
 // include/cuarena.h's cuarena_stats: a leading size, then these counters in this order (the
@@ -125,6 +137,10 @@ struct cuarena_stats_v2 {
         device_total_bytes;
 };
 int cuarena_peek_stats(int device, cuarena_stats_v2 *out);
+int cuarena_graph_pool_retain(uint64_t id_a, uint64_t id_b, int device);
+int cuarena_graph_pool_release(uint64_t id_a, uint64_t id_b, int device);
+void *cuarena_graph_malloc(uint64_t id_a, uint64_t id_b, size_t size, int device, void *stream);
+int cuarena_graph_pool_live(uint64_t id_a, uint64_t id_b, int device, void **out, size_t n, size_t *count);
 int cuarena_reset_peak(int device);
 int cuarena_reset_counters(int device);
 void cuarena_empty_cache(void);
@@ -167,6 +183,63 @@ void check(int r, const char *what, int device) {
         const char *e = cuarena_last_error();
         C10_THROW_ERROR(Error, std::string("cuarena: ") + what + " of CUDA device " + std::to_string(device) +
                                    " failed: " + (e != nullptr ? e : "no reason recorded"));
+    }
+}
+
+// CUDA graph pools (cuarena's src/graph_pool.rs; include/cuarena.h). PyTorch routes a capture's
+// allocations to a private pool: beginAllocateToPool(device, pool, filter) before the capture,
+// endAllocateToPool after it, releasePool when a graph using the pool is destroyed (and
+// createOrIncrefPool / releasePool for a torch.cuda.MemPool). While a route is open, an
+// allocation whose stream the filter accepts (PyTorch's: the stream is in that capture) goes to
+// cuarena_graph_malloc; every other allocation takes the ordinary path. Frees need nothing here:
+// cuarena finds a pool's block by its address.
+struct Route {
+    int device;
+    c10::cuda::MempoolId_t pool;
+    std::function<bool(cudaStream_t)> filter;
+};
+
+struct Routes {
+    std::mutex m;
+    std::vector<Route> open;  // under m
+    // open.size(), read without the lock: 0 lets every allocation skip the lock. Written under
+    // m; an allocation racing a begin may miss a route opened by another thread for a capture
+    // it is not part of, or see one being closed, whose filter then answers for itself.
+    std::atomic<size_t> count{0};
+
+    // The pool an allocation of `stream` on `device` goes to, if any.
+    bool route(int device, cudaStream_t stream, c10::cuda::MempoolId_t *pool) {
+        if (count.load(std::memory_order_acquire) == 0) {
+            return false;
+        }
+        std::lock_guard<std::mutex> g(m);
+        for (const Route &r : open) {
+            if (r.device == device && r.filter(stream)) {
+                *pool = r.pool;
+                return true;
+            }
+        }
+        return false;
+    }
+};
+
+void *route_malloc(Routes &routes, size_t size, int device, cudaStream_t stream) {
+    c10::cuda::MempoolId_t pool;
+    if (size == 0 || !routes.route(device, stream, &pool)) {
+        return cuarena_torch_malloc(size, device, reinterpret_cast<void *>(stream));
+    }
+    void *p = cuarena_graph_malloc(pool.first, pool.second, size, device, reinterpret_cast<void *>(stream));
+    if (p == nullptr) {
+        throw_alloc_failure(size, device);
+    }
+    return p;
+}
+
+void retain_pool(int device, c10::cuda::MempoolId_t pool) {
+    if (cuarena_graph_pool_retain(pool.first, pool.second, device) != 0) {
+        const char *e = cuarena_last_error();
+        C10_THROW_ERROR(Error, std::string("cuarena: graph pool of CUDA device ") + std::to_string(device) +
+                                   " unavailable: " + (e != nullptr ? e : "no reason recorded"));
     }
 }
 
@@ -240,6 +313,29 @@ class CuarenaAllocator : public Pluggable {
 
     void resetPeakStats(c10::DeviceIndex device) override { reset_if_used(device, cuarena_reset_peak, "reset_peak"); }
 
+    // torch.cuda.MemPool: one more user of the pool (its destructor's releasePool balances it).
+    // Declared without `override`, as getMemoryFraction, for PyTorch versions without it.
+    void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t pool,
+                            std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> = nullptr) {
+        retain_pool(device, pool);
+    }
+
+    // CUDA graph trees (torch.compile's reduce-overhead mode) ask whether a pool's live blocks
+    // are exactly the tensors they expect. Declared without `override`, as above.
+    bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t pool,
+                                  const std::unordered_set<void *> &expected) {
+        size_t count = 0;
+        check(cuarena_graph_pool_live(pool.first, pool.second, device, nullptr, 0, &count), "graph_pool_live", device);
+        if (count != expected.size()) {
+            return false;
+        }
+        std::vector<void *> live(count);
+        check(cuarena_graph_pool_live(pool.first, pool.second, device, live.data(), live.size(), &count),
+              "graph_pool_live", device);
+        return count == live.size() &&
+               std::all_of(live.begin(), live.end(), [&](void *p) { return expected.count(p) != 0; });
+    }
+
   private:
     // A device cuarena has not used has nothing to reset (and resetting would make its
     // allocator, and a CUDA context there).
@@ -266,9 +362,11 @@ void copy_out(const char *what, char *err, size_t n) {
 // made). Never throws.
 extern "C" int cuarena_torch_install(char *err, size_t n) {
     try {
+        // Kept alive by the allocator's functions, which hold it.
+        auto routes = std::make_shared<Routes>();
         auto a = std::make_shared<CuarenaAllocator>(
-            [](size_t size, int device, cudaStream_t stream) {
-                return cuarena_torch_malloc(size, device, reinterpret_cast<void *>(stream));
+            [routes](size_t size, int device, cudaStream_t stream) {
+                return route_malloc(*routes, size, device, stream);
             },
             [](void *ptr, size_t size, int device, cudaStream_t stream) {
                 cuarena_torch_free(ptr, size, device, reinterpret_cast<void *>(stream));
@@ -277,6 +375,27 @@ extern "C" int cuarena_torch_install(char *err, size_t n) {
             [](void *ptr, cudaStream_t stream) { cuarena_torch_record_stream(ptr, reinterpret_cast<void *>(stream)); });
         a->set_reset_fn([] { cuarena_empty_cache(); });
         a->set_memory_fraction_fn([](double fraction, int device) { cuarena_set_memory_fraction(fraction, device); });
+        a->set_begin_allocate_to_pool(
+            [routes](int device, c10::cuda::MempoolId_t pool, std::function<bool(cudaStream_t)> filter) {
+                retain_pool(device, pool);  // PyTorch's own allocator counts a capture as a user
+                std::lock_guard<std::mutex> g(routes->m);
+                routes->open.push_back(Route{device, pool, std::move(filter)});
+                routes->count.store(routes->open.size(), std::memory_order_release);
+            });
+        a->set_end_allocate_to_pool_fn([routes](int device, c10::cuda::MempoolId_t pool) {
+            std::lock_guard<std::mutex> g(routes->m);
+            auto it = std::find_if(routes->open.begin(), routes->open.end(),
+                                   [&](const Route &r) { return r.device == device && r.pool == pool; });
+            if (it != routes->open.end()) {
+                routes->open.erase(it);
+            }
+            routes->count.store(routes->open.size(), std::memory_order_release);
+        });
+        // Called from a graph's destructor: never throws (a pool not retained is cuarena's
+        // error to keep, in cuarena_last_error).
+        a->set_release_pool([](int device, c10::cuda::MempoolId_t pool) {
+            (void)cuarena_graph_pool_release(pool.first, pool.second, device);
+        });
         a->init(c10::cuda::device_count());  // as PyTorch's own createCustomAllocator does
         torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
         return 0;

@@ -18,6 +18,7 @@ _SHIM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STUB = r"""
 #include <cstdint>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 extern "C" {
 static int used = 0;
@@ -33,7 +34,7 @@ int cuarena_peek_stats(int, void *out) {
     std::memcpy(out, vals, n);
     return used ? 0 : 1;
 }
-void *cuarena_malloc(size_t, int, void *) { return nullptr; }
+void *cuarena_malloc(size_t n, int, void *) { return n == 4242 ? reinterpret_cast<void *>(0x4000) : nullptr; }
 void cuarena_free(void *, size_t, int, void *) {}
 int cuarena_record_stream_checked(void *, void *) { return 0; }
 const char *cuarena_last_error(void) { return "stub"; }
@@ -41,6 +42,33 @@ int cuarena_reset_peak(int) { return 0; }
 int cuarena_reset_counters(int) { return 0; }
 void cuarena_empty_cache(void) {}
 void cuarena_set_memory_fraction(double, int) {}
+// Graph pools (test_shim_graph.py): each call is logged; a pool's "blocks" are fake addresses.
+static char glog[4096];
+static uint64_t live_blocks[8];
+static size_t live_n = 0;
+static int retain_result = 0;
+static void glog_add(const char *s) { std::strncat(glog, s, sizeof glog - std::strlen(glog) - 1); }
+const char *stub_graph_log(void) { return glog; }
+void stub_graph_set(int retain_ok, size_t n, const uint64_t *blocks) {
+    retain_result = retain_ok ? 0 : -1; live_n = n; std::memcpy(live_blocks, blocks, n * 8); glog[0] = 0;
+}
+int cuarena_graph_pool_retain(uint64_t a, uint64_t b, int d) {
+    char m[64]; std::snprintf(m, sizeof m, "retain %llu,%llu@%d;", (unsigned long long)a, (unsigned long long)b, d); glog_add(m);
+    return retain_result;
+}
+int cuarena_graph_pool_release(uint64_t a, uint64_t b, int d) {
+    char m[64]; std::snprintf(m, sizeof m, "release %llu,%llu@%d;", (unsigned long long)a, (unsigned long long)b, d); glog_add(m);
+    return -1;  // answered as for a pool not retained: the shim must not throw
+}
+void *cuarena_graph_malloc(uint64_t a, uint64_t b, size_t n, int d, void *s) {
+    char m[96]; std::snprintf(m, sizeof m, "gmalloc %llu,%llu %zu@%d s%p;", (unsigned long long)a, (unsigned long long)b, n, d, s); glog_add(m);
+    return n == 999 ? nullptr : reinterpret_cast<void *>(0x5000);
+}
+int cuarena_graph_pool_live(uint64_t, uint64_t, int, void **out, size_t n, size_t *count) {
+    for (size_t i = 0; i < n && i < live_n; i++) out[i] = reinterpret_cast<void *>(live_blocks[i]);
+    *count = live_n;
+    return 0;
+}
 }
 """
 
@@ -82,6 +110,32 @@ int main() {
 """
 
 
+def build_and_run(workdir, source):
+    """Builds the level-2 shim in `workdir` against test_torch_shim's stand-in PyTorch, the
+    stand-in libcuarena (_STUB) and libcudart (_CUDART), then the C++ program `source` linked with
+    them, runs it, and returns its output (it must exit 0)."""
+    root = os.path.join(workdir, "torch")
+    _fake_torch(root, _HEADER, pluggable=True)
+    lib = os.path.join(root, "lib")
+    inc = [f"-I{root}/include", f"-I{root}/cuda/include"]
+    for name, src in (("libcuarena_stub.so", _STUB), ("libcudart_ok.so", _CUDART)):
+        _write(os.path.join(workdir, name + ".cpp"), src)
+        subprocess.run([CXX, "-std=c++17", "-shared", "-fPIC", *inc, os.path.join(workdir, name + ".cpp"),
+                        "-o", os.path.join(lib, name)], check=True, capture_output=True)
+    shim = os.path.join(lib, "libshim.so")
+    subprocess.run([CXX, "-std=c++17", "-O2", "-shared", "-fPIC", "-DCUARENA_C10", "-DCUARENA_TORCH_ALLOCATOR",
+                    *inc, _SHIM, "-o", shim, f"-L{lib}", "-l:libcuarena_stub.so", "-ltorch_cuda", "-lc10",
+                    "-l:libcudart_ok.so", f"-Wl,-rpath,{lib}"], check=True, capture_output=True, text=True)
+    prog = os.path.join(workdir, "prog")
+    _write(prog + ".cpp", source)
+    subprocess.run([CXX, "-std=c++17", *inc, prog + ".cpp", "-o", prog, shim, f"-L{lib}",
+                    "-l:libcuarena_stub.so", "-ltorch_cuda", "-lc10", f"-Wl,-rpath,{lib}"],
+                   check=True, capture_output=True, text=True)
+    out = subprocess.run([prog], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 @unittest.skipIf(shutil.which(CXX) is None, "no C++ compiler")
 class ShimCap(unittest.TestCase):
     def setUp(self):
@@ -91,26 +145,7 @@ class ShimCap(unittest.TestCase):
         shutil.rmtree(self.dir)
 
     def run_cases(self):
-        root = os.path.join(self.dir, "torch")
-        _fake_torch(root, _HEADER, pluggable=True)
-        lib = os.path.join(root, "lib")
-        inc = [f"-I{root}/include", f"-I{root}/cuda/include"]
-        for name, src in (("libcuarena_stub.so", _STUB), ("libcudart_ok.so", _CUDART)):
-            _write(os.path.join(self.dir, name + ".cpp"), src)
-            subprocess.run([CXX, "-std=c++17", "-shared", "-fPIC", *inc, os.path.join(self.dir, name + ".cpp"),
-                            "-o", os.path.join(lib, name)], check=True, capture_output=True)
-        shim = os.path.join(lib, "libshim.so")
-        subprocess.run([CXX, "-std=c++17", "-O2", "-shared", "-fPIC", "-DCUARENA_C10", "-DCUARENA_TORCH_ALLOCATOR",
-                        *inc, _SHIM, "-o", shim, f"-L{lib}", "-l:libcuarena_stub.so", "-ltorch_cuda", "-lc10",
-                        "-l:libcudart_ok.so", f"-Wl,-rpath,{lib}"], check=True, capture_output=True, text=True)
-        prog = os.path.join(self.dir, "prog")
-        _write(prog + ".cpp", _PROG)
-        subprocess.run([CXX, "-std=c++17", *inc, prog + ".cpp", "-o", prog, shim, f"-L{lib}",
-                        "-l:libcuarena_stub.so", "-ltorch_cuda", "-lc10", f"-Wl,-rpath,{lib}"],
-                       check=True, capture_output=True, text=True)
-        out = subprocess.run([prog], capture_output=True, text=True, timeout=60)
-        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        return dict(line.split(": ", 1) for line in out.stdout.splitlines())
+        return dict(line.split(": ", 1) for line in build_and_run(self.dir, _PROG).splitlines())
 
     def test_what_holds(self):
         r = self.run_cases()

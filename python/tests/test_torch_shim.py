@@ -106,8 +106,15 @@ _PLUGGABLE_HEADER = r"""
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <unordered_set>
+#include <utility>
 namespace c10 {
 using DeviceIndex = int8_t;
+namespace cuda {
+using CaptureId_t = unsigned long long;
+using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;
+namespace CUDACachingAllocator { struct CUDAAllocator; }
+}
 namespace CachingDeviceAllocator {
 struct Stat { int64_t current = 0, peak = 0, allocated = 0, freed = 0; };
 using StatArray = std::array<Stat, 3>;
@@ -128,6 +135,15 @@ struct CUDAPluggableAllocator {
     void set_reset_fn(std::function<void()> f);
     void set_memory_fraction_fn(std::function<void(double, int)> f);
     void set_record_stream_fn(std::function<void(void *, cudaStream_t)> f);
+    void set_begin_allocate_to_pool(
+        std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> f);
+    void set_end_allocate_to_pool_fn(std::function<void(int, c10::cuda::MempoolId_t)> f);
+    void set_release_pool(std::function<void(int, c10::cuda::MempoolId_t)> f);
+    // PyTorch 2.11's CUDAAllocator virtuals the shim answers (they throw in the plug-in).
+    virtual void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                                    std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator = nullptr);
+    virtual bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                                          const std::unordered_set<void *> &expected_live_allocations);
     virtual void cacheInfo(c10::DeviceIndex device, size_t *largestBlock);
     virtual c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device);
     virtual void resetAccumulatedStats(c10::DeviceIndex device);
@@ -140,6 +156,9 @@ struct CUDAPluggableAllocator {
     std::function<void()> reset_fn_;
     std::function<void(double, int)> memory_fraction_fn_;
     std::function<void(void *, cudaStream_t)> record_stream_fn_;
+    std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> begin_allocate_to_pool_fn_;
+    std::function<void(int, c10::cuda::MempoolId_t)> end_allocate_to_pool_fn_;
+    std::function<void(int, c10::cuda::MempoolId_t)> release_pool_fn_;
 };
 void changeCurrentAllocator(const std::shared_ptr<CUDAPluggableAllocator> &allocator);
 std::shared_ptr<CUDAPluggableAllocator> current_for_test();
@@ -158,6 +177,17 @@ CUDAPluggableAllocator::~CUDAPluggableAllocator() = default;
 void CUDAPluggableAllocator::set_reset_fn(std::function<void()> f) { reset_fn_ = std::move(f); }
 void CUDAPluggableAllocator::set_memory_fraction_fn(std::function<void(double, int)> f) { memory_fraction_fn_ = std::move(f); }
 void CUDAPluggableAllocator::set_record_stream_fn(std::function<void(void *, cudaStream_t)> f) { record_stream_fn_ = std::move(f); }
+void CUDAPluggableAllocator::set_begin_allocate_to_pool(
+    std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> f) { begin_allocate_to_pool_fn_ = std::move(f); }
+void CUDAPluggableAllocator::set_end_allocate_to_pool_fn(std::function<void(int, c10::cuda::MempoolId_t)> f) { end_allocate_to_pool_fn_ = std::move(f); }
+void CUDAPluggableAllocator::set_release_pool(std::function<void(int, c10::cuda::MempoolId_t)> f) { release_pool_fn_ = std::move(f); }
+void CUDAPluggableAllocator::createOrIncrefPool(c10::DeviceIndex, c10::cuda::MempoolId_t,
+                                                std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator>) {
+    C10_THROW_ERROR(Error, "does not yet support createOrIncrefPool");
+}
+bool CUDAPluggableAllocator::checkPoolLiveAllocations(c10::DeviceIndex, c10::cuda::MempoolId_t, const std::unordered_set<void *> &) {
+    C10_THROW_ERROR(Error, "does not yet support checkPoolLiveAllocations");
+}
 void CUDAPluggableAllocator::init(int) { initialized_ = true; }
 void CUDAPluggableAllocator::cacheInfo(c10::DeviceIndex, size_t *) { C10_THROW_ERROR(Error, "does not yet support cacheInfo"); }
 c10::CachingDeviceAllocator::DeviceStats CUDAPluggableAllocator::getDeviceStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support getDeviceStats"); }

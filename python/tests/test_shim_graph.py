@@ -1,0 +1,91 @@
+"""The level-2 shim's CUDA graph pools (python/cuarena/torch_shim.cpp), without a GPU: built as in
+test_shim_cap against the stand-in PyTorch and a stand-in libcuarena that logs its graph-pool
+calls. PyTorch's hooks are called as torch.cuda.graph calls them: an allocation goes to
+cuarena_graph_malloc exactly while a route is open and its filter accepts the stream, and to the
+ordinary path otherwise; a begin whose retain fails throws and opens no route; a release never
+throws (it runs in a graph's destructor); MemPool's createOrIncrefPool retains;
+checkPoolLiveAllocations compares the pool's live blocks with the set it is given."""
+import shutil
+import tempfile
+import unittest
+
+from test_shim_cap import build_and_run
+from test_torch_shim import CXX
+
+_PROG = r"""
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <cstdio>
+#include <unordered_set>
+extern "C" int cuarena_torch_install(char *err, size_t n);
+extern "C" const char *stub_graph_log(void);
+extern "C" void stub_graph_set(int retain_ok, size_t n, const uint64_t *blocks);
+using namespace torch::cuda::CUDAPluggableAllocator;
+template <class F> void call(const char *what, F f) {
+    try { f(); }
+    catch (c10::OutOfMemoryError &e) { std::printf("%s: OutOfMemoryError: %s\n", what, e.what()); return; }
+    catch (c10::Error &e) { std::printf("%s: Error: %s\n", what, e.what()); return; }
+    std::printf("%s: ok\n", what);
+}
+static cudaStream_t S(uintptr_t v) { return reinterpret_cast<cudaStream_t>(v); }
+int main() {
+    char err[256];
+    if (cuarena_torch_install(err, sizeof err) != 0) { std::printf("install failed %s\n", err); return 1; }
+    auto a = current_for_test();
+    std::printf("hooks: %d %d %d\n", bool(a->begin_allocate_to_pool_fn_), bool(a->end_allocate_to_pool_fn_),
+                bool(a->release_pool_fn_));
+    const c10::cuda::MempoolId_t pool{3, 4};
+    auto capturing = [](cudaStream_t s) { return s == S(0x77); };
+    stub_graph_set(1, 0, nullptr);
+    std::printf("before: %p\n", a->alloc_fn_(4242, 0, S(0x77)));
+    a->begin_allocate_to_pool_fn_(0, pool, capturing);
+    std::printf("routed: %p\n", a->alloc_fn_(4242, 0, S(0x77)));
+    std::printf("other stream: %p\n", a->alloc_fn_(4242, 0, S(0x78)));
+    std::printf("other device: %p\n", a->alloc_fn_(4242, 1, S(0x77)));
+    call("routed failure", [&] { a->alloc_fn_(999, 0, S(0x77)); });
+    a->end_allocate_to_pool_fn_(0, pool);
+    std::printf("after: %p\n", a->alloc_fn_(4242, 0, S(0x77)));
+    call("release", [&] { a->release_pool_fn_(0, pool); });
+    std::printf("log: %s\n", stub_graph_log());
+    stub_graph_set(0, 0, nullptr);
+    call("begin refused", [&] { a->begin_allocate_to_pool_fn_(0, pool, capturing); });
+    std::printf("not routed: %p\n", a->alloc_fn_(4242, 0, S(0x77)));
+    stub_graph_set(1, 0, nullptr);
+    call("mempool", [&] { a->createOrIncrefPool(2, c10::cuda::MempoolId_t{5, 6}); });
+    std::printf("mempool log: %s\n", stub_graph_log());
+    const uint64_t blocks[] = {0x1000, 0x2000};
+    stub_graph_set(1, 2, blocks);
+    void *b1 = reinterpret_cast<void *>(0x1000), *b2 = reinterpret_cast<void *>(0x2000), *b3 = reinterpret_cast<void *>(0x3000);
+    std::printf("live same: %d\n", a->checkPoolLiveAllocations(0, pool, {b1, b2}));
+    std::printf("live fewer: %d\n", a->checkPoolLiveAllocations(0, pool, {b1}));
+    std::printf("live other: %d\n", a->checkPoolLiveAllocations(0, pool, {b1, b3}));
+    return 0;
+}
+"""
+
+
+@unittest.skipIf(shutil.which(CXX) is None, "no C++ compiler")
+class ShimGraph(unittest.TestCase):
+    def test_routes_follow_begin_end_and_the_filter(self):
+        d = tempfile.mkdtemp()
+        try:
+            r = dict(line.split(": ", 1) for line in build_and_run(d, _PROG).splitlines())
+        finally:
+            shutil.rmtree(d)
+        self.assertEqual(r["hooks"], "1 1 1", r)
+        self.assertEqual(r["before"], "0x4000", r)  # the ordinary path
+        self.assertEqual(r["routed"], "0x5000", r)  # the graph pool
+        self.assertEqual(r["other stream"], "0x4000", r)
+        self.assertEqual(r["other device"], "0x4000", r)
+        self.assertTrue(r["routed failure"].startswith("Error: cuarena: cannot allocate 999 bytes"), r)
+        self.assertEqual(r["after"], "0x4000", r)
+        self.assertEqual(r["release"], "ok", r)
+        self.assertEqual(r["log"], "retain 3,4@0;gmalloc 3,4 4242@0 s0x77;gmalloc 3,4 999@0 s0x77;release 3,4@0;", r)
+        self.assertTrue(r["begin refused"].startswith("Error: cuarena: graph pool of CUDA device 0 unavailable"), r)
+        self.assertEqual(r["not routed"], "0x4000", r)
+        self.assertEqual(r["mempool"], "ok", r)
+        self.assertEqual(r["mempool log"], "retain 5,6@2;", r)
+        self.assertEqual((r["live same"], r["live fewer"], r["live other"]), ("1", "0", "0"), r)
+
+
+if __name__ == "__main__":
+    unittest.main()
