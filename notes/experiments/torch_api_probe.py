@@ -89,6 +89,32 @@ probe("cuda_graph_capture", graph_capture)
 probe("mempool", lambda: torch.cuda.MemPool())
 
 
+def mempool_use():
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        t = torch.randn(1 << 20, device="cuda")
+    r = float(t.sum())
+    del t
+    del pool
+    torch.cuda.synchronize()
+    return r
+
+
+probe("mempool_use", mempool_use)
+
+
+def graphed_callables():
+    lin = torch.nn.Linear(64, 64).cuda()
+    g = torch.cuda.make_graphed_callables(lin, (torch.randn(8, 64, device="cuda", requires_grad=True),))
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    g(x).sum().backward()
+    torch.cuda.synchronize()
+    return float(lin.weight.grad.abs().sum())
+
+
+probe("make_graphed_callables", graphed_callables)
+
+
 def compiled(mode):
     f = torch.compile(lambda t: torch.nn.functional.gelu(t) * 2 + 1, mode=mode)
     t = torch.randn(4096, device="cuda")

@@ -264,6 +264,64 @@ class Frameworks(unittest.TestCase):
             print("torch OK", s["allocations"], s["arena_allocations"], s["pool_allocations"])
         """, "torch OK")
 
+    def test_torch_cuda_graphs_capture_into_cuarenas_graph_pools(self):
+        """torch.cuda.graph, a second graph sharing its pool, and make_graphed_callables through
+        the shim's own allocator: captures allocate in cuarena's graph pools (they were refused
+        before), replays match eager results while eager allocations churn between them, and
+        the graphs' memory comes back once they are gone."""
+        self.run_with("torch", """
+            import gc, torch, cuarena, cuarena.torch
+            inst = cuarena.torch.use()
+            assert inst.torch_stats, inst  # the shim's own allocator: graph pools need it
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                        torch.nn.Linear(1024, 256)).cuda()
+            static_in = torch.randn(64, 256, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    model(static_in)
+            torch.cuda.current_stream().wait_stream(side)
+            reserved0 = torch.cuda.memory_reserved()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                static_out = model(static_in)
+            g2 = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g2, pool=g.pool()):
+                static_out2 = model(static_in * 2)
+            for i in range(5):
+                x = torch.randn(64, 256, device="cuda")
+                static_in.copy_(x)
+                g.replay()
+                g2.replay()
+                junk = [torch.full((1 << k,), float(k), device="cuda") for k in range(8, 24, 3)]
+                with torch.no_grad():
+                    want, want2 = model(x), model(x * 2)
+                assert torch.allclose(static_out, want, rtol=1e-5, atol=1e-5), (i, (static_out - want).abs().max())
+                assert torch.allclose(static_out2, want2, rtol=1e-5, atol=1e-5), i
+                assert all(bool((j == float(k)).all()) for j, k in zip(junk, range(8, 24, 3)))
+                del junk
+            # A graphed module with its backward (two captures sharing a pool).
+            lin = torch.nn.Linear(128, 128).cuda()
+            graphed = torch.cuda.make_graphed_callables(lin, (torch.randn(32, 128, device="cuda", requires_grad=True),))
+            xin = torch.randn(32, 128, device="cuda", requires_grad=True)
+            graphed(xin).sum().backward()
+            w_grad = lin.weight.grad.clone()
+            lin.weight.grad = None
+            xin2 = xin.detach().clone().requires_grad_(True)
+            lin(xin2).sum().backward()
+            assert torch.allclose(w_grad, lin.weight.grad, rtol=1e-5, atol=1e-5)
+            torch.cuda.synchronize()
+            del g, g2, static_out, static_out2, graphed, xin, w_grad
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            s = cuarena.stats()
+            assert s["invalid_frees"] == 0, s
+            print("graphs OK", reserved0, torch.cuda.memory_reserved(), s["reserved_bytes"])
+        """, "graphs OK")
+
     def test_torch_record_stream_past_the_caps_raises_and_foreign_memory_is_skipped(self):
         self.run_with("torch", """
             import ctypes, torch, cuarena, cuarena.torch
