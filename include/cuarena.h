@@ -223,6 +223,8 @@ int cuarena_graph_pool_retain(uint64_t id_a, uint64_t id_b, int device);
 int cuarena_graph_pool_release(uint64_t id_a, uint64_t id_b, int device);
 void *cuarena_graph_malloc(uint64_t id_a, uint64_t id_b, size_t size, int device, cudaStream_t stream);
 int cuarena_graph_pool_live(uint64_t id_a, uint64_t id_b, int device, void **out, size_t n, size_t *count);
+/* How many times the pool is retained now (0 if not retained), or -1. */
+int64_t cuarena_graph_pool_use_count(uint64_t id_a, uint64_t id_b, int device);
 /* This thread's last error message, or NULL if no call has failed on this thread. Valid until
  * the next failing call on this thread. */
 const char *cuarena_last_error(void);

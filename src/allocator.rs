@@ -1946,6 +1946,12 @@ impl Allocator {
         Ok(v.into_iter().map(DeviceAddr).collect())
     }
 
+    /// How many times the CUDA graph pool `id` is retained now: 0 for a pool not retained
+    /// (PyTorch's `MemPool.use_count()`).
+    pub fn graph_pool_use_count(&self, id: GraphPoolId) -> u64 {
+        self.inner.graphs.use_count(id)
+    }
+
     /// Bytes of device memory in CUDA graph pools: their segments, retained or waiting for a
     /// synchronise. Part of `reserved_bytes` and `pool_in_use_bytes`.
     pub fn graph_pool_bytes(&self) -> u64 {

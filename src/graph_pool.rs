@@ -302,6 +302,11 @@ impl GraphPools {
         Some(Ok(GraphFree { bytes: len }))
     }
 
+    /// How many times pool `id` is retained now (0 for a pool not retained).
+    pub(crate) fn use_count(&self, id: GraphPoolId) -> u64 {
+        lock(&self.state).pools.get(&id).map_or(0, |p| p.retained)
+    }
+
     /// The live blocks of pool `id`, or `None` for a pool not retained.
     pub(crate) fn live(&self, id: GraphPoolId) -> Option<Vec<u64>> {
         let st = lock(&self.state);

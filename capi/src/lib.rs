@@ -450,6 +450,17 @@ pub extern "C" fn cuarena_graph_malloc(
     })
 }
 
+/// How many times `device`'s CUDA graph pool `(id_a, id_b)` is retained now (0 for a pool not
+/// retained, or a device with no allocator yet), or -1 (see [`cuarena_last_error`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_graph_pool_use_count(id_a: u64, id_b: u64, device: c_int) -> i64 {
+    guard(-1, || {
+        Ok(created()
+            .find(|(d, _)| *d == device)
+            .map_or(0, |(_, a)| a.graph_pool_use_count(graph_id(id_a, id_b)).min(i64::MAX as u64) as i64))
+    })
+}
+
 /// The live blocks of `device`'s retained CUDA graph pool `(id_a, id_b)`: their number goes to
 /// `*count`, and the first `min(n, count)` of their addresses, in address order, to `out`.
 /// 0, or -1 (nothing written) for a pool not retained, a NULL `count`, or a NULL `out` with

@@ -141,6 +141,7 @@ int cuarena_graph_pool_retain(uint64_t id_a, uint64_t id_b, int device);
 int cuarena_graph_pool_release(uint64_t id_a, uint64_t id_b, int device);
 void *cuarena_graph_malloc(uint64_t id_a, uint64_t id_b, size_t size, int device, void *stream);
 int cuarena_graph_pool_live(uint64_t id_a, uint64_t id_b, int device, void **out, size_t n, size_t *count);
+int64_t cuarena_graph_pool_use_count(uint64_t id_a, uint64_t id_b, int device);
 int cuarena_reset_peak(int device);
 int cuarena_reset_counters(int device);
 void cuarena_empty_cache(void);
@@ -314,10 +315,38 @@ class CuarenaAllocator : public Pluggable {
     void resetPeakStats(c10::DeviceIndex device) override { reset_if_used(device, cuarena_reset_peak, "reset_peak"); }
 
     // torch.cuda.MemPool: one more user of the pool (its destructor's releasePool balances it).
-    // Declared without `override`, as getMemoryFraction, for PyTorch versions without it.
+    // A MemPool with an allocator of its own (ncclMemAlloc, say) is refused: its memory would
+    // be cuarena's. These four are declared without `override`, as getMemoryFraction, for
+    // PyTorch versions without them.
     void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t pool,
-                            std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> = nullptr) {
+                            std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator = nullptr) {
+        if (allocator != nullptr) {
+            C10_THROW_ERROR(Error, "cuarena: a torch.cuda.MemPool with an allocator of its own is not supported "
+                                   "while cuarena is PyTorch's allocator");
+        }
         retain_pool(device, pool);
+    }
+
+    // MemPool(use_on_oom=True) would lend the pool's memory to other allocations when out of
+    // memory; cuarena does not, and refuses it in the constructor. False (what ~MemPool says)
+    // is what cuarena does: accepted, and never throws (a destructor calls it).
+    void setUseOnOOM(c10::DeviceIndex, c10::cuda::MempoolId_t, bool use_on_oom) {
+        if (use_on_oom) {
+            C10_THROW_ERROR(Error, "cuarena: MemPool(use_on_oom=True) is not supported: cuarena does not lend a "
+                                   "pool's memory to other allocations");
+        }
+    }
+
+    // MemPool(no_split=True): cuarena splits segments in every pool, so it refuses this.
+    void setNoSplit(c10::DeviceIndex, c10::cuda::MempoolId_t) {
+        C10_THROW_ERROR(Error, "cuarena: MemPool(no_split=True) is not supported: cuarena splits a pool's segments");
+    }
+
+    // MemPool.use_count().
+    int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t pool) {
+        const int64_t n = cuarena_graph_pool_use_count(pool.first, pool.second, device);
+        check(n < 0 ? -1 : 0, "graph_pool_use_count", device);
+        return static_cast<int>(std::min<int64_t>(n, INT32_MAX));
     }
 
     // CUDA graph trees (torch.compile's reduce-overhead mode) ask whether a pool's live blocks

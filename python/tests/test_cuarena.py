@@ -265,10 +265,11 @@ class Frameworks(unittest.TestCase):
         """, "torch OK")
 
     def test_torch_cuda_graphs_capture_into_cuarenas_graph_pools(self):
-        """torch.cuda.graph, a second graph sharing its pool, and make_graphed_callables through
-        the shim's own allocator: captures allocate in cuarena's graph pools (they were refused
-        before), replays match eager results while eager allocations churn between them, and
-        the graphs' memory comes back once they are gone."""
+        """torch.cuda.graph, a second graph sharing its pool, make_graphed_callables and a
+        MemPool through the shim's own allocator: captures allocate in cuarena's graph pools
+        (they were refused before), replays match eager results while eager allocations churn
+        between them, a MemPool's destructor does not abort the process, and nothing is
+        refused."""
         self.run_with("torch", """
             import gc, torch, cuarena, cuarena.torch
             inst = cuarena.torch.use()
@@ -312,6 +313,22 @@ class Frameworks(unittest.TestCase):
             xin2 = xin.detach().clone().requires_grad_(True)
             lin(xin2).sum().backward()
             assert torch.allclose(w_grad, lin.weight.grad, rtol=1e-5, atol=1e-5)
+            # torch.cuda.MemPool: its allocations go to a pool of its own, ordinary ones do not.
+            pool = torch.cuda.MemPool()
+            assert pool.use_count() == 1, pool.use_count()
+            with torch.cuda.use_mem_pool(pool):
+                t = torch.full((1 << 20,), 3.0, device="cuda")
+            u = torch.full((1 << 20,), 4.0, device="cuda")
+            assert t.data_ptr() != u.data_ptr() and float(t.sum()) == 3.0 * (1 << 20)
+            assert float(u.sum()) == 4.0 * (1 << 20)
+            del t, u, pool  # the pool's destructor never throws
+            try:
+                torch.cuda.MemPool(use_on_oom=True)
+                print("no error for use_on_oom")
+            except TypeError:
+                pass  # a PyTorch without the argument
+            except RuntimeError as e:
+                assert "use_on_oom" in str(e), e
             torch.cuda.synchronize()
             del g, g2, static_out, static_out2, graphed, xin, w_grad
             gc.collect()

@@ -52,6 +52,16 @@ int main() {
     stub_graph_set(1, 0, nullptr);
     call("mempool", [&] { a->createOrIncrefPool(2, c10::cuda::MempoolId_t{5, 6}); });
     std::printf("mempool log: %s\n", stub_graph_log());
+    // What MemPool's constructor and destructor call besides.
+    call("use_on_oom false", [&] { a->setUseOnOOM(2, c10::cuda::MempoolId_t{5, 6}, false); });
+    call("use_on_oom true", [&] { a->setUseOnOOM(2, c10::cuda::MempoolId_t{5, 6}, true); });
+    call("no_split", [&] { a->setNoSplit(2, c10::cuda::MempoolId_t{5, 6}); });
+    call("own allocator", [&] {
+        a->createOrIncrefPool(2, c10::cuda::MempoolId_t{7, 8},
+                              std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator>(
+                                  reinterpret_cast<c10::cuda::CUDACachingAllocator::CUDAAllocator *>(0x10), [](auto *) {}));
+    });
+    std::printf("use_count: %d\n", a->getPoolUseCount(2, c10::cuda::MempoolId_t{5, 6}));
     const uint64_t blocks[] = {0x1000, 0x2000};
     stub_graph_set(1, 2, blocks);
     void *b1 = reinterpret_cast<void *>(0x1000), *b2 = reinterpret_cast<void *>(0x2000), *b3 = reinterpret_cast<void *>(0x3000);
@@ -84,6 +94,11 @@ class ShimGraph(unittest.TestCase):
         self.assertEqual(r["not routed"], "0x4000", r)
         self.assertEqual(r["mempool"], "ok", r)
         self.assertEqual(r["mempool log"], "retain 5,6@2;", r)
+        self.assertEqual(r["use_on_oom false"], "ok", r)
+        self.assertTrue(r["use_on_oom true"].startswith("Error: cuarena: MemPool(use_on_oom=True) is not supported"), r)
+        self.assertTrue(r["no_split"].startswith("Error: cuarena: MemPool(no_split=True) is not supported"), r)
+        self.assertTrue(r["own allocator"].startswith("Error: cuarena: a torch.cuda.MemPool with an allocator"), r)
+        self.assertEqual(r["use_count"], "2", r)
         self.assertEqual((r["live same"], r["live fewer"], r["live other"]), ("1", "0", "0"), r)
 
 

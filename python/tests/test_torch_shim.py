@@ -144,6 +144,9 @@ struct CUDAPluggableAllocator {
                                     std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator = nullptr);
     virtual bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
                                           const std::unordered_set<void *> &expected_live_allocations);
+    virtual void setUseOnOOM(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id, bool use_on_oom);
+    virtual void setNoSplit(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id);
+    virtual int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id);
     virtual void cacheInfo(c10::DeviceIndex device, size_t *largestBlock);
     virtual c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device);
     virtual void resetAccumulatedStats(c10::DeviceIndex device);
@@ -188,6 +191,9 @@ void CUDAPluggableAllocator::createOrIncrefPool(c10::DeviceIndex, c10::cuda::Mem
 bool CUDAPluggableAllocator::checkPoolLiveAllocations(c10::DeviceIndex, c10::cuda::MempoolId_t, const std::unordered_set<void *> &) {
     C10_THROW_ERROR(Error, "does not yet support checkPoolLiveAllocations");
 }
+void CUDAPluggableAllocator::setUseOnOOM(c10::DeviceIndex, c10::cuda::MempoolId_t, bool) { C10_THROW_ERROR(Error, "does not yet support setUseOnOOM"); }
+void CUDAPluggableAllocator::setNoSplit(c10::DeviceIndex, c10::cuda::MempoolId_t) { C10_THROW_ERROR(Error, "does not yet support setNoSplit"); }
+int CUDAPluggableAllocator::getPoolUseCount(c10::DeviceIndex, c10::cuda::MempoolId_t) { C10_THROW_ERROR(Error, "does not yet support getPoolUseCount"); }
 void CUDAPluggableAllocator::init(int) { initialized_ = true; }
 void CUDAPluggableAllocator::cacheInfo(c10::DeviceIndex, size_t *) { C10_THROW_ERROR(Error, "does not yet support cacheInfo"); }
 c10::CachingDeviceAllocator::DeviceStats CUDAPluggableAllocator::getDeviceStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support getDeviceStats"); }
