@@ -203,7 +203,8 @@ pub(crate) struct GraphPools {
     /// free reads it (`Acquire`) before it looks here, so that programs without graph pools
     /// never take the lock. A block of a pool is handed out only after the store, and a thread
     /// freeing it got its address from the allocation through some synchronisation, which
-    /// orders the store before the load: a free of a pool's block never reads `false`.
+    /// orders the store before the load: a free of a pool's block never reads `false`. Loom
+    /// models: `loom-tests/tests/graph_pool.rs` (the mutation `graph_flag_unset` fails them).
     used: AtomicBool,
     state: Mutex<State>,
 }
@@ -218,7 +219,11 @@ impl GraphPools {
     pub(crate) fn retain(&self, id: GraphPoolId) {
         let mut st = lock(&self.state);
         st.pools.entry(id).or_default().retained += 1;
-        self.used.store(true, Ordering::Release);
+        // The mutation `graph_flag_unset` leaves the flag down: the loom model
+        // `a_graph_block_freed_by_another_thread_is_taken_back_by_its_pool` must then fail.
+        if !cfg!(cuarena_mutant = "graph_flag_unset") {
+            self.used.store(true, Ordering::Release);
+        }
     }
 
     /// Releases pool `id` once. Returns false, changing nothing, for a pool not retained.
@@ -380,9 +385,13 @@ impl GraphPools {
     }
 }
 
-/// The segment a pool takes for a block of `len` bytes (PyTorch's sizes).
+/// The segment a pool takes for a block of `len` bytes (PyTorch's sizes; a 64th of them in the
+/// loom models, whose device is tiny).
 fn segment_bytes(len: usize) -> usize {
+    #[cfg(not(loom))]
     const MIB: usize = 1 << 20;
+    #[cfg(loom)]
+    const MIB: usize = 16 << 10;
     if len <= MIB {
         2 * MIB
     } else if len < 10 * MIB {

@@ -38,6 +38,7 @@ claim_no_light_barrier   allocator  a_reclaim_racing_the_owner_loses_nothing
 transit_unmarked         allocator  a_second_free_while_the_first_waits_in_an_outbox_is_refused
 owner_free_unmarked      allocator  a_remote_free_after_the_owners_local_free_is_refused
 carve_ignores_transit    allocator  a_bad_free_on_its_way_is_never_taken_as_a_free_of_a_later_block
+graph_flag_unset         graph_pool a_graph_block_freed_by_another_thread_is_taken_back_by_its_pool
 pool_free_unmarked       allocator  a_second_free_after_the_range_is_lent_again_is_refused
 zombie_no_sync           user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
 zombie_never_parked      user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
