@@ -1558,7 +1558,9 @@ impl Allocator {
         if let Some(e) = refused {
             return Err(e);
         }
-        if let Some(r) = self.free_graph(ptr, size, stream, false) {
+        if self.inner.graphs.in_use()
+            && let Some(r) = self.free_graph(ptr, size, stream, false)
+        {
             return r; // a CUDA graph pool's block
         }
         if let Some(p) = &self.inner.passthrough {
@@ -1604,7 +1606,9 @@ impl Allocator {
     ) -> Result<()> {
         // A graph pool's block declared used on another stream is held, not fenced
         // (graph_pool.rs): no event orders a capture's streams from outside it.
-        if let Some(r) = self.free_graph(ptr, size, stream, used_on.iter().any(|&s| s != stream)) {
+        if self.inner.graphs.in_use()
+            && let Some(r) = self.free_graph(ptr, size, stream, used_on.iter().any(|&s| s != stream))
+        {
             return r;
         }
         if let Some(p) = &self.inner.passthrough {

@@ -271,6 +271,12 @@ impl GraphPools {
         Ok((a, len as u64))
     }
 
+    /// True once any pool was retained: until then no free needs to look here.
+    #[inline]
+    pub(crate) fn in_use(&self) -> bool {
+        self.used.load(Ordering::Acquire)
+    }
+
     /// A free of `ptr` with `size` on `stream`, if `ptr` lies in a graph pool's segment (else
     /// `None`: not a graph pool's). `other_streams`: the block was declared used on a stream
     /// other than `stream` (it is then held; see the module comment). A refused free changes
@@ -282,7 +288,7 @@ impl GraphPools {
         stream: Stream,
         other_streams: bool,
     ) -> Option<Result<GraphFree>> {
-        if !self.used.load(Ordering::Acquire) {
+        if !self.in_use() {
             return None;
         }
         let mut st = lock(&self.state);
