@@ -1518,8 +1518,8 @@ impl Allocator {
         !inner.trace.on() && inner.passthrough.is_none() && free_fast(inner, stream, ptr.0, size, refused)
     }
 
-    /// Every free [`Allocator::deallocate_fast`] did not take: a trace running, then as
-    /// [`Allocator::deallocate_rest`].
+    /// Every free [`Allocator::deallocate_fast`] did not take: a graph pool's block, a trace
+    /// running, then as [`Allocator::deallocate_rest`].
     #[cold]
     #[inline(never)]
     fn deallocate_slow(
@@ -1529,6 +1529,13 @@ impl Allocator {
         stream: Stream,
         refused: Option<Error>,
     ) -> Result<()> {
+        // A CUDA graph pool's block; not traced, as its allocation was not.
+        if refused.is_none()
+            && self.inner.graphs.in_use()
+            && let Some(r) = self.free_graph(ptr, size, stream, false)
+        {
+            return r;
+        }
         if refused.is_none() && self.inner.trace.on() {
             return self.deallocate_traced(ptr, size, stream); // a trace records (trace.rs)
         }
@@ -1557,11 +1564,6 @@ impl Allocator {
     ) -> Result<()> {
         if let Some(e) = refused {
             return Err(e);
-        }
-        if self.inner.graphs.in_use()
-            && let Some(r) = self.free_graph(ptr, size, stream, false)
-        {
-            return r; // a CUDA graph pool's block
         }
         if let Some(p) = &self.inner.passthrough {
             return p.deallocate(ptr, size, stream); // pass-through mode

@@ -274,3 +274,27 @@ fn threads_capturing_into_their_own_pools_alongside_eager_churn_never_overlap() 
     a.check_invariants();
     assert_all_returned(&a, Some(&dev), 0);
 }
+
+/// A trace records neither a graph pool's allocations nor their frees (a replay would meet a
+/// free of an address it never allocated), and the eager traffic around them as usual.
+#[test]
+fn traces_leave_graph_pool_blocks_out() {
+    let dev = host(0);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let s = dev.create_stream();
+    let pool = GraphPoolId(11, 0);
+    a.graph_pool_retain(pool);
+    let dir = std::env::temp_dir().join(format!("cuarena-graph-trace-{}", std::process::id()));
+    a.start_trace(&dir).unwrap();
+    let g = a.graph_allocate(pool, 4096, s).unwrap();
+    let e = a.allocate(4096, s).unwrap();
+    a.deallocate(g, 4096, s).unwrap();
+    a.deallocate(e, 4096, s).unwrap();
+    let summary = a.stop_trace().unwrap();
+    let records = cuarena::trace::read(&dir).unwrap();
+    std::fs::remove_file(&dir).unwrap();
+    assert_eq!(summary.records, 2, "{records:?}");
+    assert!(records.iter().all(|r| r.ptr == e.0), "{records:?}");
+    a.graph_pool_release(pool).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
