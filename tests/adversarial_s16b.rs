@@ -658,10 +658,18 @@ fn a_failed_spawn_ends_the_waits_on_threads_never_started() {
     let r = replay(&f, "cuarena", &["--allocators", "mutex-first-fit"], None, LIMIT);
     assert_eq!(r.code(), Some(0), "the control run: {}", r.show());
     let mut reached = false;
-    for kib in [768u64 << 10, 1024 << 10, 1536 << 10] {
+    for kib in [768u64 << 10, 1024 << 10, 1280 << 10, 1536 << 10, 2048 << 10] {
         let r =
             replay(&f, "cuarena", &["--allocators", "mutex-first-fit"], Some(kib), Duration::from_secs(60));
         assert!(r.status.is_some(), "cap {kib} KiB: the replay hung\n{}", r.show());
+        // The cap may also starve a heap allocation, or a started thread's signal stack, which
+        // Rust answers with an abort in any program: not the path under test (a CI run on a
+        // loaded machine met it once at 1 GiB), so that cap proves nothing either way.
+        if r.stderr.contains("memory allocation of")
+            || r.stderr.contains("failed to allocate an alternative stack")
+        {
+            continue;
+        }
         if r.stderr.contains("cannot start a thread") {
             reached = true;
             assert!(
