@@ -200,7 +200,8 @@ const char *cuarena_version_string(void);
  * defaults too. */
 int cuarena_set_defaults(const char *items);
 /* Allocation traces (the format: cuarena's src/trace.rs; `cuarena trace-csv IN OUT` writes CSV).
- * cuarena_trace_start records every allocation and free of device's allocator into the file at
+ * cuarena_trace_start records every allocation and free of device's allocator (but a graph pool's)
+ * into the file at
  * path (created or truncated); cuarena_trace_stop writes every thread's records and closes it.
  * CUARENA_CONF=trace=PATH starts one at the allocator's creation; a trace still running at
  * process exit is ended then. Both return 0 on success, -1 on failure (a trace already running
@@ -210,15 +211,18 @@ int cuarena_trace_stop(int device);
 /* CUDA graph pools (PyTorch's private pools; id_a, id_b: its MempoolId_t). Memory allocated
  * while a stream is being captured must stay out of general use while the graph may be replayed:
  * route such allocations to a retained pool with cuarena_graph_malloc (freed with cuarena_free,
- * back into the pool). A pool grows only by memory needing no stream wait (no event, no query,
- * so the capture is not broken); its frees are reused by the same stream handle only, with no
- * fence (PyTorch's rule: graphs sharing a pool are replayed in capture order); a block declared
- * used on another stream (record_stream) is not reused while the pool lives. Retain once per
- * capture (or other user), release as often; after the last release and the last free its
- * memory returns after the next device synchronise (cuarena_empty_cache, out of memory).
- * retain/release: 0 or -1 (release of a pool not retained). cuarena_graph_malloc: NULL on
- * failure (out of memory at once: no reclaim, no OOM hook). cuarena_graph_pool_live: writes the
- * number of live blocks to *count and the first min(n, count) addresses to out; 0 or -1. */
+ * back into the pool). A pool grows only by memory needing no stream wait, and during a capture
+ * no event is recorded or waited on, so the capture is not broken. A free made during a capture
+ * is reused, with no fence, by captures on the same stream handle (PyTorch's rule: graphs
+ * sharing a pool are replayed in capture order); one made outside a capture is reused at once by
+ * its stream, by another behind a wait on a fence recorded at the free, and by a capture once
+ * that fence is complete. A block declared used on another stream (record_stream) and freed
+ * during a capture is not reused while the pool lives. Retain once per capture (or other user),
+ * release as often; after the last release and the last free the memory returns after the next
+ * device synchronise (cuarena_empty_cache, out of memory). retain/release: 0 or -1 (release of
+ * a pool not retained). cuarena_graph_malloc: NULL on failure (out of memory at once: no
+ * reclaim, no OOM hook). cuarena_graph_pool_live: writes the number of live blocks to *count and
+ * the first min(n, count) addresses to out; 0 or -1. Graph-pool blocks are not traced. */
 int cuarena_graph_pool_retain(uint64_t id_a, uint64_t id_b, int device);
 int cuarena_graph_pool_release(uint64_t id_a, uint64_t id_b, int device);
 void *cuarena_graph_malloc(uint64_t id_a, uint64_t id_b, size_t size, int device, cudaStream_t stream);

@@ -76,9 +76,9 @@ use crate::device::cuda::CudaDevice;
 use crate::device::{Device, DeviceKind};
 use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
-use crate::fence::Fence;
+use crate::fence::{Fence, FenceSet};
 use crate::global_pool::{GlobalPool, Origin};
-use crate::graph_pool::{GraphPoolId, GraphPools};
+use crate::graph_pool::{FreeAs, GraphPoolId, GraphPools, Want};
 use crate::outbox::{Outbox, ParkedFrees, UserSend};
 use crate::shell::{ArenaShell, Freed};
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
@@ -1427,7 +1427,9 @@ impl Allocator {
     #[inline]
     fn allocate_once(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if let Some(p) = &self.inner.passthrough {
-            return p.allocate(size, stream, self.inner.pool.limit()); // pass-through mode
+            // Pass-through mode; the pool holds graph pools' segments only, under the same cap.
+            let pool = &self.inner.pool;
+            return p.allocate(size, stream, pool.limit().saturating_sub(pool.reserved()));
         }
         if size == 0 {
             return Ok(DeviceAddr::NULL);
@@ -1531,8 +1533,8 @@ impl Allocator {
     ) -> Result<()> {
         // A CUDA graph pool's block; not traced, as its allocation was not.
         if refused.is_none()
-            && self.inner.graphs.in_use()
-            && let Some(r) = self.free_graph(ptr, size, stream, false)
+            && self.inner.graphs.may_hold(ptr.0)
+            && let Some(r) = self.free_graph(ptr, size, stream, &[])
         {
             return r;
         }
@@ -1606,10 +1608,10 @@ impl Allocator {
         stream: Stream,
         used_on: &[Stream],
     ) -> Result<()> {
-        // A graph pool's block declared used on another stream is held, not fenced
-        // (graph_pool.rs): no event orders a capture's streams from outside it.
-        if self.inner.graphs.in_use()
-            && let Some(r) = self.free_graph(ptr, size, stream, used_on.iter().any(|&s| s != stream))
+        // A graph pool's block: kept by its pool's rules (graph_pool.rs), which order or hold
+        // the declared streams.
+        if self.inner.graphs.may_hold(ptr.0)
+            && let Some(r) = self.free_graph(ptr, size, stream, used_on)
         {
             return r;
         }
@@ -1717,7 +1719,14 @@ impl Allocator {
     pub fn trim(&self, blocking: bool) -> Result<usize> {
         self.retry_held();
         if self.inner.passthrough.is_some() {
-            return Ok(0); // pass-through mode holds nothing to release
+            // Pass-through mode holds nothing to release but graph pools' memory.
+            return with_slot(&self.inner, |slot, inner| {
+                let env = inner.env(&slot.counters);
+                if blocking {
+                    inner.bury_zombies(&env)?;
+                }
+                inner.pool.trim(&env.dev, blocking)
+            });
         }
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
@@ -1816,7 +1825,7 @@ impl Allocator {
     #[doc(hidden)]
     pub fn check_invariants(&self) {
         self.inner.pool.check();
-        self.inner.graphs.check();
+        self.inner.graphs.check(|b| self.inner.pool.segment_len(b));
         self.inner.passthrough.iter().for_each(|p| p.check()); // pass-through mode
     }
 
@@ -1915,33 +1924,59 @@ impl Allocator {
     }
 
     /// Allocates `size` bytes for `stream` in the retained CUDA graph pool `id` (512-byte
-    /// aligned; `size == 0` gives [`DeviceAddr::NULL`]). Meant for allocations made while
-    /// `stream` is being captured: it makes no stream query, no event and no wait, and a pool
-    /// grows only by memory that needs none ([`crate::graph_pool`'s rules](GraphPoolId)). The
-    /// block is freed with [`Allocator::deallocate`] like any other, and goes back to its pool.
-    /// Out of memory is [`Error::OutOfMemory`] at once: no reclaim, no OOM hook (both may
-    /// synchronise, which would break a capture).
+    /// aligned; `size == 0` gives [`DeviceAddr::NULL`]), for allocations made while `stream` is
+    /// being captured (PyTorch's private pools; `graph_pool.rs` has the rules). It asks
+    /// `cuStreamIsCapturing` of `stream`; during a capture it records and waits on no event
+    /// (memory another stream freed serves only once its fence is complete), outside one it
+    /// also asks the stream's identity and may make it wait on a fence. The block is freed with
+    /// [`Allocator::deallocate`] like any other, and goes back to its pool. Out of memory is
+    /// [`Error::OutOfMemory`] at once (counted in `ooms`): no reclaim and no OOM hook, which
+    /// may synchronise and so break a capture.
     pub fn graph_allocate(&self, id: GraphPoolId, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if size == 0 {
             return Ok(DeviceAddr::NULL);
         }
         let inner = &self.inner;
-        if size > inner.pool.limit().max(inner.pool.total()) {
-            return Err(inner.oom(size));
-        }
-        with_slot(inner, |slot, inner| {
-            let env = inner.env(&slot.counters);
-            let (addr, bytes) = inner
-                .graphs
-                .alloc(id, size, stream, |b| inner.pool.take_segment(&env.dev, b))
-                .map_err(|e| match e {
-                    // The size asked for, not the segment's.
-                    Error::OutOfMemory { .. } => inner.oom(size),
-                    e => e,
+        let r = if size > inner.pool.limit().max(inner.pool.total()) {
+            Err(inner.oom(size))
+        } else {
+            with_slot(inner, |slot, inner| {
+                let env = inner.env(&slot.counters);
+                let capturing = env.dev.stream_capturing(stream)?;
+                let key = if capturing { None } else { Some(env.dev.stream_key(stream)?) };
+                let want = key.map_or(Want::Capturing(stream), |k| Want::Stream(k.0));
+                // Another stream's free: during a capture only once its fence is complete (a
+                // query, in the relaxed capture mode); otherwise behind a wait on it.
+                let mut ready = |f: &FenceSet| -> Result<bool> {
+                    match key {
+                        None => Ok(f.is_clear() || f.poll_all(&env.dev)?),
+                        Some(k) => f
+                            .order_before(&env.dev, stream, k, || {
+                                Err(Error::Unsupported(
+                                    "a graph pool's fence is never a lazy legacy one".into(),
+                                ))
+                            })
+                            .map(|()| true),
+                    }
+                };
+                // In pass-through mode the driver's blocks count against the cap too.
+                let outside = inner.passthrough.as_ref().map_or(0, |p| p.stats().reserved_bytes as usize);
+                let (addr, bytes) = inner.graphs.alloc(id, size, want, &mut ready, |b| {
+                    inner.pool.take_segment(&env.dev, b, crate::graph_pool::BLOCK_ALIGN, outside)
                 })?;
-            slot.counted_alloc(bytes as usize, AllocPath::Pool);
-            Ok(DeviceAddr(addr))
-        })
+                slot.counted_alloc(bytes as usize, AllocPath::Pool);
+                Ok(DeviceAddr(addr))
+            })
+            .map_err(|e| match e {
+                // The size asked for, not the segment's.
+                Error::OutOfMemory { .. } => inner.oom(size),
+                e => e,
+            })
+        };
+        if let Err(Error::OutOfMemory { .. }) = r {
+            self.count(|c| &c.ooms);
+        }
+        r
     }
 
     /// The live blocks of the retained CUDA graph pool `id`, by address
@@ -1964,28 +1999,65 @@ impl Allocator {
         self.inner.graphs.bytes()
     }
 
-    /// A free of a graph pool's block (`other_streams`: declared used on another stream than
-    /// `stream`), counted; `None` if `ptr` is not in a graph pool.
+    /// A free of a graph pool's block, also used on the streams `used_on` (declared by
+    /// `record_stream`), kept as `graph_pool.rs` says and counted; `None` if `ptr` is not in a
+    /// graph pool. Checked before any driver call: a bad free costs none.
     #[cold]
     fn free_graph(
         &self,
         ptr: DeviceAddr,
         size: usize,
         stream: Stream,
-        other_streams: bool,
+        used_on: &[Stream],
     ) -> Option<Result<()>> {
-        let r = self.inner.graphs.free(ptr.0, size, stream, other_streams)?;
-        Some(with_slot(&self.inner, |slot, _| match r {
-            Ok(f) => {
-                slot.counted_free(f.bytes as usize);
-                Ok(())
-            }
-            Err(e) => {
-                slot.counters.bump(&slot.counters.invalid_frees, 1);
-                Err(e)
+        let checked = self.inner.graphs.check_free(ptr.0, size)?;
+        Some(with_slot(&self.inner, |slot, inner| {
+            let r = checked.and_then(|()| {
+                let how = graph_free_as(&inner.env(&slot.counters), stream, used_on)?;
+                // `None`: the pool retired since the check (another free of this block raced it).
+                let unknown = Error::InvalidFree { ptr: ptr.0, size, reason: InvalidFree::UnknownPointer };
+                inner.graphs.free(ptr.0, size, how).unwrap_or(Err(unknown))
+            });
+            match r {
+                Ok(f) => {
+                    slot.counted_free(f.bytes as usize);
+                    Ok(())
+                }
+                Err(e) => {
+                    if let Error::InvalidFree { .. } = e {
+                        slot.counters.bump(&slot.counters.invalid_frees, 1);
+                    }
+                    Err(e)
+                }
             }
         }))
     }
+}
+
+/// How a graph pool's block freed on `stream`, declared used on `used_on`, is kept
+/// (`graph_pool.rs`, "The rules"): during a capture of `stream` or of a declared stream, by
+/// handle or held; otherwise with `stream`'s identity and a fence recorded on it now, after the
+/// declared streams' work is ordered before it (as [`Allocator::deallocate_used_on`] does).
+fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<FreeAs> {
+    let others: Vec<Stream> = used_on.iter().copied().filter(|&s| s != stream).collect();
+    if env.dev.stream_capturing(stream)? {
+        return Ok(if others.is_empty() { FreeAs::Captured(stream) } else { FreeAs::Held });
+    }
+    for &s in &others {
+        if env.dev.stream_capturing(s)? {
+            return Ok(FreeAs::Held);
+        }
+    }
+    let key = env.dev.stream_key(stream)?;
+    for &s in &others {
+        let ks = env.dev.stream_key(s)?;
+        if ks != key
+            && let Some(f) = env.fence(s, ks)?
+        {
+            f.order_before(&env.dev, stream, key)?;
+        }
+    }
+    Ok(FreeAs::Stream(key.0, FenceSet::one(env.fence(stream, key)?)))
 }
 
 // ---- The OOM hook (issue 11, item 4) ----

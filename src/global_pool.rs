@@ -29,7 +29,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::address_tree::AddressTree;
+use crate::address_tree::{AddressTree, aligned_capacity};
 use crate::config::Config;
 use crate::device::Device;
 use crate::device::counted::Counted;
@@ -179,6 +179,8 @@ impl GlobalPool {
     /// Reserves a new chunk of at least `min` bytes (a multiple of the superblock) and returns
     /// its base. With `may_trim`, a full cap or device first gives back what it can (`trim`,
     /// non-blocking); a graph pool's growth, which may run inside a capture, does not.
+    /// `outside`: bytes reserved outside the pool that count against the cap too (pass-through
+    /// mode's blocks, for a graph pool's growth there).
     fn grow(
         &self,
         st: &mut PoolState,
@@ -186,10 +188,13 @@ impl GlobalPool {
         min: usize,
         requested: usize,
         may_trim: bool,
+        outside: usize,
     ) -> Result<u64> {
         // Bytes the cap still allows, in whole superblocks.
-        let room =
-            |st: &PoolState| self.limit().saturating_sub(st.reserved) / self.superblock * self.superblock;
+        let room = |st: &PoolState| {
+            self.limit().saturating_sub(st.reserved).saturating_sub(outside) / self.superblock
+                * self.superblock
+        };
         if min > room(st) {
             if may_trim {
                 self.trim_locked(st, dev, false)?;
@@ -268,7 +273,7 @@ impl GlobalPool {
                     let min = bytes
                         .checked_next_multiple_of(self.superblock)
                         .ok_or_else(|| self.oom(&st, bytes))?;
-                    self.grow(&mut st, dev, min, bytes, true)?;
+                    self.grow(&mut st, dev, min, bytes, true, 0)?;
                     st.free.first_fit(bytes as u64).expect("a new chunk fits the request")
                 }
             };
@@ -291,37 +296,66 @@ impl GlobalPool {
     }
 
     /// Hands out `bytes` (a multiple of [`GRANULE`]) as a segment of a CUDA graph's private
-    /// pool (`graph_pool.rs`): memory that needs no stream wait and no driver call before use,
-    /// so that a pool may grow while its stream is being captured (a wait on an event recorded
-    /// outside the capture would break it). That is the lowest-addressed free extent that is
-    /// long enough and whose fences are all known complete without a query
-    /// ([`FenceSet::is_clear`]), found by a scan of the free extents (a graph pool grows
-    /// seldom), or else a new chunk, reserved without the `trim` that growth otherwise runs
-    /// when full (its queries and releases are not for a capture). The segment stays in
-    /// `used` until [`GlobalPool::give_back_segment`]; a caller's free of it is refused.
-    pub(crate) fn take_segment(&self, dev: &Counted<'_>, bytes: usize) -> Result<u64> {
+    /// pool (`graph_pool.rs`), starting on a multiple of `align` (a power of two): memory that
+    /// needs no stream wait and no driver call before use, so that a pool may grow while its
+    /// stream is being captured (a wait on an event recorded outside the capture would break
+    /// it). That is the lowest-addressed free extent that holds an aligned run of `bytes` and
+    /// whose fences are all known complete without a query ([`FenceSet::is_clear`]), found by
+    /// a scan of the free extents (a graph pool grows seldom), or else a new chunk, reserved
+    /// without the `trim` that growth otherwise runs when full (its queries and releases are
+    /// not for a capture). `outside`: bytes reserved outside the pool that count against the
+    /// cap. The segment stays in `used` until [`GlobalPool::give_back_segment`]; a caller's
+    /// free of it is refused.
+    pub(crate) fn take_segment(
+        &self,
+        dev: &Counted<'_>,
+        bytes: usize,
+        align: usize,
+        outside: usize,
+    ) -> Result<u64> {
+        let a = align as u64;
         let mut st = lock(&self.state);
         let mut found = None;
-        st.free.for_each(|a, l, v| {
-            if found.is_none() && l >= bytes as u64 && v.fences.is_clear() {
-                found = Some(a);
+        st.free.for_each(|ext, l, v| {
+            if found.is_none() && v.fences.is_clear() && aligned_capacity(ext, l, a) >= bytes as u64 {
+                found = Some(ext);
             }
         });
-        let addr = match found {
-            Some(a) => a,
+        let ext = match found {
+            Some(ext) => ext,
             None => {
                 let min =
                     bytes.checked_next_multiple_of(self.superblock).ok_or_else(|| self.oom(&st, bytes))?;
-                self.grow(&mut st, dev, min, bytes, false)?
+                let base = self.grow(&mut st, dev, min, bytes, false, outside)?;
+                let len = st.free.get(base).expect("a new chunk").0;
+                if aligned_capacity(base, len, a) >= bytes as u64 {
+                    base
+                } else {
+                    // The device gave a chunk off `align` (as `lend` meets it): one more
+                    // superblock's room.
+                    let more = min.checked_add(self.superblock).ok_or_else(|| self.oom(&st, bytes))?;
+                    self.grow(&mut st, dev, more, bytes, false, outside)?
+                }
             }
         };
-        let (chunk, _clear) = Self::carve(&mut st, addr, addr, bytes);
+        let start = ext.next_multiple_of(a);
+        let (chunk, _clear) = Self::carve(&mut st, ext, start, bytes);
         st.used.insert(
-            addr,
+            start,
             Used { len: bytes, kind: UsedKind::GraphSegment, chunk, from_arena: false, freeing: false },
         );
         st.in_use += bytes;
-        Ok(addr)
+        Ok(start)
+    }
+
+    /// Bytes reserved from the device now.
+    pub(crate) fn reserved(&self) -> usize {
+        lock(&self.state).reserved
+    }
+
+    /// The bytes of the graph segment at `addr`, if one is there (for the graph pools' check).
+    pub(crate) fn segment_len(&self, addr: u64) -> Option<usize> {
+        lock(&self.state).used.get(&addr).filter(|u| u.kind == UsedKind::GraphSegment).map(|u| u.len)
     }
 
     /// Takes back a segment from [`GlobalPool::take_segment`]. The caller guarantees that no
@@ -502,12 +536,12 @@ impl GlobalPool {
             let ext = match st.free.first_fit_aligned(len as u64) {
                 Some(a) => a,
                 None => {
-                    self.grow(&mut st, dev, len, requested, true)?;
+                    self.grow(&mut st, dev, len, requested, true, 0)?;
                     match st.free.first_fit_aligned(len as u64) {
                         Some(a) => a,
                         // The device returned a chunk not aligned to the superblock size.
                         None => {
-                            self.grow(&mut st, dev, len + s, requested, true)?;
+                            self.grow(&mut st, dev, len + s, requested, true, 0)?;
                             st.free
                                 .first_fit_aligned(len as u64)
                                 .expect("a chunk of one superblock more holds an aligned run")

@@ -14,18 +14,25 @@
 //! - **Growth needs no wait.** A pool grows by *segments* from the global pool that need no
 //!   stream wait and no query before use (`GlobalPool::take_segment`): a capturing stream
 //!   cannot wait on an event recorded outside its capture without breaking it. Segment sizes
-//!   follow PyTorch's: 2 MiB for requests up to 1 MiB, 20 MiB up to 10 MiB, otherwise the
-//!   request rounded up to 2 MiB. Blocks are multiples of [`BLOCK_ALIGN`] bytes.
-//! - **Reuse inside a pool is by stream handle, with no fence**, as PyTorch's private pools
-//!   reuse: a block freed on a stream is handed out again only for that stream's handle (the
-//!   legacy stream's two handles are one; a per-thread stream's handle is the freeing
-//!   thread's), and never-used memory for any stream. A stream's identity cannot be asked
-//!   during a capture (`cuStreamGetId` breaks it: `device/cuda.rs`), so the handle is what
-//!   there is; the graphs that share a pool must be replayed in the order they were captured,
-//!   which is PyTorch's own rule for shared pools.
-//! - **A block declared used on another stream** (`record_stream`) is not reused by its pool
-//!   at all: it is held until the pool retires (below), since no event can order a capture's
-//!   streams from outside it.
+//!   follow PyTorch's: 2 MiB for requests up to 1 MiB, 20 MiB under 10 MiB, otherwise the
+//!   request rounded up to 2 MiB. Blocks are multiples of [`BLOCK_ALIGN`] bytes and start on
+//!   a multiple of it.
+//! - **A free made during a capture** ([`FreeAs::Captured`]) is reused, with no fence, only by
+//!   allocations made during a capture on the same stream handle (the per-thread stream's is
+//!   the freeing thread's), as PyTorch's private pools reuse: the graphs that share a pool
+//!   must be replayed in the order they were captured (PyTorch's rule). The handle is all
+//!   there is: a capturing stream's identity cannot be asked (`cuStreamGetId` breaks the
+//!   capture: `device/cuda.rs`), and it cannot be destroyed while it captures.
+//! - **A free made outside a capture** ([`FreeAs::Stream`]) keeps the stream's identity and a
+//!   fence recorded at the free: the same stream reuses it at once (the free's contract), an
+//!   allocation on another stream only behind a wait on that fence, and an allocation during a
+//!   capture only once the fence is known or queried complete. So a destroyed stream's handle
+//!   given to a new stream gets nothing early.
+//! - **A block declared used on another stream** (`record_stream`) and freed while a stream of
+//!   the free is being captured is held ([`FreeAs::Held`]): not reused until the pool retires
+//!   (below), since no event can order a capture's streams from outside it. Outside a capture,
+//!   the declared streams are ordered before the free's stream first (`allocator.rs`), and the
+//!   free is an ordinary one.
 //! - **Nothing leaves a pool while it is retained.** A pool is retained once per
 //!   [`GraphPools::retain`] (PyTorch: once per capture into it, and once per `MemPool`) and
 //!   released once per [`GraphPools::release`]. At the last release, once no block of it is
@@ -39,8 +46,10 @@
 //! ## Invariants (under `state`'s lock)
 //! - Every byte of every segment of a pool is in exactly one of its `live` blocks, its `free`
 //!   ranges or its `held` ranges; `fit` holds exactly the entries of `free`.
-//! - Two `free` ranges of one segment that touch have different [`Reuse`]s (same ones merge).
-//! - `segments` maps each segment of each pool that is not parked to that pool.
+//! - Two `free` ranges of one segment that touch have different [`Reuse`]s (same ones merge,
+//!   their fences merged); only a [`Reuse::Stream`] range carries fences.
+//! - `segments` maps each segment of each pool that is not parked to that pool, and every such
+//!   segment lies inside `[lo, hi)`.
 //! - `retained > 0` for every pool in `pools`, or the pool has live blocks (it is released and
 //!   retires at its last free).
 //!
@@ -50,8 +59,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::error::{Error, InvalidFree, Result};
+use crate::fence::FenceSet;
 use crate::stream::Stream;
-use crate::sync::{AtomicBool, Mutex, Ordering, lock};
+use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 
 /// A graph pool's name: PyTorch's `MempoolId_t` (a pair of numbers; any pair not used for
 /// another pool will do).
@@ -61,34 +71,55 @@ pub struct GraphPoolId(pub u64, pub u64);
 /// Every graph-pool block's size is a multiple of this (PyTorch's rounding).
 pub const BLOCK_ALIGN: usize = 512;
 
-/// Which allocations may reuse a free range.
+/// Which allocations may reuse a free range (see the module comment's rules).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Reuse {
-    /// Memory no block has used since the pool took it: any stream.
+    /// Memory no block has used since the pool took it: any allocation.
     Fresh,
-    /// Freed on this stream handle (the legacy stream as 0; a per-thread stream with the
-    /// freeing thread's id): that handle only.
-    On(usize, u64),
+    /// Freed during a capture on this stream handle (the per-thread stream's with the freeing
+    /// thread's id): allocations during a capture on that handle.
+    Captured(usize, u64),
+    /// Freed outside a capture on the stream with this identity, behind the range's fences.
+    Stream(u64),
 }
 
-impl Reuse {
-    fn of(stream: Stream) -> Reuse {
-        if stream.is_legacy() {
-            Reuse::On(0, 0)
-        } else if stream == Stream::PER_THREAD {
-            Reuse::On(stream.as_raw(), crate::sync::thread_id())
-        } else {
-            Reuse::On(stream.as_raw(), 0)
-        }
+/// A stream handle as [`Reuse::Captured`] keys it.
+fn handle_of(stream: Stream) -> (usize, u64) {
+    if stream.is_legacy() {
+        (0, 0)
+    } else if stream == Stream::PER_THREAD {
+        (stream.as_raw(), crate::sync::thread_id())
+    } else {
+        (stream.as_raw(), 0)
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+/// How a free of a pool's block is kept (the caller decides, from the stream's capture state).
+pub(crate) enum FreeAs {
+    /// Freed on `stream` while it is being captured.
+    Captured(Stream),
+    /// Freed outside a capture on the stream with this identity; `fences` guard it for others.
+    Stream(u64, FenceSet),
+    /// Declared used on another stream and freed during a capture: held until the pool retires.
+    Held,
+}
+
+/// The stream an allocation is for.
+pub(crate) enum Want {
+    /// A stream being captured.
+    Capturing(Stream),
+    /// A stream not being captured, with its identity.
+    Stream(u64),
+}
+
+#[derive(Clone)]
 struct FreeRange {
     len: u64,
     reuse: Reuse,
     /// The segment's base: ranges of two segments never merge.
     segment: u64,
+    /// For [`Reuse::Stream`]: what orders the free before another stream's use.
+    fences: FenceSet,
 }
 
 /// One graph pool. See the module comment for its invariants.
@@ -124,8 +155,8 @@ impl Pool {
     }
 
     /// Returns `[addr, addr + len)` to the free ranges, merged with touching ranges of its
-    /// segment and reuse class.
-    fn insert_free(&mut self, addr: u64, len: u64, reuse: Reuse) {
+    /// segment and reuse class (their fences with it).
+    fn insert_free(&mut self, addr: u64, len: u64, reuse: Reuse, mut fences: FenceSet) {
         let segment = self.segment_of(addr).expect("inside a segment");
         let (mut start, mut end) = (addr, addr + len);
         if let Some((&a, r)) = self.free.range(..addr).next_back()
@@ -133,17 +164,18 @@ impl Pool {
             && r.segment == segment
             && r.reuse == reuse
         {
-            self.remove_free(a);
+            fences.merge(self.remove_free(a).fences);
             start = a;
         }
-        if let Some(r) = self.free.get(&end).copied()
+        if let Some(r) = self.free.get(&end)
             && r.segment == segment
             && r.reuse == reuse
         {
-            self.remove_free(end);
+            let r = self.remove_free(end);
             end += r.len;
+            fences.merge(r.fences);
         }
-        self.insert_free_raw(start, FreeRange { len: end - start, reuse, segment });
+        self.insert_free_raw(start, FreeRange { len: end - start, reuse, segment, fences });
     }
 
     /// The best fit among free ranges of `reuse`: the shortest of at least `len` bytes.
@@ -151,16 +183,48 @@ impl Pool {
         self.fit.range((reuse, len, 0)..).next().filter(|&&(r, _, _)| r == reuse).map(|&(_, _, a)| a)
     }
 
-    /// Hands out `len` bytes for `reuse` from a free range, if one fits: that stream's own
-    /// frees first, then fresh memory.
-    fn take(&mut self, reuse: Reuse, len: u64) -> Option<u64> {
-        let addr = self.best_fit(reuse, len).or_else(|| self.best_fit(Reuse::Fresh, len))?;
+    /// Hands out `len` bytes of the free range at `addr`, the rest staying free as it was.
+    fn carve(&mut self, addr: u64, len: u64) -> u64 {
         let r = self.remove_free(addr);
         if r.len > len {
             self.insert_free_raw(addr + len, FreeRange { len: r.len - len, ..r });
         }
         self.live.insert(addr, len);
-        Some(addr)
+        addr
+    }
+
+    /// Hands out `len` bytes for `want` from a free range, if one may serve it: the stream's
+    /// own frees first (no wait), then fresh memory, then another stream's frees for which
+    /// `ready` says yes (it makes the stream wait on their fences, or, during a capture, finds
+    /// them complete), each by best fit (the last by a scan of the other streams' ranges).
+    fn take(
+        &mut self,
+        want: &Want,
+        len: u64,
+        ready: &mut dyn FnMut(&FenceSet) -> Result<bool>,
+    ) -> Result<Option<u64>> {
+        let own = match *want {
+            Want::Capturing(s) => {
+                let (h, t) = handle_of(s);
+                Reuse::Captured(h, t)
+            }
+            Want::Stream(k) => Reuse::Stream(k),
+        };
+        if let Some(a) = self.best_fit(own, len).or_else(|| self.best_fit(Reuse::Fresh, len)) {
+            return Ok(Some(self.carve(a, len)));
+        }
+        let others: Vec<u64> = self
+            .fit
+            .range((Reuse::Stream(0), 0, 0)..)
+            .filter(|&&(r, l, _)| r != own && l >= len)
+            .map(|&(_, _, a)| a)
+            .collect();
+        for a in others {
+            if ready(&self.free[&a].fences)? {
+                return Ok(Some(self.carve(a, len)));
+            }
+        }
+        Ok(None)
     }
 
     fn bytes(&self) -> u64 {
@@ -197,16 +261,28 @@ impl State {
 }
 
 /// The graph pools of one allocator.
-#[derive(Default)]
 pub(crate) struct GraphPools {
-    /// Set (under `state`'s lock, `Release`) when the first pool is retained, never cleared. A
-    /// free reads it (`Acquire`) before it looks here, so that programs without graph pools
-    /// never take the lock. A block of a pool is handed out only after the store, and a thread
-    /// freeing it got its address from the allocation through some synchronisation, which
-    /// orders the store before the load: a free of a pool's block never reads `false`. Loom
-    /// models: `loom-tests/tests/graph_pool.rs` (the mutation `graph_flag_unset` fails them).
-    used: AtomicBool,
+    /// `[lo, hi)` covers every segment a pool has held since the allocator was made: widened
+    /// (under `state`'s lock, `Release`) before a new segment's first block is handed out,
+    /// never narrowed. A free reads them (`Acquire`) before it looks here, so that frees of
+    /// other memory never take the lock while the address lies outside (in programs without
+    /// graph pools, always). A thread freeing a pool's block got its address from the
+    /// allocation through some synchronisation, which orders the widening before its loads: a
+    /// free of a pool's block never finds it outside. Loom models:
+    /// `loom-tests/tests/graph_pool.rs` (the mutation `graph_flag_unset` fails them).
+    lo: AtomicU64,
+    hi: AtomicU64,
     state: Mutex<State>,
+}
+
+impl Default for GraphPools {
+    fn default() -> GraphPools {
+        GraphPools {
+            lo: AtomicU64::new(u64::MAX),
+            hi: AtomicU64::new(0),
+            state: Mutex::new(State::default()),
+        }
+    }
 }
 
 /// What a free of a pool's block did: the bytes it released, for the statistics.
@@ -217,13 +293,7 @@ pub(crate) struct GraphFree {
 impl GraphPools {
     /// Retains pool `id`, making it if new (see the module comment).
     pub(crate) fn retain(&self, id: GraphPoolId) {
-        let mut st = lock(&self.state);
-        st.pools.entry(id).or_default().retained += 1;
-        // The mutation `graph_flag_unset` leaves the flag down: the loom model
-        // `a_graph_block_freed_by_another_thread_is_taken_back_by_its_pool` must then fail.
-        if !cfg!(cuarena_mutant = "graph_flag_unset") {
-            self.used.store(true, Ordering::Release);
-        }
+        lock(&self.state).pools.entry(id).or_default().retained += 1;
     }
 
     /// Releases pool `id` once. Returns false, changing nothing, for a pool not retained.
@@ -237,77 +307,101 @@ impl GraphPools {
         true
     }
 
-    /// Allocates `size` (> 0) bytes for `stream` in pool `id`; `grow(bytes)` takes a new
+    /// Allocates `size` (> 0) bytes for `want` in pool `id`. `ready(fences)` says whether a
+    /// range another stream freed may serve it (see [`Pool::take`]); `grow(bytes)` takes a new
     /// segment of `bytes` from the global pool. Returns the address and the bytes handed out.
     pub(crate) fn alloc(
         &self,
         id: GraphPoolId,
         size: usize,
-        stream: Stream,
+        want: Want,
+        ready: &mut dyn FnMut(&FenceSet) -> Result<bool>,
         grow: impl FnOnce(usize) -> Result<u64>,
     ) -> Result<(u64, u64)> {
-        let len = size.checked_next_multiple_of(BLOCK_ALIGN).ok_or(Error::OutOfMemory {
-            requested: size,
-            reserved: 0,
-            in_use: 0,
-            largest_free: 0,
-            limit: 0,
-        })?;
+        let oom =
+            || Error::OutOfMemory { requested: size, reserved: 0, in_use: 0, largest_free: 0, limit: 0 };
+        let len = size.checked_next_multiple_of(BLOCK_ALIGN).ok_or_else(oom)?;
         let mut st = lock(&self.state);
-        let reuse = Reuse::of(stream);
         let pool = match st.pools.get_mut(&id) {
             Some(p) if p.retained > 0 => p,
             _ => return Err(Error::UnknownGraphPool { id: (id.0, id.1) }),
         };
-        if let Some(a) = pool.take(reuse, len as u64) {
+        if let Some(a) = pool.take(&want, len as u64, ready)? {
             return Ok((a, len as u64));
         }
-        let seg = segment_bytes(len);
+        let seg = segment_bytes(len).ok_or_else(oom)?;
         let base = grow(seg)?;
+        debug_assert!(base.is_multiple_of(BLOCK_ALIGN as u64));
         pool.segments.insert(base, seg as u64);
-        pool.insert_free_raw(base, FreeRange { len: seg as u64, reuse: Reuse::Fresh, segment: base });
-        let a = pool.take(reuse, len as u64).expect("a new segment fits the request");
+        let fresh =
+            FreeRange { len: seg as u64, reuse: Reuse::Fresh, segment: base, fences: FenceSet::default() };
+        pool.insert_free_raw(base, fresh);
+        let a = pool.take(&want, len as u64, ready)?.expect("a new segment fits the request");
         st.segments.insert(base, (seg as u64, id));
+        // Widened before the block is handed out (see `lo`). The mutation `graph_flag_unset`
+        // leaves the range empty: the loom model
+        // `a_graph_block_freed_by_another_thread_is_taken_back_by_its_pool` must then fail.
+        if !cfg!(cuarena_mutant = "graph_flag_unset") {
+            self.lo.store(self.lo.load(Ordering::Relaxed).min(base), Ordering::Release);
+            self.hi.store(self.hi.load(Ordering::Relaxed).max(base + seg as u64), Ordering::Release);
+        }
         Ok((a, len as u64))
     }
 
-    /// True once any pool was retained: until then no free needs to look here.
+    /// True if `ptr` may lie in a pool's segment (else no free needs to look here): two loads.
     #[inline]
-    pub(crate) fn in_use(&self) -> bool {
-        self.used.load(Ordering::Acquire)
+    pub(crate) fn may_hold(&self, ptr: u64) -> bool {
+        self.lo.load(Ordering::Acquire) <= ptr && ptr < self.hi.load(Ordering::Acquire)
     }
 
-    /// A free of `ptr` with `size` on `stream`, if `ptr` lies in a graph pool's segment (else
-    /// `None`: not a graph pool's). `other_streams`: the block was declared used on a stream
-    /// other than `stream` (it is then held; see the module comment). A refused free changes
-    /// nothing.
-    pub(crate) fn free(
-        &self,
-        ptr: u64,
-        size: usize,
-        stream: Stream,
-        other_streams: bool,
-    ) -> Option<Result<GraphFree>> {
-        if !self.in_use() {
+    /// Checks a free of `ptr` with `size` as [`GraphPools::free`] would, changing nothing:
+    /// `None` if `ptr` lies in no pool's segment (not a graph pool's), else the free's answer.
+    pub(crate) fn check_free(&self, ptr: u64, size: usize) -> Option<Result<()>> {
+        if !self.may_hold(ptr) {
+            return None;
+        }
+        let st = lock(&self.state);
+        let id = st.pool_at(ptr)?;
+        Some(Self::validate(&st.pools[&id], ptr, size).map(|_| ()))
+    }
+
+    /// The bytes of the live block a free of `ptr` with `size` releases, or why it is refused.
+    fn validate(pool: &Pool, ptr: u64, size: usize) -> Result<u64> {
+        let invalid = |reason| Error::InvalidFree { ptr, size, reason };
+        let Some(&len) = pool.live.get(&ptr) else {
+            let freed = pool.free.range(..=ptr).next_back().is_some_and(|(&a, r)| ptr - a < r.len)
+                || pool.held.range(..=ptr).next_back().is_some_and(|(&a, &l)| ptr - a < l);
+            return Err(invalid(if freed { InvalidFree::DoubleFree } else { InvalidFree::UnknownPointer }));
+        };
+        if size == 0 || size.checked_next_multiple_of(BLOCK_ALIGN) != Some(len as usize) {
+            return Err(invalid(InvalidFree::SizeMismatch { allocated: len as usize, given: size }));
+        }
+        Ok(len)
+    }
+
+    /// A free of `ptr` with `size`, kept as `how` says, if `ptr` lies in a graph pool's segment
+    /// (else `None`: not a graph pool's). A refused free changes nothing.
+    pub(crate) fn free(&self, ptr: u64, size: usize, how: FreeAs) -> Option<Result<GraphFree>> {
+        if !self.may_hold(ptr) {
             return None;
         }
         let mut st = lock(&self.state);
         let id = st.pool_at(ptr)?;
         let pool = st.pools.get_mut(&id).expect("a segment's pool");
-        let invalid = |reason| Some(Err(Error::InvalidFree { ptr, size, reason }));
-        let Some(&len) = pool.live.get(&ptr) else {
-            let freed = pool.free.range(..=ptr).next_back().is_some_and(|(&a, r)| ptr - a < r.len)
-                || pool.held.range(..=ptr).next_back().is_some_and(|(&a, &l)| ptr - a < l);
-            return invalid(if freed { InvalidFree::DoubleFree } else { InvalidFree::UnknownPointer });
+        let len = match Self::validate(pool, ptr, size) {
+            Ok(l) => l,
+            Err(e) => return Some(Err(e)),
         };
-        if size.checked_next_multiple_of(BLOCK_ALIGN) != Some(len as usize) || size == 0 {
-            return invalid(InvalidFree::SizeMismatch { allocated: len as usize, given: size });
-        }
         pool.live.remove(&ptr);
-        if other_streams {
-            pool.held.insert(ptr, len);
-        } else {
-            pool.insert_free(ptr, len, Reuse::of(stream));
+        match how {
+            FreeAs::Held => {
+                pool.held.insert(ptr, len);
+            }
+            FreeAs::Captured(s) => {
+                let (h, t) = handle_of(s);
+                pool.insert_free(ptr, len, Reuse::Captured(h, t), FenceSet::default());
+            }
+            FreeAs::Stream(k, fences) => pool.insert_free(ptr, len, Reuse::Stream(k), fences),
         }
         st.retire_if_done(id);
         Some(Ok(GraphFree { bytes: len }))
@@ -349,9 +443,16 @@ impl GraphPools {
         st.pools.values().map(Pool::bytes).sum::<u64>() + st.parked.iter().map(|&(_, l)| l).sum::<u64>()
     }
 
-    /// Checks the invariants in the module comment; panics on a violation.
-    pub(crate) fn check(&self) {
+    /// Checks the invariants in the module comment, and that the global pool holds every
+    /// segment (parked ones too) as a graph segment of its length (`segment_len`); panics on a
+    /// violation.
+    pub(crate) fn check(&self, segment_len: impl Fn(u64) -> Option<usize>) {
         let st = lock(&self.state);
+        for (&b, &l) in
+            st.segments.iter().map(|(b, (l, _))| (b, l)).chain(st.parked.iter().map(|(b, l)| (b, l)))
+        {
+            assert_eq!(segment_len(b), Some(l as usize), "segment {b:#x} is not the global pool's");
+        }
         for (id, p) in &st.pools {
             assert!(p.retained > 0 || !p.live.is_empty(), "pool {id:?} released and empty but kept");
             assert_eq!(p.fit.len(), p.free.len());
@@ -375,7 +476,7 @@ impl GraphPools {
                 assert_eq!(per_segment.get(&s).copied().unwrap_or(0), l, "segment {s:#x} not covered");
                 assert_eq!(st.segments.get(&s), Some(&(l, *id)));
             }
-            let mut prev: Option<(u64, FreeRange)> = None;
+            let mut prev: Option<(u64, &FreeRange)> = None;
             for (&a, r) in &p.free {
                 if let Some((pa, pr)) = prev {
                     assert!(
@@ -383,28 +484,32 @@ impl GraphPools {
                         "unmerged free ranges at {a:#x}"
                     );
                 }
-                prev = Some((a, *r));
+                prev = Some((a, r));
             }
         }
         let owned: usize = st.pools.values().map(|p| p.segments.len()).sum();
         assert_eq!(owned, st.segments.len(), "segment index out of step");
+        let (lo, hi) = (self.lo.load(Ordering::Relaxed), self.hi.load(Ordering::Relaxed));
+        for (&b, &(l, _)) in &st.segments {
+            assert!(lo <= b && b + l <= hi, "segment {b:#x} outside [{lo:#x}, {hi:#x})");
+        }
     }
 }
 
 /// The segment a pool takes for a block of `len` bytes (PyTorch's sizes; a 64th of them in the
-/// loom models, whose device is tiny).
-fn segment_bytes(len: usize) -> usize {
+/// loom models, whose device is tiny), or `None` past the address space.
+fn segment_bytes(len: usize) -> Option<usize> {
     #[cfg(not(loom))]
     const MIB: usize = 1 << 20;
     #[cfg(loom)]
     const MIB: usize = 16 << 10;
-    if len <= MIB {
+    Some(if len <= MIB {
         2 * MIB
     } else if len < 10 * MIB {
         20 * MIB
     } else {
-        len.next_multiple_of(2 * MIB)
-    }
+        len.checked_next_multiple_of(2 * MIB)?
+    })
 }
 
 #[cfg(test)]
@@ -425,23 +530,83 @@ mod tests {
         }
     }
 
+    /// [`GraphPools::check`], the segments' lengths taken from the pools themselves (no global
+    /// pool here).
+    fn checked(g: &GraphPools) {
+        let lens: HashMap<u64, usize> = {
+            let st = lock(&g.state);
+            let pooled = st.segments.iter().map(|(&b, &(l, _))| (b, l as usize));
+            pooled.chain(st.parked.iter().map(|&(b, l)| (b, l as usize))).collect()
+        };
+        g.check(|b| lens.get(&b).copied());
+    }
+
+    fn no_grow(_: usize) -> Result<u64> {
+        panic!("fits a segment the pool has")
+    }
+
+    /// `ready` that answers `yes` and counts its calls.
+    fn ready(yes: bool, calls: &std::cell::Cell<u32>) -> impl FnMut(&FenceSet) -> Result<bool> + '_ {
+        move |_| {
+            calls.set(calls.get() + 1);
+            Ok(yes)
+        }
+    }
+
+    fn cap(s: Stream) -> Want {
+        Want::Capturing(s)
+    }
+
     #[test]
-    fn reuse_is_by_stream_and_fresh_memory_serves_any() {
+    fn a_captures_frees_are_reused_by_its_handle_and_fresh_memory_serves_any() {
         let id = GraphPoolId(1, 0);
         let (g, next) = pools_with(id);
-        let s1 = Stream::from_raw(0x1000);
-        let s2 = Stream::from_raw(0x2000);
-        let (a, l) = g.alloc(id, 1000, s1, grow(&next)).unwrap();
+        let (s1, s2) = (Stream::from_raw(0x1000), Stream::from_raw(0x2000));
+        let calls = std::cell::Cell::new(0);
+        let (a, l) = g.alloc(id, 1000, cap(s1), &mut ready(true, &calls), grow(&next)).unwrap();
         assert_eq!(l, 1024);
-        let (b, _) = g.alloc(id, 1000, s2, |_| panic!("fits the first segment")).unwrap();
+        let (b, _) = g.alloc(id, 1000, cap(s2), &mut ready(true, &calls), no_grow).unwrap();
         assert_ne!(a, b);
-        assert!(g.free(a, 1000, s1, false).unwrap().is_ok());
-        // s2 does not get s1's block back; s1 does.
-        let (c, _) = g.alloc(id, 1000, s2, |_| panic!("fits")).unwrap();
+        assert!(g.free(a, 1000, FreeAs::Captured(s1)).unwrap().is_ok());
+        // s2 does not get s1's block back, even when asked; s1 does.
+        let (c, _) = g.alloc(id, 1000, cap(s2), &mut ready(true, &calls), no_grow).unwrap();
         assert_ne!(c, a);
-        let (d, _) = g.alloc(id, 1000, s1, |_| panic!("fits")).unwrap();
+        let (d, _) = g.alloc(id, 1000, cap(s1), &mut ready(true, &calls), no_grow).unwrap();
         assert_eq!(d, a);
-        g.check();
+        assert_eq!(calls.get(), 0, "a capture's frees carry no fence to ask about");
+        checked(&g);
+    }
+
+    #[test]
+    fn a_free_outside_a_capture_is_reused_by_its_stream_at_once_and_by_others_only_when_ready() {
+        let id = GraphPoolId(6, 0);
+        let (g, next) = pools_with(id);
+        let s = Stream::from_raw(0x1000);
+        let calls = std::cell::Cell::new(0);
+        let (a, _) = g.alloc(id, 4096, Want::Stream(7), &mut ready(true, &calls), grow(&next)).unwrap();
+        // The rest of the segment is fresh; fill it so that only `a` could serve.
+        let mut rest = Vec::new();
+        while let Ok((p, _)) = g.alloc(id, 4096, Want::Stream(7), &mut ready(true, &calls), |_| {
+            Err(Error::OutOfMemory { requested: 0, reserved: 0, in_use: 0, largest_free: 0, limit: 0 })
+        }) {
+            rest.push(p);
+        }
+        assert!(g.free(a, 4096, FreeAs::Stream(7, FenceSet::default())).unwrap().is_ok());
+        // Another stream, not ready: no reuse (and no growth allowed here: out of memory).
+        assert!(
+            g.alloc(id, 4096, Want::Stream(8), &mut ready(false, &calls), |_| Err(Error::ShutDown)).is_err()
+        );
+        assert!(g.alloc(id, 4096, cap(s), &mut ready(false, &calls), |_| Err(Error::ShutDown)).is_err());
+        assert_eq!(calls.get(), 2);
+        // Ready (a wait made, or found complete): reused.
+        let (b, _) = g.alloc(id, 4096, cap(s), &mut ready(true, &calls), no_grow).unwrap();
+        assert_eq!(b, a);
+        assert!(g.free(b, 4096, FreeAs::Stream(7, FenceSet::default())).unwrap().is_ok());
+        // The same stream: at once, nothing asked.
+        let before = calls.get();
+        let (c, _) = g.alloc(id, 4096, Want::Stream(7), &mut ready(false, &calls), no_grow).unwrap();
+        assert_eq!((c, calls.get()), (a, before));
+        checked(&g);
     }
 
     #[test]
@@ -449,25 +614,27 @@ mod tests {
         let id = GraphPoolId(2, 0);
         let (g, next) = pools_with(id);
         let s = Stream::from_raw(0x1000);
-        let (a, _) = g.alloc(id, 4096, s, grow(&next)).unwrap();
+        let calls = std::cell::Cell::new(0);
+        let (a, _) = g.alloc(id, 4096, cap(s), &mut ready(true, &calls), grow(&next)).unwrap();
         assert!(matches!(
-            g.free(a, 8192, s, false),
+            g.free(a, 8192, FreeAs::Captured(s)),
             Some(Err(Error::InvalidFree {
                 reason: InvalidFree::SizeMismatch { allocated: 4096, given: 8192 },
                 ..
             }))
         ));
         assert!(matches!(
-            g.free(a + 512, 512, s, false),
+            g.check_free(a + 512, 512),
             Some(Err(Error::InvalidFree { reason: InvalidFree::UnknownPointer, .. }))
         ));
-        assert!(g.free(a, 4096, s, false).unwrap().is_ok());
+        assert!(matches!(g.check_free(a, 4096), Some(Ok(()))));
+        assert!(g.free(a, 4096, FreeAs::Captured(s)).unwrap().is_ok());
         assert!(matches!(
-            g.free(a, 4096, s, false),
+            g.free(a, 4096, FreeAs::Captured(s)),
             Some(Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. }))
         ));
-        assert!(g.free(0x10, 4096, s, false).is_none(), "not a graph pool's address");
-        g.check();
+        assert!(g.free(0x10, 4096, FreeAs::Held).is_none(), "not a graph pool's address");
+        checked(&g);
     }
 
     #[test]
@@ -476,33 +643,35 @@ mod tests {
         let (g, next) = pools_with(id);
         g.retain(id); // two graphs share it
         let s = Stream::from_raw(0x1000);
-        let (a, _) = g.alloc(id, 3 << 20, s, grow(&next)).unwrap();
+        let calls = std::cell::Cell::new(0);
+        let (a, _) = g.alloc(id, 3 << 20, cap(s), &mut ready(true, &calls), grow(&next)).unwrap();
         assert!(g.release(id));
         assert_eq!(g.parked_bytes(), 0);
         assert!(g.release(id));
         assert_eq!(g.parked_bytes(), 0, "a block still lives");
-        assert!(g.alloc(id, 512, s, |_| panic!("no")).is_err(), "a released pool takes no allocation");
-        assert!(g.free(a, 3 << 20, s, false).unwrap().is_ok());
+        assert!(g.alloc(id, 512, cap(s), &mut ready(true, &calls), no_grow).is_err(), "released");
+        assert!(g.free(a, 3 << 20, FreeAs::Captured(s)).unwrap().is_ok());
         assert_eq!(g.parked_bytes(), 20 << 20);
         assert!(!g.release(id), "released already");
         assert_eq!(g.take_parked().len(), 1);
-        g.check();
+        checked(&g);
     }
 
     #[test]
-    fn blocks_used_on_other_streams_are_held_until_release() {
+    fn held_blocks_are_not_reused() {
         let id = GraphPoolId(4, 0);
         let (g, next) = pools_with(id);
         let s = Stream::from_raw(0x1000);
-        let (a, _) = g.alloc(id, 512, s, grow(&next)).unwrap();
-        assert!(g.free(a, 512, s, true).unwrap().is_ok());
-        let (b, _) = g.alloc(id, 512, s, |_| panic!("fits")).unwrap();
+        let calls = std::cell::Cell::new(0);
+        let (a, _) = g.alloc(id, 512, cap(s), &mut ready(true, &calls), grow(&next)).unwrap();
+        assert!(g.free(a, 512, FreeAs::Held).unwrap().is_ok());
+        let (b, _) = g.alloc(id, 512, cap(s), &mut ready(true, &calls), no_grow).unwrap();
         assert_ne!(a, b, "a held block is not reused");
         assert!(matches!(
-            g.free(a, 512, s, false),
+            g.free(a, 512, FreeAs::Captured(s)),
             Some(Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. }))
         ));
-        g.check();
+        checked(&g);
     }
 
     #[test]
@@ -510,15 +679,35 @@ mod tests {
         let id = GraphPoolId(5, 0);
         let (g, next) = pools_with(id);
         let s = Stream::from_raw(0x1000);
-        let blocks: Vec<u64> =
-            (0..4).map(|_| g.alloc(id, 512, s, grow(&next)).map(|(a, _)| a).unwrap()).collect();
+        let calls = std::cell::Cell::new(0);
+        let mut next_grow = Some(grow(&next));
+        let blocks: Vec<u64> = (0..4)
+            .map(|_| {
+                let gr = next_grow.take();
+                g.alloc(id, 512, cap(s), &mut ready(true, &calls), |b| {
+                    gr.map_or_else(|| no_grow(b), |f| f(b))
+                })
+                .unwrap()
+                .0
+            })
+            .collect();
         for &b in &blocks {
-            assert!(g.free(b, 512, s, false).unwrap().is_ok());
+            assert!(g.free(b, 512, FreeAs::Captured(s)).unwrap().is_ok());
         }
-        g.check();
+        checked(&g);
         // One range of 2048 bytes for `s` now holds a 2048-byte request.
-        let (c, _) = g.alloc(id, 2048, s, |_| panic!("fits")).unwrap();
+        let (c, _) = g.alloc(id, 2048, cap(s), &mut ready(true, &calls), no_grow).unwrap();
         assert_eq!(c, blocks[0]);
-        g.check();
+        checked(&g);
+    }
+
+    #[test]
+    fn segment_sizes_follow_pytorchs_and_refuse_the_impossible() {
+        assert_eq!(segment_bytes(512), Some(2 << 20));
+        assert_eq!(segment_bytes(1 << 20), Some(2 << 20));
+        assert_eq!(segment_bytes((1 << 20) + 512), Some(20 << 20));
+        assert_eq!(segment_bytes(10 << 20), Some(10 << 20));
+        assert_eq!(segment_bytes((10 << 20) + 512), Some(12 << 20));
+        assert_eq!(segment_bytes(usize::MAX - 4095), None);
     }
 }

@@ -90,34 +90,81 @@ fn a_capture_allocates_in_its_pool_and_eager_work_never_gets_that_memory() {
     assert_eq!(a.graph_pool_bytes(), 0);
 }
 
-/// A pool's free is reused by its own stream handle only; fresh memory serves any; a block
-/// declared used on another stream is not reused while the pool lives.
+/// Outside a capture: a pool's free is reused at once by its own stream, by another only
+/// behind a wait on the fence recorded at the free, and a block declared used on another
+/// stream has that stream ordered before its free. During a capture: a free is reused by the
+/// capturing handle only, and a declared block is held while the pool lives.
 #[test]
-fn reuse_inside_a_pool_is_by_stream_and_cross_stream_blocks_are_held() {
-    let dev = host(0);
+fn reuse_inside_a_pool_follows_streams_fences_and_captures() {
+    let dev = host(50);
     let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
     let (s1, s2) = (dev.create_stream(), dev.create_stream());
     let pool = GraphPoolId(1, 0);
     a.graph_pool_retain(pool);
     let p = a.graph_allocate(pool, 4096, s1).unwrap();
-    a.deallocate(p, 4096, s1).unwrap();
-    let q = a.graph_allocate(pool, 4096, s2).unwrap();
-    assert_ne!(p, q, "another stream does not reuse s1's free");
+    dev.write_tag(p.0, 4096, 0x1111, s1).unwrap();
+    a.deallocate(p, 4096, s1).unwrap(); // a fence recorded on s1
     let r = a.graph_allocate(pool, 4096, s1).unwrap();
-    assert_eq!(p, r, "s1 reuses its own free");
-    // Declared used on s2 and freed on s1: held, not reused by either stream.
-    a.deallocate_used_on(r, 4096, s1, &[s2]).unwrap();
+    assert_eq!(p, r, "s1 reuses its own free at once");
+    dev.hold_and_check(r.0, 4096, 0x2222, std::time::Duration::from_millis(5), s1).unwrap();
+    a.deallocate(r, 4096, s1).unwrap();
+    let waits = a.stats().fence_waits;
+    let q = a.graph_allocate(pool, 4096, s2).unwrap();
+    if q == p {
+        assert!(a.stats().fence_waits > waits, "s2 got s1's free without a wait");
+    }
+    dev.write_tag(q.0, 4096, 0x3333, s2).unwrap();
+    // Declared used on s1 and freed on s2 outside a capture: s1's work is ordered first.
+    a.deallocate_used_on(q, 4096, s2, &[s1]).unwrap();
+    dev.synchronize();
+    assert_eq!(dev.tag_errors(), 0);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    // During a capture of s1: its free is reused by s1's capture only; a declared block is held.
     let t = a.graph_allocate(pool, 4096, s1).unwrap();
-    assert_ne!(t, r);
+    let u = a.graph_allocate(pool, 4096, s1).unwrap();
+    dev.begin_capture(s1).unwrap();
+    a.deallocate(t, 4096, s1).unwrap();
+    assert_eq!(a.graph_allocate(pool, 4096, s1).unwrap(), t, "the capture's own free, at once");
+    a.deallocate_used_on(u, 4096, s1, &[s2]).unwrap();
+    let v = a.graph_allocate(pool, 4096, s1).unwrap();
+    assert_ne!(v, u, "a held block is not reused");
     assert!(matches!(
-        a.deallocate(r, 4096, s1),
+        a.deallocate(u, 4096, s1),
         Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })
     ));
-    for (x, st) in [(q, s2), (t, s1)] {
-        a.deallocate(x, 4096, st).unwrap();
+    for x in [t, v] {
+        a.deallocate(x, 4096, s1).unwrap();
     }
+    dev.end_capture(s1).unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     a.graph_pool_release(pool).unwrap();
     assert_all_returned(&a, Some(&dev), 1);
+}
+
+/// A stream destroyed with work still running on a block it freed into a pool, and its handle
+/// given to a new stream: the new stream does not get the block before that work is done.
+#[test]
+fn a_reused_handle_does_not_get_a_destroyed_streams_pending_free() {
+    let dev = host(0);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let pool = GraphPoolId(12, 0);
+    a.graph_pool_retain(pool);
+    let s1 = dev.create_stream();
+    let p = a.graph_allocate(pool, 4096, s1).unwrap();
+    let gate = dev.gate(s1).unwrap();
+    dev.hold_and_check(p.0, 4096, 0x5151, std::time::Duration::from_millis(1), s1).unwrap();
+    a.deallocate(p, 4096, s1).unwrap();
+    dev.destroy_stream(s1).unwrap();
+    let s2 = dev.create_stream();
+    let q = a.graph_allocate(pool, 4096, s2).unwrap();
+    dev.write_tag(q.0, 4096, 0x5252, s2).unwrap();
+    gate.open();
+    dev.synchronize();
+    assert_eq!(dev.tag_errors(), 0, "s2 wrote the block under s1's running work (same handle: {})", s1 == s2);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    a.deallocate(q, 4096, s2).unwrap();
+    a.graph_pool_release(pool).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
 }
 
 /// Memory a fence still guards (freed on a stream whose work has not run) is never given to a

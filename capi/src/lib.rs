@@ -481,7 +481,12 @@ pub unsafe extern "C" fn cuarena_graph_pool_live(
         if count.is_null() || (out.is_null() && n > 0) {
             return Err("cuarena_graph_pool_live: count is NULL, or out is NULL with n > 0".into());
         }
-        let a = global(device).map_err(|e| e.to_string())?;
+        // A device with no allocator yet has no pool: none is made to say so.
+        let (_, a) = created().find(|(d, _)| *d == device).ok_or_else(|| {
+            format!(
+                "graph pool ({id_a}, {id_b}) is not retained: CUDA device {device} has no cuarena allocator"
+            )
+        })?;
         let live = a.graph_pool_live(graph_id(id_a, id_b)).map_err(|e| e.to_string())?;
         for (i, p) in live.iter().take(n).enumerate() {
             // SAFETY: `i < n`, and the caller guarantees `out` holds `n` pointers.
