@@ -1929,9 +1929,11 @@ impl Allocator {
     /// `cuStreamIsCapturing` of `stream`; during a capture it records and waits on no event
     /// (memory another stream freed serves only once its fence is complete), outside one it
     /// also asks the stream's identity and may make it wait on a fence. The block is freed with
-    /// [`Allocator::deallocate`] like any other, and goes back to its pool. Out of memory is
-    /// [`Error::OutOfMemory`] at once (counted in `ooms`): no reclaim and no OOM hook, which
-    /// may synchronise and so break a capture.
+    /// [`Allocator::deallocate`] like any other, and goes back to its pool. Out of memory: on a
+    /// stream not being captured, what the ordinary out-of-memory path takes back is taken (it
+    /// may synchronise, which gives back retired pools' memory) and the request tried once more;
+    /// during a capture, [`Error::OutOfMemory`] at once (no reclaim, which may synchronise and
+    /// so break the capture). Never the OOM hook. Counted in `ooms`.
     pub fn graph_allocate(&self, id: GraphPoolId, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if size == 0 {
             return Ok(DeviceAddr::NULL);
@@ -1961,9 +1963,28 @@ impl Allocator {
                 };
                 // In pass-through mode the driver's blocks count against the cap too.
                 let outside = inner.passthrough.as_ref().map_or(0, |p| p.stats().reserved_bytes as usize);
-                let (addr, bytes) = inner.graphs.alloc(id, size, want, &mut ready, |b| {
-                    inner.pool.take_segment(&env.dev, b, crate::graph_pool::BLOCK_ALIGN, outside)
-                })?;
+                let grow = |b| inner.pool.take_segment(&env.dev, b, crate::graph_pool::BLOCK_ALIGN, outside);
+                let (addr, bytes) = match inner.graphs.alloc(id, size, want, &mut ready, grow) {
+                    // Not during a capture: what the ordinary out-of-memory path takes back (it
+                    // may synchronise: retired pools' parked segments too), and once more.
+                    Err(Error::OutOfMemory { .. }) if key.is_some() => {
+                        Slot::reclaim(
+                            &mut slot.arenas,
+                            &mut slot.outbox,
+                            &mut slot.ptds,
+                            inner,
+                            &env,
+                            true,
+                            true,
+                        );
+                        // Wholly free chunks go to the device, so that a segment of another
+                        // size can be had (a segment's growth does not trim).
+                        inner.pool.trim(&env.dev, false)?;
+                        slot.counters.bump(&slot.counters.alloc_retries, 1);
+                        inner.graphs.alloc(id, size, want, &mut ready, grow)?
+                    }
+                    r => r?,
+                };
                 slot.counted_alloc(bytes as usize, AllocPath::Pool);
                 Ok(DeviceAddr(addr))
             })

@@ -105,6 +105,7 @@ pub(crate) enum FreeAs {
 }
 
 /// The stream an allocation is for.
+#[derive(Clone, Copy)]
 pub(crate) enum Want {
     /// A stream being captured.
     Capturing(Stream),

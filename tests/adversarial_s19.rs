@@ -932,10 +932,12 @@ fn out_of_memory_in_a_pool_is_clean_and_an_eager_oom_takes_only_retired_pools_me
 }
 
 /// A cap filled by eager memory that is free and idle, but whose fences no query has seen
-/// complete: the pool cannot use it (it takes only memory known clear) and is out of memory;
-/// `trim(false)` polls, releases the idle chunks, and the pool grows. (`trim(true)` too.)
+/// complete: during a capture the pool cannot use it (it takes only memory known clear, and
+/// runs no reclaim) and is out of memory; outside a capture its out-of-memory reclaim trims the
+/// idle chunks (it polls their fences), and the pool grows. (Before the reclaim was added, the
+/// pool was out of memory outside a capture too, until a `trim`.)
 #[test]
-fn a_cap_full_of_idle_cached_memory_is_recovered_for_a_pool_by_a_non_blocking_trim() {
+fn a_cap_full_of_idle_cached_memory_is_recovered_for_a_pool_outside_a_capture() {
     let dev = host(0);
     let a = host_allocator(dev.clone(), small().large_max(64 << 10).max_bytes(40 * MIB).build().unwrap())
         .unwrap();
@@ -946,11 +948,14 @@ fn a_cap_full_of_idle_cached_memory_is_recovered_for_a_pool_by_a_non_blocking_tr
     dev.synchronize();
     let pool = GraphPoolId(19, 70);
     a.graph_pool_retain(pool);
-    assert!(matches!(a.graph_allocate(pool, 3 * MIB, s), Err(Error::OutOfMemory { .. })));
-    a.trim(false).unwrap();
+    let c = dev.create_stream();
+    dev.begin_capture(c).unwrap();
+    assert!(matches!(a.graph_allocate(pool, 3 * MIB, c), Err(Error::OutOfMemory { .. })));
+    dev.end_capture(c).unwrap();
     let p = a.graph_allocate(pool, 3 * MIB, s).unwrap();
     a.deallocate(p, 3 * MIB, s).unwrap();
     a.graph_pool_release(pool).unwrap();
+    assert_clean(&dev);
     assert_all_returned(&a, Some(&dev), 0);
 }
 

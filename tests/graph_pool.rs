@@ -345,3 +345,43 @@ fn traces_leave_graph_pool_blocks_out() {
     a.graph_pool_release(pool).unwrap();
     assert_all_returned(&a, Some(&dev), 0);
 }
+
+/// Graphs made and destroyed over and over (re-captures): each retired pool's memory waits for a
+/// synchronise. Outside a capture, a pool's out of memory runs the ordinary reclaim (which
+/// synchronises and takes them back) before it fails, so the device never fills with retired
+/// pools; during a capture it fails at once, with no synchronise and no event on the stream.
+/// (On the H200's 16 cores, `adversarial_s19`'s racing releases ran out of memory this way.)
+#[test]
+fn retired_pools_memory_is_taken_back_before_a_pool_runs_out_outside_a_capture() {
+    let dev = host(0); // 1 GiB
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let s = dev.create_stream();
+    for round in 0..80u64 {
+        let pool = GraphPoolId(500 + round, 0);
+        a.graph_pool_retain(pool);
+        let blocks: Vec<DeviceAddr> = (0..2).map(|_| a.graph_allocate(pool, 3 << 20, s).unwrap()).collect();
+        for p in blocks {
+            a.deallocate(p, 3 << 20, s).unwrap();
+        }
+        a.graph_pool_release(pool).unwrap(); // 40 MiB parked: 3.2 GiB in all without a reclaim
+    }
+    assert!(a.stats().alloc_retries > 0, "the reclaim ran");
+    // 600 MiB parked again, then 600 MiB asked during a capture: out of memory at once (a
+    // reclaim would have synchronised and found room).
+    a.trim(true).unwrap();
+    let gone = GraphPoolId(900, 0);
+    a.graph_pool_retain(gone);
+    let p = a.graph_allocate(gone, 600 << 20, s).unwrap();
+    a.deallocate(p, 600 << 20, s).unwrap();
+    a.graph_pool_release(gone).unwrap();
+    let pool = GraphPoolId(1, 1);
+    a.graph_pool_retain(pool);
+    dev.begin_capture(s).unwrap();
+    let e = a.graph_allocate(pool, 600 << 20, s).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory { requested, .. } if requested == 600 << 20), "{e}");
+    assert_eq!(a.graph_pool_bytes(), 600 << 20, "still parked: no synchronise during the capture");
+    dev.end_capture(s).unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    a.graph_pool_release(pool).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
