@@ -229,6 +229,12 @@ void *cuarena_graph_malloc(uint64_t id_a, uint64_t id_b, size_t size, int device
 int cuarena_graph_pool_live(uint64_t id_a, uint64_t id_b, int device, void **out, size_t n, size_t *count);
 /* How many times the pool is retained now (0 if not retained), or -1. */
 int64_t cuarena_graph_pool_use_count(uint64_t id_a, uint64_t id_b, int device);
+/* A capture begins / ends on `device` (the PyTorch shim calls these as routes to pools open and
+ * close). While any is underway cuarena makes no device synchronise (which could break it): out of
+ * memory and cuarena_empty_cache leave memory waiting for one parked. 0 or -1 (an end with none
+ * underway). */
+int cuarena_graph_capture_begin(int device);
+int cuarena_graph_capture_end(int device);
 /* This thread's last error message, or NULL if no call has failed on this thread. Valid until
  * the next failing call on this thread. */
 const char *cuarena_last_error(void);

@@ -508,6 +508,11 @@ impl Inner {
     /// synchronise if there are any. Returns the bytes they held.
     #[cold]
     fn bury_zombies(&self, env: &Env<'_>) -> Result<usize> {
+        // While a capture is underway a synchronise could break it: everything stays parked
+        // for a later one (PyTorch frees its cached blocks only when no capture is underway).
+        if self.graphs.captures_underway() {
+            return Ok(0);
+        }
         let z = std::mem::take(&mut *lock(&self.zombies));
         // Segments of retired graph pools wait for the same synchronise (graph_pool.rs).
         let segments = self.graphs.take_parked();
@@ -919,6 +924,8 @@ impl Slot {
         dissolve: bool,
         may_block: bool,
     ) -> usize {
+        // No device synchronise while a capture is underway (see `Inner::bury_zombies`).
+        let may_block = may_block && !inner.graphs.captures_underway();
         if let Err(e) = Self::flush_outbox(outbox, ptds, inner, env) {
             env.defer(e);
         }
@@ -1427,9 +1434,7 @@ impl Allocator {
     #[inline]
     fn allocate_once(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if let Some(p) = &self.inner.passthrough {
-            // Pass-through mode; the pool holds graph pools' segments only, under the same cap.
-            let pool = &self.inner.pool;
-            return p.allocate(size, stream, pool.limit().saturating_sub(pool.reserved()));
+            return self.passthrough_allocate(p, size, stream); // pass-through mode
         }
         if size == 0 {
             return Ok(DeviceAddr::NULL);
@@ -1476,6 +1481,35 @@ impl Allocator {
                 e => e,
             }
         })
+    }
+
+    /// A pass-through allocation. The global pool holds graph pools' segments only, under the
+    /// same cap; out of memory with any of them reserved takes back retired pools' memory (a
+    /// device synchronise, unless a capture is underway) and wholly free chunks, and tries
+    /// once more.
+    #[cold]
+    fn passthrough_allocate(
+        &self,
+        p: &crate::passthrough::Passthrough,
+        size: usize,
+        stream: Stream,
+    ) -> Result<DeviceAddr> {
+        let pool = &self.inner.pool;
+        match p.allocate(size, stream, pool.limit(), || pool.reserved()) {
+            Err(Error::OutOfMemory { .. }) if pool.reserved() > 0 => {
+                with_slot(&self.inner, |slot, inner| {
+                    let env = inner.env(&slot.counters);
+                    if let Err(e) = inner.bury_zombies(&env) {
+                        env.defer(e);
+                    }
+                    inner.pool.trim(&env.dev, false)?;
+                    slot.counters.bump(&slot.counters.alloc_retries, 1);
+                    Ok::<(), Error>(())
+                })?;
+                p.allocate(size, stream, pool.limit(), || pool.reserved())
+            }
+            r => r,
+        }
     }
 
     /// The slow path of a small allocation on the per-thread or the legacy stream.
@@ -1961,9 +1995,17 @@ impl Allocator {
                             .map(|()| true),
                     }
                 };
-                // In pass-through mode the driver's blocks count against the cap too.
-                let outside = inner.passthrough.as_ref().map_or(0, |p| p.stats().reserved_bytes as usize);
-                let grow = |b| inner.pool.take_segment(&env.dev, b, crate::graph_pool::BLOCK_ALIGN, outside);
+                // In pass-through mode the driver's blocks count against the cap too, read under
+                // that mode's lock while the pool grows (`Passthrough::with_held`).
+                let grow = |b| {
+                    let take = |outside| {
+                        inner.pool.take_segment(&env.dev, b, crate::graph_pool::BLOCK_ALIGN, outside)
+                    };
+                    match &inner.passthrough {
+                        Some(p) => p.with_held(take),
+                        None => take(0),
+                    }
+                };
                 let (addr, bytes) = match inner.graphs.alloc(id, size, want, &mut ready, grow) {
                     // Not during a capture: what the ordinary out-of-memory path takes back (it
                     // may synchronise: retired pools' parked segments too), and once more.
@@ -2006,6 +2048,27 @@ impl Allocator {
     pub fn graph_pool_live(&self, id: GraphPoolId) -> Result<Vec<DeviceAddr>> {
         let v = self.inner.graphs.live(id).ok_or(Error::UnknownGraphPool { id: (id.0, id.1) })?;
         Ok(v.into_iter().map(DeviceAddr).collect())
+    }
+
+    /// A CUDA graph capture begins (the PyTorch shim: a route to a pool opens, for a capture or
+    /// a `use_mem_pool`). While any capture begun is not ended, cuarena makes no device
+    /// synchronise, which could break it: memory that waits for one (retired pools, arenas of
+    /// destroyed streams) stays parked, and out of memory and `trim(true)` take back only what
+    /// needs none, as PyTorch's own allocator does while captures are underway.
+    pub fn graph_capture_begin(&self) {
+        self.inner.graphs.capture_begin();
+    }
+
+    /// Ends a capture begun with [`Allocator::graph_capture_begin`]. [`Error::Unsupported`],
+    /// changing nothing, if none is underway.
+    pub fn graph_capture_end(&self) -> Result<()> {
+        if self.inner.graphs.capture_end() {
+            Ok(())
+        } else {
+            Err(Error::Unsupported(
+                "graph_capture_end: no capture begun with graph_capture_begin is underway".into(),
+            ))
+        }
     }
 
     /// How many times the CUDA graph pool `id` is retained now: 0 for a pool not retained

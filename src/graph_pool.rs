@@ -240,6 +240,9 @@ struct State {
     segments: BTreeMap<u64, (u64, GraphPoolId)>,
     /// Segments of retired pools, waiting for a device synchronise: base → bytes.
     parked: Vec<(u64, u64)>,
+    /// Captures underway (begun with [`GraphPools::capture_begin`], not ended): while any is,
+    /// the allocator makes no device synchronise (`allocator.rs`).
+    captures: u64,
 }
 
 impl State {
@@ -406,6 +409,24 @@ impl GraphPools {
         }
         st.retire_if_done(id);
         Some(Ok(GraphFree { bytes: len }))
+    }
+
+    /// A capture begins (PyTorch: a route to a pool opens, for a capture or a `use_mem_pool`).
+    pub(crate) fn capture_begin(&self) {
+        lock(&self.state).captures += 1;
+    }
+
+    /// A capture begun ends; false, changing nothing, if none is underway.
+    pub(crate) fn capture_end(&self) -> bool {
+        let mut st = lock(&self.state);
+        let underway = st.captures > 0;
+        st.captures -= u64::from(underway);
+        underway
+    }
+
+    /// True while a capture is underway (see `captures`).
+    pub(crate) fn captures_underway(&self) -> bool {
+        lock(&self.state).captures > 0
     }
 
     /// How many times pool `id` is retained now (0 for a pool not retained).

@@ -90,8 +90,15 @@ impl Passthrough {
     }
 
     /// Allocates exactly `size` bytes from the driver, ordered on `stream`, under the cap
-    /// `limit`. `size == 0` gives null.
-    pub(crate) fn allocate(&self, size: usize, stream: Stream, limit: usize) -> Result<DeviceAddr> {
+    /// `limit`, of which `outside()` (read under this mode's lock: the global pool's graph
+    /// segments) is taken. `size == 0` gives null.
+    pub(crate) fn allocate(
+        &self,
+        size: usize,
+        stream: Stream,
+        limit: usize,
+        outside: impl FnOnce() -> usize,
+    ) -> Result<DeviceAddr> {
         if size == 0 {
             return Ok(DeviceAddr::NULL);
         }
@@ -101,7 +108,7 @@ impl Passthrough {
         };
         {
             let mut st = lock(&self.state);
-            if size > limit.saturating_sub(st.live_bytes + st.pending) {
+            if size > limit.saturating_sub(outside()).saturating_sub(st.live_bytes + st.pending) {
                 return Err(oom(&st));
             }
             st.pending += size;
@@ -120,6 +127,15 @@ impl Passthrough {
                 Ok(DeviceAddr(p))
             }
         }
+    }
+
+    /// Runs `f` with the bytes this mode holds (live and being allocated), under its lock: a
+    /// graph pool's growth in this mode checks the one cap there, so that it and this mode's
+    /// allocations never both fit against figures read apart (lock order: graph pools, this
+    /// mode's, the global pool's).
+    pub(crate) fn with_held<R>(&self, f: impl FnOnce(usize) -> R) -> R {
+        let st = lock(&self.state);
+        f(st.live_bytes + st.pending)
     }
 
     /// Frees a block of [`Passthrough::allocate`] on `stream` (stream-ordered). A bad free is

@@ -385,3 +385,55 @@ fn retired_pools_memory_is_taken_back_before_a_pool_runs_out_outside_a_capture()
     a.graph_pool_release(pool).unwrap();
     assert_all_returned(&a, Some(&dev), 0);
 }
+
+/// While a capture is underway (`graph_capture_begin` .. `graph_capture_end`, which the PyTorch
+/// shim calls as routes open and close), no device synchronise is made: out of memory and
+/// `trim(true)` leave a retired pool's memory parked; once the capture ends they take it back.
+#[test]
+fn no_device_synchronise_while_a_capture_is_underway() {
+    let dev = host(0);
+    let a = host_allocator(dev.clone(), small().max_bytes(32 << 20).build().unwrap()).unwrap();
+    let s = dev.create_stream();
+    let gone = GraphPoolId(77, 0);
+    a.graph_pool_retain(gone);
+    let p = a.graph_allocate(gone, 3 << 20, s).unwrap(); // a 20 MiB segment
+    a.deallocate(p, 3 << 20, s).unwrap();
+    a.graph_pool_release(gone).unwrap();
+    assert!(a.graph_capture_end().is_err(), "none begun");
+    a.graph_capture_begin();
+    a.trim(true).unwrap();
+    assert_eq!(a.graph_pool_bytes(), 20 << 20, "trim(true) synchronised during a capture");
+    let mem_pool = GraphPoolId(78, 0);
+    a.graph_pool_retain(mem_pool);
+    assert!(matches!(a.graph_allocate(mem_pool, 3 << 20, s), Err(Error::OutOfMemory { .. })));
+    assert!(matches!(a.allocate(16 << 20, s), Err(Error::OutOfMemory { .. })));
+    assert_eq!(a.graph_pool_bytes(), 20 << 20, "an out-of-memory path synchronised during a capture");
+    a.graph_capture_end().unwrap();
+    let q = a.graph_allocate(mem_pool, 3 << 20, s).unwrap(); // the reclaim takes the parked 20 MiB
+    a.deallocate(q, 3 << 20, s).unwrap();
+    a.graph_pool_release(mem_pool).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
+/// Pass-through mode: one cap over the driver's blocks and graph segments, and an out of memory
+/// there takes back a retired pool's parked memory before it fails.
+#[test]
+fn pass_through_mode_shares_its_cap_with_graph_pools_and_takes_retired_pools_back() {
+    let dev = host(0);
+    let a =
+        host_allocator(dev.clone(), small().passthrough(true).max_bytes(32 << 20).build().unwrap()).unwrap();
+    let s = dev.create_stream();
+    let pool = GraphPoolId(79, 0);
+    a.graph_pool_retain(pool);
+    let g = a.graph_allocate(pool, 3 << 20, s).unwrap(); // 20 MiB
+    assert!(matches!(a.allocate(16 << 20, s), Err(Error::OutOfMemory { .. })), "20 + 16 > 32 MiB");
+    let small_block = a.allocate(8 << 20, s).unwrap();
+    a.deallocate(g, 3 << 20, s).unwrap();
+    a.graph_pool_release(pool).unwrap(); // parked
+    let big = a.allocate(20 << 20, s).unwrap(); // fits once the parked 20 MiB is taken back
+    assert!(dev.reserved_bytes() <= 32 << 20);
+    for (p, n) in [(small_block, 8 << 20), (big, 20 << 20)] {
+        a.deallocate(p, n, s).unwrap();
+    }
+    assert_eq!(a.graph_pool_bytes(), 0);
+}

@@ -450,6 +450,32 @@ pub extern "C" fn cuarena_graph_malloc(
     })
 }
 
+/// A CUDA graph capture begins on `device` (the PyTorch shim: a route to a pool opens). Until
+/// the matching [`cuarena_graph_capture_end`], cuarena makes no device synchronise there. 0, or
+/// -1 if the device's allocator cannot be had (see [`cuarena_last_error`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_graph_capture_begin(device: c_int) -> c_int {
+    guard(-1, || {
+        global(device).map_err(|e| e.to_string())?.graph_capture_begin();
+        Ok(0)
+    })
+}
+
+/// Ends a capture begun with [`cuarena_graph_capture_begin`]. 0, or -1 if none is underway on
+/// `device` (nothing changes; see [`cuarena_last_error`]).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_graph_capture_end(device: c_int) -> c_int {
+    guard(-1, || {
+        if process_exiting() {
+            return Ok(0);
+        }
+        let (_, a) = created()
+            .find(|(d, _)| *d == device)
+            .ok_or_else(|| format!("graph capture end: CUDA device {device} has no cuarena allocator"))?;
+        a.graph_capture_end().map(|()| 0).map_err(|e| e.to_string())
+    })
+}
+
 /// How many times `device`'s CUDA graph pool `(id_a, id_b)` is retained now (0 for a pool not
 /// retained, or a device with no allocator yet), or -1 (see [`cuarena_last_error`]).
 #[unsafe(no_mangle)]

@@ -142,6 +142,8 @@ int cuarena_graph_pool_release(uint64_t id_a, uint64_t id_b, int device);
 void *cuarena_graph_malloc(uint64_t id_a, uint64_t id_b, size_t size, int device, void *stream);
 int cuarena_graph_pool_live(uint64_t id_a, uint64_t id_b, int device, void **out, size_t n, size_t *count);
 int64_t cuarena_graph_pool_use_count(uint64_t id_a, uint64_t id_b, int device);
+int cuarena_graph_capture_begin(int device);
+int cuarena_graph_capture_end(int device);
 int cuarena_reset_peak(int device);
 int cuarena_reset_counters(int device);
 void cuarena_empty_cache(void);
@@ -407,6 +409,13 @@ extern "C" int cuarena_torch_install(char *err, size_t n) {
         a->set_begin_allocate_to_pool(
             [routes](int device, c10::cuda::MempoolId_t pool, std::function<bool(cudaStream_t)> filter) {
                 retain_pool(device, pool);  // PyTorch's own allocator counts a capture as a user
+                // No device synchronise while the route is open (it could break the capture).
+                if (cuarena_graph_capture_begin(device) != 0) {
+                    (void)cuarena_graph_pool_release(pool.first, pool.second, device);
+                    const char *e = cuarena_last_error();
+                    C10_THROW_ERROR(Error, std::string("cuarena: graph capture on CUDA device ") + std::to_string(device) +
+                                               " not begun: " + (e != nullptr ? e : "no reason recorded"));
+                }
                 std::lock_guard<std::mutex> g(routes->m);
                 routes->open.push_back(Route{device, pool, std::move(filter)});
                 routes->count.store(routes->open.size(), std::memory_order_release);
@@ -417,6 +426,7 @@ extern "C" int cuarena_torch_install(char *err, size_t n) {
                                    [&](const Route &r) { return r.device == device && r.pool == pool; });
             if (it != routes->open.end()) {
                 routes->open.erase(it);
+                (void)cuarena_graph_capture_end(device);  // never throws: a capture's end hook
             }
             routes->count.store(routes->open.size(), std::memory_order_release);
         });

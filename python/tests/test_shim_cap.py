@@ -65,6 +65,8 @@ void *cuarena_graph_malloc(uint64_t a, uint64_t b, size_t n, int d, void *s) {
     return n == 999 ? nullptr : reinterpret_cast<void *>(0x5000);
 }
 int64_t cuarena_graph_pool_use_count(uint64_t, uint64_t, int) { return retain_result == 0 ? 2 : -1; }
+int cuarena_graph_capture_begin(int d) { char m[32]; std::snprintf(m, sizeof m, "begin@%d;", d); glog_add(m); return 0; }
+int cuarena_graph_capture_end(int d) { char m[32]; std::snprintf(m, sizeof m, "end@%d;", d); glog_add(m); return 0; }
 int cuarena_graph_pool_live(uint64_t, uint64_t, int, void **out, size_t n, size_t *count) {
     for (size_t i = 0; i < n && i < live_n; i++) out[i] = reinterpret_cast<void *>(live_blocks[i]);
     *count = live_n;

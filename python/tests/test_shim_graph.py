@@ -89,7 +89,8 @@ class ShimGraph(unittest.TestCase):
         self.assertTrue(r["routed failure"].startswith("Error: cuarena: cannot allocate 999 bytes"), r)
         self.assertEqual(r["after"], "0x4000", r)
         self.assertEqual(r["release"], "ok", r)
-        self.assertEqual(r["log"], "retain 3,4@0;gmalloc 3,4 4242@0 s0x77;gmalloc 3,4 999@0 s0x77;release 3,4@0;", r)
+        self.assertEqual(r["log"], "retain 3,4@0;begin@0;gmalloc 3,4 4242@0 s0x77;gmalloc 3,4 999@0 s0x77;end@0;"
+                                   "release 3,4@0;", r)
         self.assertTrue(r["begin refused"].startswith("Error: cuarena: graph pool of CUDA device 0 unavailable"), r)
         self.assertEqual(r["not routed"], "0x4000", r)
         self.assertEqual(r["mempool"], "ok", r)
