@@ -220,8 +220,8 @@ int cuarena_trace_stop(int device);
  * during a capture is not reused while the pool lives. Retain once per capture (or other user),
  * release as often; after the last release and the last free the memory returns after the next
  * device synchronise (cuarena_empty_cache, out of memory). retain/release: 0 or -1 (release of
- * a pool not retained). cuarena_graph_malloc: NULL on failure (out of memory at once: no
- * reclaim, no OOM hook). cuarena_graph_pool_live: writes the number of live blocks to *count and
+ * a pool not retained). cuarena_graph_malloc: NULL on failure (out of memory: during a capture
+ * at once, otherwise after the ordinary reclaim; never the OOM hook). cuarena_graph_pool_live: writes the number of live blocks to *count and
  * the first min(n, count) addresses to out; 0 or -1. Graph-pool blocks are not traced. */
 int cuarena_graph_pool_retain(uint64_t id_a, uint64_t id_b, int device);
 int cuarena_graph_pool_release(uint64_t id_a, uint64_t id_b, int device);

@@ -2078,7 +2078,8 @@ impl Allocator {
     }
 
     /// Bytes of device memory in CUDA graph pools: their segments, retained or waiting for a
-    /// synchronise. Part of `reserved_bytes` and `pool_in_use_bytes`.
+    /// synchronise. Part of `reserved_bytes` and `pool_in_use_bytes` (not in pass-through mode,
+    /// whose statistics are its own blocks').
     pub fn graph_pool_bytes(&self) -> u64 {
         self.inner.graphs.bytes()
     }

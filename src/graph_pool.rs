@@ -53,8 +53,10 @@
 //! - `retained > 0` for every pool in `pools`, or the pool has live blocks (it is released and
 //!   retires at its last free).
 //!
-//! Lock layering: the state lock is taken with no other cuarena lock held, and the global pool's
-//! lock is taken under it (growth), never the reverse.
+//! Lock layering: graph pools' state, then (pass-through mode) that mode's lock, then the
+//! global pool's, each only under those before it (a pool's growth); none is taken under a later
+//! one. `bury_zombies` takes the state lock alone (its failure path under the parked arenas'
+//! lock, which nothing here takes).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -195,9 +197,9 @@ impl Pool {
     }
 
     /// Hands out `len` bytes for `want` from a free range, if one may serve it: the stream's
-    /// own frees first (no wait), then fresh memory, then another stream's frees for which
-    /// `ready` says yes (it makes the stream wait on their fences, or, during a capture, finds
-    /// them complete), each by best fit (the last by a scan of the other streams' ranges).
+    /// own frees first (no wait), then fresh memory, each by best fit, then the first of the
+    /// other streams' frees, in order of (stream, length), for which `ready` says yes (it makes
+    /// the stream wait on their fences, or, during a capture, finds them complete): a scan.
     fn take(
         &mut self,
         want: &Want,

@@ -1,6 +1,7 @@
 //! Models of CUDA graph pools (`src/graph_pool.rs`) driving the real allocator: a pool's block
 //! freed by a thread that got its address from the allocating thread is found by the free (the
-//! pool's `used` flag is up before any block of it is handed out), and a pool's last release
+//! pools' address span is widened before any block of a new segment is handed out; the
+//! mutation `graph_flag_unset` leaves it empty), and a pool's last release
 //! racing its last free retires it exactly once, so all its memory comes back.
 #![cfg(loom)]
 
@@ -10,7 +11,7 @@ use loom::thread;
 use loom_tests::common::{assert_all_returned, model, setup, wait_for};
 use std::sync::Arc;
 
-/// A user stream's handle (graph pools ask the device nothing about it).
+/// A user stream's handle (the model device answers its capture and identity queries).
 fn s() -> Stream {
     Stream::from_raw(0x10)
 }
