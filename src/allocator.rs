@@ -1661,16 +1661,7 @@ impl Allocator {
                 for &s in used_on {
                     env.dev.refuse_capturing(s)?;
                 }
-                let key = env.dev.stream_key(stream)?;
-                for &s in used_on {
-                    let ks = env.dev.stream_key(s)?;
-                    if ks != key
-                        && let Some(f) = env.fence(s, ks)?
-                    {
-                        f.order_before(&env.dev, stream, key)?;
-                    }
-                }
-                Ok(())
+                order_declared(&env, stream, env.dev.stream_key(stream)?, used_on)
             })?;
         }
         self.deallocate(ptr, size, stream)
@@ -2134,7 +2125,15 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
         }
     }
     let key = env.dev.stream_key(stream)?;
-    for &s in &others {
+    order_declared(env, stream, key, &others)?;
+    Ok(FreeAs::Stream(key.0, FenceSet::one(env.fence(stream, key)?)))
+}
+
+/// Orders the work on each of `used_on` (streams a block was declared used on) before later work
+/// on `stream` (identity `key`): an event on each other stream, which `stream` waits for. None of
+/// them may be being captured (the callers ask first).
+fn order_declared(env: &Env<'_>, stream: Stream, key: StreamKey, used_on: &[Stream]) -> Result<()> {
+    for &s in used_on {
         let ks = env.dev.stream_key(s)?;
         if ks != key
             && let Some(f) = env.fence(s, ks)?
@@ -2142,7 +2141,7 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
             f.order_before(&env.dev, stream, key)?;
         }
     }
-    Ok(FreeAs::Stream(key.0, FenceSet::one(env.fence(stream, key)?)))
+    Ok(())
 }
 
 // ---- The OOM hook (issue 11, item 4) ----
