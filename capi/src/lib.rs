@@ -394,6 +394,15 @@ unsafe fn write_stats(stats: Stats, out: *mut u8, size: u64) {
 
 // ---- CUDA graph pools (src/graph_pool.rs) ----
 
+/// `device`'s allocator if one exists already (none is made: a device not used through cuarena
+/// has no pool and no capture); `what` begins the error otherwise.
+fn existing(device: c_int, what: &str) -> Result<&'static Allocator, String> {
+    created()
+        .find(|(d, _)| *d == device)
+        .map(|(_, a)| a)
+        .ok_or_else(|| format!("{what}: CUDA device {device} has no cuarena allocator"))
+}
+
 fn graph_id(a: u64, b: u64) -> cuarena::GraphPoolId {
     cuarena::GraphPoolId(a, b)
 }
@@ -417,10 +426,10 @@ pub extern "C" fn cuarena_graph_pool_release(id_a: u64, id_b: u64, device: c_int
         if process_exiting() {
             return Ok(0);
         }
-        let (_, a) = created().find(|(d, _)| *d == device).ok_or_else(|| {
-            format!("graph pool ({id_a}, {id_b}): CUDA device {device} has no cuarena allocator")
-        })?;
-        a.graph_pool_release(graph_id(id_a, id_b)).map(|()| 0).map_err(|e| e.to_string())
+        existing(device, &format!("graph pool ({id_a}, {id_b})"))?
+            .graph_pool_release(graph_id(id_a, id_b))
+            .map(|()| 0)
+            .map_err(|e| e.to_string())
     })
 }
 
@@ -469,10 +478,7 @@ pub extern "C" fn cuarena_graph_capture_end(device: c_int) -> c_int {
         if process_exiting() {
             return Ok(0);
         }
-        let (_, a) = created()
-            .find(|(d, _)| *d == device)
-            .ok_or_else(|| format!("graph capture end: CUDA device {device} has no cuarena allocator"))?;
-        a.graph_capture_end().map(|()| 0).map_err(|e| e.to_string())
+        existing(device, "graph capture end")?.graph_capture_end().map(|()| 0).map_err(|e| e.to_string())
     })
 }
 
@@ -481,9 +487,8 @@ pub extern "C" fn cuarena_graph_capture_end(device: c_int) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_graph_pool_use_count(id_a: u64, id_b: u64, device: c_int) -> i64 {
     guard(-1, || {
-        Ok(created()
-            .find(|(d, _)| *d == device)
-            .map_or(0, |(_, a)| a.graph_pool_use_count(graph_id(id_a, id_b)).min(i64::MAX as u64) as i64))
+        Ok(existing(device, "")
+            .map_or(0, |a| a.graph_pool_use_count(graph_id(id_a, id_b)).min(i64::MAX as u64) as i64))
     })
 }
 
@@ -508,11 +513,7 @@ pub unsafe extern "C" fn cuarena_graph_pool_live(
             return Err("cuarena_graph_pool_live: count is NULL, or out is NULL with n > 0".into());
         }
         // A device with no allocator yet has no pool: none is made to say so.
-        let (_, a) = created().find(|(d, _)| *d == device).ok_or_else(|| {
-            format!(
-                "graph pool ({id_a}, {id_b}) is not retained: CUDA device {device} has no cuarena allocator"
-            )
-        })?;
+        let a = existing(device, &format!("graph pool ({id_a}, {id_b}) is not retained"))?;
         let live = a.graph_pool_live(graph_id(id_a, id_b)).map_err(|e| e.to_string())?;
         for (i, p) in live.iter().take(n).enumerate() {
             // SAFETY: `i < n`, and the caller guarantees `out` holds `n` pointers.
