@@ -1743,19 +1743,20 @@ impl Allocator {
     /// device.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
         self.retry_held();
-        if self.inner.passthrough.is_some() {
-            // Pass-through mode holds nothing to release but graph pools' memory.
-            return with_slot(&self.inner, |slot, inner| {
-                let env = inner.env(&slot.counters);
-                if blocking {
-                    inner.bury_zombies(&env)?;
-                }
-                inner.pool.trim(&env.dev, blocking)
-            });
-        }
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
-            Slot::reclaim(&mut slot.arenas, &mut slot.outbox, &mut slot.ptds, inner, &env, false, blocking);
+            // Pass-through mode has no arenas: its pool holds graph pools' segments only.
+            if inner.passthrough.is_none() {
+                Slot::reclaim(
+                    &mut slot.arenas,
+                    &mut slot.outbox,
+                    &mut slot.ptds,
+                    inner,
+                    &env,
+                    false,
+                    blocking,
+                );
+            }
             if blocking {
                 // Arenas parked meanwhile, or kept by a failed synchronise above (deferred):
                 // tried again, the error returned this time.
