@@ -235,6 +235,24 @@ int64_t cuarena_graph_pool_use_count(uint64_t id_a, uint64_t id_b, int device);
  * underway). */
 int cuarena_graph_capture_begin(int device);
 int cuarena_graph_capture_end(int device);
+/* Checkpoints of a graph pool (PyTorch's getCheckpointState / setCheckpointPoolState, used by
+ * CUDA graph trees, torch.compile's reduce-overhead mode). cuarena_graph_pool_checkpoint: the
+ * pool's live blocks now, or NULL (a pool not retained); free it with
+ * cuarena_graph_checkpoint_free. cuarena_graph_checkpoint_blocks: returns their number and
+ * writes the first min(n, number) addresses and sizes (multiples of 512), by address; -1 on bad
+ * arguments. cuarena_graph_pool_restore: frees every block live in the pool and makes exactly the
+ * checkpoint's blocks live again at their addresses (each later freed with cuarena_free); the
+ * caller declares every earlier use of the blocks it frees ordered before the pool's next use.
+ * A restored block over memory another stream freed outside a capture waits on the host for
+ * that stream's work (refused instead while a capture is underway). Writes the number freed to
+ * *count and their addresses to freed; returns 0, 1 if more than n blocks are live (nothing
+ * changed; *count says how many), or -1 if refused (nothing changed: a pool not retained, or
+ * released and made again since the checkpoint, a block over memory held for another stream). */
+typedef struct cuarena_graph_checkpoint cuarena_graph_checkpoint;
+cuarena_graph_checkpoint *cuarena_graph_pool_checkpoint(uint64_t id_a, uint64_t id_b, int device);
+ptrdiff_t cuarena_graph_checkpoint_blocks(const cuarena_graph_checkpoint *c, void **ptrs, size_t *sizes, size_t n);
+void cuarena_graph_checkpoint_free(cuarena_graph_checkpoint *c);
+int cuarena_graph_pool_restore(const cuarena_graph_checkpoint *c, void **freed, size_t n, size_t *count);
 /* This thread's last error message, or NULL if no call has failed on this thread. Valid until
  * the next failing call on this thread. */
 const char *cuarena_last_error(void);

@@ -78,7 +78,7 @@ use crate::env::{Env, HomeFence};
 use crate::error::{Error, InvalidFree, Result};
 use crate::fence::{Fence, FenceSet};
 use crate::global_pool::{GlobalPool, Origin};
-use crate::graph_pool::{FreeAs, GraphPoolId, GraphPools, Want};
+use crate::graph_pool::{FreeAs, GraphCheckpoint, GraphPoolId, GraphPools, RestoreRefused, Want};
 use crate::outbox::{Outbox, ParkedFrees, UserSend};
 use crate::shell::{ArenaShell, Freed};
 use crate::size_class::{GRANULE, block_bytes, class_ceil, class_granules, granules_for};
@@ -2040,6 +2040,75 @@ impl Allocator {
     pub fn graph_pool_live(&self, id: GraphPoolId) -> Result<Vec<DeviceAddr>> {
         let v = self.inner.graphs.live(id).ok_or(Error::UnknownGraphPool { id: (id.0, id.1) })?;
         Ok(v.into_iter().map(DeviceAddr).collect())
+    }
+
+    /// A checkpoint of the retained CUDA graph pool `id`: its live blocks now (PyTorch's
+    /// `getCheckpointState`, which CUDA graph trees take after each recording), for
+    /// [`Allocator::graph_pool_restore`]. [`Error::UnknownGraphPool`] for a pool not retained.
+    pub fn graph_pool_checkpoint(&self, id: GraphPoolId) -> Result<GraphCheckpoint> {
+        let (serial, blocks) =
+            self.inner.graphs.checkpoint(id).ok_or(Error::UnknownGraphPool { id: (id.0, id.1) })?;
+        Ok(GraphCheckpoint { id, serial, blocks })
+    }
+
+    /// Restores the checkpoint's pool to it (PyTorch's `setCheckpointPoolState`, which CUDA
+    /// graph trees use to record a new graph after replaying others): every block live in the
+    /// pool now is freed, and exactly the checkpoint's blocks are live again, at their
+    /// addresses (freed later with [`Allocator::deallocate`], as any block). Returns the blocks
+    /// freed (address, bytes), by address; a block may be both freed and made live again.
+    ///
+    /// **Contract:** every earlier use of the blocks it frees is ordered before the pool's next
+    /// use (PyTorch's own restore assumes it: the graphs of a pool are replayed in order).
+    /// Memory that another stream freed outside a capture and that a restored block covers is
+    /// waited for on the host first (a query, and a wait only when no capture is underway:
+    /// otherwise [`Error::Unsupported`]). Refused, changing nothing: a pool not retained
+    /// ([`Error::UnknownGraphPool`]), a pool released and made again since the checkpoint, a
+    /// restored block over memory held for another stream ([`Error::Unsupported`]).
+    pub fn graph_pool_restore(&self, checkpoint: &GraphCheckpoint) -> Result<Vec<(DeviceAddr, usize)>> {
+        match self.graph_pool_restore_within(checkpoint, usize::MAX)? {
+            Ok(freed) => Ok(freed),
+            Err(_) => unreachable!("room for every live block"),
+        }
+    }
+
+    /// [`Allocator::graph_pool_restore`] with room to report at most `room` freed blocks:
+    /// `Ok(Err(n))`, changing nothing, if `n > room` blocks are live (the C ABI's fixed
+    /// buffer).
+    #[doc(hidden)]
+    pub fn graph_pool_restore_within(
+        &self,
+        c: &GraphCheckpoint,
+        room: usize,
+    ) -> Result<std::result::Result<Vec<(DeviceAddr, usize)>, usize>> {
+        let graphs = &self.inner.graphs;
+        let r = with_slot(&self.inner, |slot, inner| {
+            let env = inner.env(&slot.counters);
+            let mut wait = |f: &FenceSet| -> Result<()> {
+                if f.poll_all(&env.dev)? {
+                    return Ok(());
+                }
+                if graphs.captures_underway() {
+                    return Err(Error::Unsupported(
+                        "graph pool restore: memory it makes live again waits for another stream's work, and a \
+                         capture is underway (a host wait could break it); restore after the capture"
+                            .into(),
+                    ));
+                }
+                f.wait_host(&env.dev)
+            };
+            let r = graphs.restore(c.id, c.serial, &c.blocks, room, &mut wait);
+            // Each block freed and made live again is counted as a free and an allocation.
+            if let Ok(freed) = &r {
+                freed.iter().for_each(|&(_, l)| slot.counted_free(l as usize));
+                c.blocks.iter().for_each(|&(_, l)| slot.counted_alloc(l as usize, AllocPath::Pool));
+            }
+            r
+        });
+        match r {
+            Ok(freed) => Ok(Ok(freed.into_iter().map(|(a, l)| (DeviceAddr(a), l as usize)).collect())),
+            Err(RestoreRefused::Room(n)) => Ok(Err(n)),
+            Err(RestoreRefused::Error(e)) => Err(e),
+        }
     }
 
     /// A CUDA graph capture begins (the PyTorch shim: a route to a pool opens, for a capture or

@@ -245,7 +245,7 @@ impl Fence {
         Ok(done)
     }
 
-    /// Blocks the host until the fence completes (trim and shutdown only).
+    /// Blocks the host until the fence completes (trim, shutdown and a graph pool's restore).
     pub(crate) fn wait_host(&self, dev: &Counted<'_>) -> Result<()> {
         if !self.known_done() {
             dev.sync_fence(self.event)?;

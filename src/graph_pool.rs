@@ -42,6 +42,15 @@
 //!   break that capture); the synchronises that happen anyway (out of memory, `trim(true)`,
 //!   the allocator's drop, parked arenas past their bound) take them (`allocator.rs`,
 //!   `bury_zombies`).
+//! - **A checkpoint restores a pool's live blocks** (PyTorch's `getCheckpointState` and
+//!   `setCheckpointPoolState`, which CUDA graph trees use to record a new graph after replaying
+//!   others: [`GraphPools::checkpoint`], [`GraphPools::restore`]). A restore frees every block
+//!   live now and makes exactly the checkpoint's blocks live again, at their addresses. The
+//!   caller, restoring, declares every earlier use of the blocks it frees ordered before the
+//!   pool's next use (as PyTorch's own restore assumes), so they become [`Reuse::Fresh`]. A
+//!   block made live again over memory another stream freed outside a capture waits for that
+//!   free's fences first (on the host: a restore is rare and never on a capturing stream). A
+//!   checkpoint names its pool's incarnation: it is refused by a pool released and made again.
 //!
 //! ## Invariants (under `state`'s lock)
 //! - Every byte of every segment of a pool is in exactly one of its `live` blocks, its `free`
@@ -70,13 +79,39 @@ use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct GraphPoolId(pub u64, pub u64);
 
+/// A checkpoint of a graph pool: which of its blocks were live, for
+/// [`crate::Allocator::graph_pool_restore`] (PyTorch's `getCheckpointState`; see the module
+/// comment's rule). It names the pool's incarnation: a pool released and made again under the
+/// same id refuses it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GraphCheckpoint {
+    pub(crate) id: GraphPoolId,
+    pub(crate) serial: u64,
+    /// Live blocks (address, bytes) by address; bytes are multiples of [`BLOCK_ALIGN`].
+    pub(crate) blocks: Vec<(u64, u64)>,
+}
+
+impl GraphCheckpoint {
+    /// The pool it was taken of.
+    pub fn pool(&self) -> GraphPoolId {
+        self.id
+    }
+
+    /// The blocks that were live (address, bytes, the bytes a multiple of 512), by address: the
+    /// blocks a restore makes live again.
+    pub fn blocks(&self) -> impl ExactSizeIterator<Item = (crate::DeviceAddr, usize)> + '_ {
+        self.blocks.iter().map(|&(a, l)| (crate::DeviceAddr(a), l as usize))
+    }
+}
+
 /// Every graph-pool block's size is a multiple of this (PyTorch's rounding).
 pub const BLOCK_ALIGN: usize = 512;
 
 /// Which allocations may reuse a free range (see the module comment's rules).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Reuse {
-    /// Memory no block has used since the pool took it: any allocation.
+    /// Memory no block has used since the pool took it, or that a checkpoint's restore freed
+    /// (see the module comment): any allocation.
     Fresh,
     /// Freed during a capture on this stream handle (the per-thread stream's with the freeing
     /// thread's id): allocations during a capture on that handle.
@@ -128,6 +163,8 @@ struct FreeRange {
 /// One graph pool. See the module comment for its invariants.
 #[derive(Default)]
 struct Pool {
+    /// This incarnation of the pool's name (a checkpoint of an earlier one is refused).
+    serial: u64,
     retained: u64,
     /// Segments: base → bytes.
     segments: BTreeMap<u64, u64>,
@@ -233,6 +270,81 @@ impl Pool {
     fn bytes(&self) -> u64 {
         self.segments.values().sum()
     }
+
+    /// Checks that `blocks` can be made live once every live block is freed: sorted, apart,
+    /// [`BLOCK_ALIGN`]ed and not empty, each inside one segment of this pool and clear of the
+    /// held ranges. Returns the fences still pending on the free ranges they cover (memory
+    /// another stream freed outside a capture), which must complete first.
+    fn plan_restore(&self, blocks: &[(u64, u64)]) -> Result<Vec<FenceSet>> {
+        let bad = |what: String| Error::Unsupported(format!("graph pool checkpoint: {what}"));
+        let align = BLOCK_ALIGN as u64;
+        let mut pending = Vec::new();
+        let mut end_of_last = 0;
+        for &(a, l) in blocks {
+            if l == 0 || !a.is_multiple_of(align) || !l.is_multiple_of(align) || a < end_of_last {
+                return Err(bad(format!("block {a:#x} of {l} bytes is not a block this pool can hold")));
+            }
+            let end = a.checked_add(l).ok_or_else(|| bad(format!("block {a:#x} overflows")))?;
+            end_of_last = end;
+            match self.segment_of(a) {
+                Some(s) if end <= s + self.segments[&s] => {}
+                _ => return Err(bad(format!("block {a:#x} of {l} bytes lies outside the pool's segments"))),
+            }
+            if self.held.range(..end).next_back().is_some_and(|(&h, &hl)| h + hl > a) {
+                return Err(bad(format!(
+                    "block {a:#x} covers memory held for another stream's use (freed during a capture \
+                     after record_stream)"
+                )));
+            }
+            let first = self.free.range(..=a).next_back().map_or(a, |(&f, _)| f);
+            for (_, r) in self.free.range(first..end) {
+                if matches!(r.reuse, Reuse::Stream(_)) && !r.fences.is_clear() {
+                    pending.push(r.fences.clone());
+                }
+            }
+        }
+        Ok(pending)
+    }
+
+    /// Applies a restore [`Pool::plan_restore`] accepted with no fence pending: frees every
+    /// live block as [`Reuse::Fresh`], then carves each of `blocks` out of the free ranges
+    /// covering it (the rest of those ranges stays free as it was). Returns the blocks freed.
+    fn apply_restore(&mut self, blocks: &[(u64, u64)]) -> Vec<(u64, u64)> {
+        let mut freed: Vec<(u64, u64)> = self.live.drain().collect();
+        freed.sort_unstable();
+        for &(a, l) in &freed {
+            self.insert_free(a, l, Reuse::Fresh, FenceSet::default());
+        }
+        for &(a, l) in blocks {
+            let end = a + l;
+            let first = self.free.range(..=a).next_back().map(|(&f, _)| f).expect("planned: covered");
+            let covering: Vec<u64> = self.free.range(first..end).map(|(&f, _)| f).collect();
+            let mut next = a;
+            for f in covering {
+                let r = self.remove_free(f);
+                debug_assert!(f <= next && next < f + r.len, "planned: the free ranges tile the block");
+                if f < a {
+                    self.insert_free_raw(f, FreeRange { len: a - f, ..r.clone() });
+                }
+                if f + r.len > end {
+                    self.insert_free_raw(end, FreeRange { len: f + r.len - end, ..r });
+                }
+                next = (f + r.len).min(end);
+            }
+            debug_assert_eq!(next, end, "planned: the free ranges tile the block");
+            self.live.insert(a, l);
+        }
+        freed
+    }
+}
+
+/// Why [`GraphPools::restore`] changed nothing.
+#[derive(Debug)]
+pub(crate) enum RestoreRefused {
+    /// More blocks are live than the caller has room to be told of: this many.
+    Room(usize),
+    /// The checkpoint cannot be restored, or a wait failed.
+    Error(Error),
 }
 
 #[derive(Default)]
@@ -245,6 +357,8 @@ struct State {
     /// Captures underway (begun with [`GraphPools::capture_begin`], not ended): while any is,
     /// the allocator makes no device synchronise (`allocator.rs`).
     captures: u64,
+    /// The serial the next pool made gets.
+    next_serial: u64,
 }
 
 impl State {
@@ -299,7 +413,13 @@ pub(crate) struct GraphFree {
 impl GraphPools {
     /// Retains pool `id`, making it if new (see the module comment).
     pub(crate) fn retain(&self, id: GraphPoolId) {
-        lock(&self.state).pools.entry(id).or_default().retained += 1;
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        let p = st.pools.entry(id).or_insert_with(|| {
+            st.next_serial += 1;
+            Pool { serial: st.next_serial, ..Pool::default() }
+        });
+        p.retained += 1;
     }
 
     /// Releases pool `id` once. Returns false, changing nothing, for a pool not retained.
@@ -443,6 +563,57 @@ impl GraphPools {
         let mut v: Vec<u64> = p.live.keys().copied().collect();
         v.sort_unstable();
         Some(v)
+    }
+
+    /// A checkpoint of pool `id`: its serial and its live blocks (address, bytes), by address;
+    /// `None` for a pool not retained.
+    pub(crate) fn checkpoint(&self, id: GraphPoolId) -> Option<(u64, Vec<(u64, u64)>)> {
+        let st = lock(&self.state);
+        let p = st.pools.get(&id).filter(|p| p.retained > 0)?;
+        let mut v: Vec<(u64, u64)> = p.live.iter().map(|(&a, &l)| (a, l)).collect();
+        v.sort_unstable();
+        Some((p.serial, v))
+    }
+
+    /// Restores pool `id` to the checkpoint `(serial, blocks)` from [`GraphPools::checkpoint`]
+    /// (the module comment's rule): frees every live block and makes exactly `blocks` live.
+    /// `wait(fences)` waits for the fences of memory another stream freed that a block made
+    /// live again covers; it is called with the lock released, and the restore is planned
+    /// again after it. Returns the blocks freed (address, bytes), by address, or
+    /// [`RestoreRefused::Room`] if there are more than `room` (nothing changed). Any refusal
+    /// changes nothing.
+    pub(crate) fn restore(
+        &self,
+        id: GraphPoolId,
+        serial: u64,
+        blocks: &[(u64, u64)],
+        room: usize,
+        wait: &mut dyn FnMut(&FenceSet) -> Result<()>,
+    ) -> std::result::Result<Vec<(u64, u64)>, RestoreRefused> {
+        loop {
+            let mut st = lock(&self.state);
+            let pool = match st.pools.get_mut(&id) {
+                Some(p) if p.retained > 0 => p,
+                _ => return Err(RestoreRefused::Error(Error::UnknownGraphPool { id: (id.0, id.1) })),
+            };
+            if pool.serial != serial {
+                return Err(RestoreRefused::Error(Error::Unsupported(format!(
+                    "graph pool ({}, {}) was released and made again since this checkpoint",
+                    id.0, id.1
+                ))));
+            }
+            if pool.live.len() > room {
+                return Err(RestoreRefused::Room(pool.live.len()));
+            }
+            let pending = pool.plan_restore(blocks).map_err(RestoreRefused::Error)?;
+            if pending.is_empty() {
+                return Ok(pool.apply_restore(blocks));
+            }
+            drop(st);
+            for f in &pending {
+                wait(f).map_err(RestoreRefused::Error)?;
+            }
+        }
     }
 
     /// Bytes of the segments parked for a device synchronise.

@@ -47,7 +47,7 @@ pub use device::cuda::CudaDevice;
 pub use device::{Device, DeviceKind, Event};
 pub use error::{Error, InvalidFree, Result};
 pub use global::global;
-pub use graph_pool::GraphPoolId;
+pub use graph_pool::{GraphCheckpoint, GraphPoolId};
 pub use ptr::DeviceAddr;
 pub use stats::Stats;
 pub use stream::{Stream, StreamKey, StreamUse};

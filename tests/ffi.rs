@@ -711,6 +711,19 @@ fn graph_pool_calls_fail_cleanly_without_a_driver_or_with_bad_arguments() {
     assert!(cuarena_graph_malloc(1, 2, 0, 0, NULL).is_null());
     assert_eq!(cuarena_graph_pool_release(1, 2, 9999), -1);
     assert!(err().contains("no cuarena allocator"), "{}", err());
+    // Checkpoints: a device without an allocator, NULL handles and buffers.
+    assert!(cuarena_graph_pool_checkpoint(1, 2, 9999).is_null());
+    assert!(err().contains("no cuarena allocator"), "{}", err());
+    let mut one = NULL;
+    let mut len = 0usize;
+    // SAFETY: a NULL checkpoint is refused before anything is read or written.
+    assert_eq!(unsafe { cuarena_graph_checkpoint_blocks(std::ptr::null(), &mut one, &mut len, 1) }, -1);
+    assert!(err().contains("NULL"), "{}", err());
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuarena_graph_pool_restore(std::ptr::null(), &mut one, 1, &mut count) }, -1);
+    assert!(err().contains("NULL"), "{}", err());
+    // SAFETY: NULL is ignored.
+    unsafe { cuarena_graph_checkpoint_free(std::ptr::null_mut()) };
     if gpu_present() {
         return;
     }
@@ -719,6 +732,59 @@ fn graph_pool_calls_fail_cleanly_without_a_driver_or_with_bad_arguments() {
     assert!(cuarena_graph_malloc(1, 2, 100, 0, NULL).is_null());
     assert!(err().contains("driver"), "{}", err());
     assert_eq!(cuarena_graph_pool_release(1, 2, 0), -1);
+}
+
+/// Checkpoints through the C ABI on the process-wide allocator: a block is checkpointed,
+/// freed and made live again by a restore at its address; a restore with too little room for
+/// the blocks it would free changes nothing and says how many; bad handles and buffers are
+/// refused; the restored block is freed as any.
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn on_a_gpu_a_graph_pool_checkpoint_is_restored_through_the_abi() {
+    let Some(_g) = serial_on_a_gpu() else { return };
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let st = ctx.new_stream().unwrap();
+    let s: *mut c_void = st.cu_stream().cast();
+    let (ia, ib) = (0xc0ffee, 7);
+    assert!(cuarena_graph_pool_checkpoint(ia, ib, 0).is_null(), "not retained yet");
+    assert!(err().contains("not retained"), "{}", err());
+    assert_eq!(cuarena_graph_pool_retain(ia, ib, 0), 0, "{}", err());
+    let x = cuarena_graph_malloc(ia, ib, 5000, 0, s); // a warm-up: outside a capture
+    assert!(!x.is_null(), "{}", err());
+    let c = cuarena_graph_pool_checkpoint(ia, ib, 0);
+    assert!(!c.is_null(), "{}", err());
+    let (mut ptrs, mut sizes) = ([NULL; 2], [0usize; 2]);
+    // SAFETY: `c` is live; two elements in each buffer.
+    let n = unsafe { cuarena_graph_checkpoint_blocks(c, ptrs.as_mut_ptr(), sizes.as_mut_ptr(), 2) };
+    assert_eq!((n, ptrs[0], sizes[0]), (1, x, 5120));
+    // SAFETY: `c` is live; with n = 0 nothing is written.
+    let n = unsafe { cuarena_graph_checkpoint_blocks(c, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+    assert_eq!(n, 1);
+    assert_eq!(cuarena_free_checked(x, 5000, 0, s), 0, "{}", err());
+    let y = cuarena_graph_malloc(ia, ib, 70_000, 0, s);
+    assert!(!y.is_null(), "{}", err());
+    let mut freed = [NULL; 2];
+    let mut count = 0usize;
+    // SAFETY: `c` is live; room for 0 (nothing written); `count` writable.
+    assert_eq!(unsafe { cuarena_graph_pool_restore(c, std::ptr::null_mut(), 0, &mut count) }, 1);
+    assert_eq!(count, 1, "one block live: no room to report it, nothing changed");
+    // SAFETY: as above, with room for 2.
+    assert_eq!(unsafe { cuarena_graph_pool_restore(c, freed.as_mut_ptr(), 2, &mut count) }, 0, "{}", err());
+    assert_eq!((count, freed[0]), (1, y), "the live block is freed");
+    let mut live = [NULL; 4];
+    // SAFETY: `live` holds 4 pointers, `count` is writable.
+    assert_eq!(unsafe { cuarena_graph_pool_live(ia, ib, 0, live.as_mut_ptr(), 4, &mut count) }, 0);
+    assert_eq!((count, live[0]), (1, x), "the checkpoint's block is live again at its address");
+    assert_eq!(cuarena_free_checked(y, 70_000, 0, s), -1, "freed by the restore");
+    assert_eq!(cuarena_free_checked(x, 5000, 0, s), 0, "{}", err());
+    assert_eq!(cuarena_graph_pool_release(ia, ib, 0), 0, "{}", err());
+    // SAFETY: `c` is live; the pool is released now, so the restore is refused.
+    assert_eq!(unsafe { cuarena_graph_pool_restore(c, freed.as_mut_ptr(), 2, &mut count) }, -1);
+    assert!(err().contains("not retained"), "{}", err());
+    // SAFETY: from cuarena_graph_pool_checkpoint, freed once.
+    unsafe { cuarena_graph_checkpoint_free(c) };
+    st.synchronize().unwrap();
+    cuarena_empty_cache();
 }
 
 /// Through the C ABI on the process-wide allocator: a global-mode capture allocates in a graph

@@ -525,6 +525,125 @@ pub unsafe extern "C" fn cuarena_graph_pool_live(
     })
 }
 
+/// A checkpoint of a graph pool, as the C ABI hands it out (`cuarena_graph_checkpoint` in
+/// `include/cuarena.h`): opaque to C, owned by the caller until
+/// [`cuarena_graph_checkpoint_free`].
+pub struct GraphCheckpointHandle {
+    device: c_int,
+    checkpoint: cuarena::GraphCheckpoint,
+}
+
+/// A checkpoint of `device`'s retained CUDA graph pool `(id_a, id_b)`: its live blocks now
+/// (PyTorch's `getCheckpointState`), for [`cuarena_graph_pool_restore`]. NULL for a pool not
+/// retained or a device with no allocator (see [`cuarena_last_error`]). Free it with
+/// [`cuarena_graph_checkpoint_free`].
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_graph_pool_checkpoint(
+    id_a: u64,
+    id_b: u64,
+    device: c_int,
+) -> *mut GraphCheckpointHandle {
+    guard(std::ptr::null_mut(), || {
+        let a = existing(device, &format!("graph pool ({id_a}, {id_b}) is not retained"))?;
+        let checkpoint = a.graph_pool_checkpoint(graph_id(id_a, id_b)).map_err(|e| e.to_string())?;
+        Ok(Box::into_raw(Box::new(GraphCheckpointHandle { device, checkpoint })))
+    })
+}
+
+/// The blocks of checkpoint `c` (those a restore makes live again): their number is returned,
+/// and the first `min(n, number)` of their addresses and sizes (multiples of 512), in address
+/// order, go to `ptrs` and `sizes`. -1 (nothing written) for a NULL `c`, or a NULL `ptrs` or
+/// `sizes` with `n > 0` (see [`cuarena_last_error`]).
+///
+/// # Safety
+/// `c` is NULL or a checkpoint from [`cuarena_graph_pool_checkpoint`] not yet freed; `ptrs`
+/// and `sizes` each point to `n` writable elements (or `n` is 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuarena_graph_checkpoint_blocks(
+    c: *const GraphCheckpointHandle,
+    ptrs: *mut *mut c_void,
+    sizes: *mut usize,
+    n: usize,
+) -> isize {
+    guard(-1, || {
+        if c.is_null() || (n > 0 && (ptrs.is_null() || sizes.is_null())) {
+            return Err(
+                "cuarena_graph_checkpoint_blocks: c is NULL, or ptrs or sizes is NULL with n > 0".into()
+            );
+        }
+        // SAFETY: not NULL (checked), and the caller guarantees a live checkpoint.
+        let c = unsafe { &*c };
+        for (i, (p, l)) in c.checkpoint.blocks().take(n).enumerate() {
+            // SAFETY: `i < n`, and the caller guarantees `n` writable elements in each.
+            unsafe {
+                *ptrs.add(i) = p.0 as *mut c_void;
+                *sizes.add(i) = l;
+            }
+        }
+        Ok(c.checkpoint.blocks().len() as isize)
+    })
+}
+
+/// Frees a checkpoint from [`cuarena_graph_pool_checkpoint`]. NULL is ignored.
+///
+/// # Safety
+/// `c` is NULL or a checkpoint from [`cuarena_graph_pool_checkpoint`] not yet freed; it is not
+/// used afterwards.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuarena_graph_checkpoint_free(c: *mut GraphCheckpointHandle) {
+    if !c.is_null() {
+        // SAFETY: the caller guarantees `c` came from `Box::into_raw` in
+        // `cuarena_graph_pool_checkpoint` and is freed once.
+        drop(unsafe { Box::from_raw(c) });
+    }
+}
+
+/// Restores checkpoint `c`'s pool to it (PyTorch's `setCheckpointPoolState`; the contract is
+/// [`cuarena::Allocator::graph_pool_restore`]'s): every block live in the pool is freed, and
+/// exactly the checkpoint's blocks are live again at their addresses (see
+/// [`cuarena_graph_checkpoint_blocks`]), to be freed with [`cuarena_free`]. The number of blocks
+/// freed goes to `*count`, and their addresses, in address order, to `freed`. 0; 1 if more
+/// than `n` blocks are live (nothing changed: `*count` says how many, so try again with room
+/// for them); -1 if refused (nothing changed; see [`cuarena_last_error`]).
+///
+/// # Safety
+/// `c` is NULL or a checkpoint from [`cuarena_graph_pool_checkpoint`] not yet freed; `freed`
+/// points to `n` writable pointers (or `n` is 0); `count` to a writable `size_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuarena_graph_pool_restore(
+    c: *const GraphCheckpointHandle,
+    freed: *mut *mut c_void,
+    n: usize,
+    count: *mut usize,
+) -> c_int {
+    guard(-1, || {
+        if c.is_null() || count.is_null() || (freed.is_null() && n > 0) {
+            return Err("cuarena_graph_pool_restore: c or count is NULL, or freed is NULL with n > 0".into());
+        }
+        // SAFETY: not NULL (checked), and the caller guarantees a live checkpoint.
+        let c = unsafe { &*c };
+        let id = c.checkpoint.pool();
+        let a = existing(c.device, &format!("graph pool ({}, {}) is not retained", id.0, id.1))?;
+        let (r, len) = match a.graph_pool_restore_within(&c.checkpoint, n).map_err(|e| e.to_string())? {
+            Ok(blocks) => {
+                for (i, &(p, _)) in blocks.iter().enumerate() {
+                    // SAFETY: `i < blocks.len() <= n`, and the caller guarantees `n` pointers.
+                    unsafe { *freed.add(i) = p.0 as *mut c_void };
+                    RECORDED.forget(p.0); // the restore's contract orders their uses
+                }
+                for (p, _) in c.checkpoint.blocks() {
+                    RECORDED.forget(p.0); // handed out again (as in `malloc_with`)
+                }
+                (0, blocks.len())
+            }
+            Err(live) => (1, live),
+        };
+        // SAFETY: not NULL (checked), and the caller guarantees it is writable.
+        unsafe { *count = len };
+        Ok(r)
+    })
+}
+
 // ---- Statistics resets and the size histogram (issue 11, item 3) ----
 
 /// Restarts `device`'s peaks (`peak_live_bytes`, `peak_live_bytes_upper`,

@@ -14,7 +14,8 @@
 //   large a workspace to try; the plug-in's refusal failed every benchmarked convolution under
 //   autocast). CUDA graphs: a capture's allocations go to cuarena's graph pools (PyTorch's
 //   private pools: torch.cuda.graph, make_graphed_callables, MemPool, and graph trees'
-//   checkPoolLiveAllocations). At every level PyTorch's record_stream hook is
+//   checkPoolLiveAllocations, getCheckpointState and setCheckpointPoolState, which
+//   torch.compile's reduce-overhead mode uses). At every level PyTorch's record_stream hook is
 //   cuarena_torch_record_stream, which raises where cuarena cannot keep the declaration.
 // - CUARENA_C10 alone, against PyTorch's headers and libc10: the plug-in is made from Python;
 //   out of memory throws c10::OutOfMemoryError, the type PyTorch's caching allocator throws.
@@ -144,6 +145,11 @@ int cuarena_graph_pool_live(uint64_t id_a, uint64_t id_b, int device, void **out
 int64_t cuarena_graph_pool_use_count(uint64_t id_a, uint64_t id_b, int device);
 int cuarena_graph_capture_begin(int device);
 int cuarena_graph_capture_end(int device);
+struct cuarena_graph_checkpoint;
+cuarena_graph_checkpoint *cuarena_graph_pool_checkpoint(uint64_t id_a, uint64_t id_b, int device);
+ptrdiff_t cuarena_graph_checkpoint_blocks(const cuarena_graph_checkpoint *c, void **ptrs, size_t *sizes, size_t n);
+void cuarena_graph_checkpoint_free(cuarena_graph_checkpoint *c);
+int cuarena_graph_pool_restore(const cuarena_graph_checkpoint *c, void **freed, size_t n, size_t *count);
 int cuarena_reset_peak(int device);
 int cuarena_reset_counters(int device);
 void cuarena_empty_cache(void);
@@ -153,6 +159,8 @@ void cuarena_set_memory_fraction(double fraction, int device);
 namespace {
 
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using Metadata = torch::cuda::CUDAPluggableAllocator::_AllocationMetadata;
+namespace cca = c10::cuda::CUDACachingAllocator;
 
 // cuarena's statistics of `device` (all 0 for a device cuarena has not used: asking makes no
 // allocator and no CUDA context there), or c10::Error with cuarena's reason. `*used` says
@@ -245,6 +253,16 @@ void retain_pool(int device, c10::cuda::MempoolId_t pool) {
                                    " unavailable: " + (e != nullptr ? e : "no reason recorded"));
     }
 }
+
+// A graph pool's checkpoint (getCheckpointState): cuarena's, and for each of its blocks what the
+// plug-in's bookkeeping said of it then (the size asked, the stream), which a restore puts back:
+// the block's deleter frees it with them.
+struct Checkpoint : cca::AllocatorState {
+    cuarena_graph_checkpoint *c = nullptr;
+    c10::DeviceIndex device = 0;
+    std::vector<std::pair<void *, Metadata>> blocks;
+    ~Checkpoint() override { cuarena_graph_checkpoint_free(c); }
+};
 
 // PyTorch's plug-in with the statistics calls answered from cuarena's (the file's comment).
 // Only fields with a cuarena counterpart are set; the rest stay 0.
@@ -365,6 +383,70 @@ class CuarenaAllocator : public Pluggable {
               "graph_pool_live", device);
         return count == live.size() &&
                std::all_of(live.begin(), live.end(), [&](void *p) { return expected.count(p) != 0; });
+    }
+
+    // CUDA graph trees (torch.compile's reduce-overhead mode) checkpoint a pool after each
+    // recording and restore it to record a new graph after replaying others (cuarena's
+    // graph_pool.rs states the rule).
+    std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                            c10::cuda::MempoolId_t id) override {
+        auto st = std::make_shared<Checkpoint>();
+        st->device = device;
+        st->c = cuarena_graph_pool_checkpoint(id.first, id.second, device);
+        check(st->c == nullptr ? -1 : 0, "graph pool checkpoint", device);
+        const ptrdiff_t n = cuarena_graph_checkpoint_blocks(st->c, nullptr, nullptr, 0);
+        check(n < 0 ? -1 : 0, "graph pool checkpoint", device);
+        std::vector<void *> ptrs(static_cast<size_t>(n));
+        std::vector<size_t> sizes(ptrs.size());  // the bookkeeping's own sizes are kept
+        cuarena_graph_checkpoint_blocks(st->c, ptrs.data(), sizes.data(), ptrs.size());
+        std::lock_guard<std::mutex> g(allocator_mutex_);
+        for (void *p : ptrs) {
+            auto it = allocation_metadata_.find(p);
+            // Every block of a pool comes through this plug-in's malloc, which keeps its entry
+            // (PyTorch does not export _AllocationMetadata's constructors: none can be made
+            // here). One without (freed by PyTorch, its free refused by cuarena) is refused: its
+            // restored tensor's deleter would throw.
+            if (it == allocation_metadata_.end()) {
+                C10_THROW_ERROR(Error, "cuarena: getCheckpointState: a live block of the graph pool was not allocated "
+                                       "through PyTorch's allocator");
+            }
+            st->blocks.emplace_back(p, it->second);
+        }
+        return st;
+    }
+
+    // Frees every block of the checkpoint's pool (PyTorch's ptrs_freed) and makes the
+    // checkpoint's blocks live again (dataptrs_allocd, each with this plug-in's deleter), and
+    // keeps the plug-in's bookkeeping in step. A refusal throws and changes nothing.
+    cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device, std::shared_ptr<cca::AllocatorState> pps) override {
+        auto st = std::dynamic_pointer_cast<Checkpoint>(pps);
+        if (st == nullptr || st->device != device) {
+            C10_THROW_ERROR(Error, std::string("cuarena: setCheckpointPoolState: not a checkpoint cuarena took of CUDA "
+                                               "device ") + std::to_string(device));
+        }
+        cca::CheckpointDelta d;
+        d.dataptrs_allocd.reserve(st->blocks.size());
+        std::vector<void *> freed(16);
+        size_t count = 0;
+        for (;;) {
+            const int r = cuarena_graph_pool_restore(st->c, freed.data(), freed.size(), &count);
+            if (r != 1) {
+                check(r, "graph pool restore", device);
+                break;
+            }
+            freed.resize(count + 16);  // more blocks live than room: nothing changed, so again
+        }
+        freed.resize(count);
+        std::lock_guard<std::mutex> g(allocator_mutex_);
+        for (void *p : freed) {
+            allocation_metadata_.erase(p);
+        }
+        for (const auto &b : st->blocks) {
+            allocation_metadata_.insert_or_assign(b.first, b.second);
+            d.dataptrs_allocd.emplace_back(b.first, b.first, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
+        }
+        d.ptrs_freed = std::move(freed);
+        return d;
     }
 
   private:

@@ -339,6 +339,45 @@ class Frameworks(unittest.TestCase):
             print("graphs OK", reserved0, torch.cuda.memory_reserved(), s["reserved_bytes"])
         """, "graphs OK")
 
+    def test_torch_compile_reduce_overhead_records_graph_trees_in_cuarenas_pools(self):
+        """torch.compile(mode="reduce-overhead") through the shim's own allocator: CUDA graph
+        trees record three compiled functions, two of them children of the first on different
+        steps, so the tree restores the pool's checkpoint (getCheckpointState and
+        setCheckpointPoolState) to record the second child; with PyTorch's slow-path asserts,
+        the pool's live blocks must equal the live tensors after every recording and restore
+        (checkPoolLiveAllocations). Results match eager ones while eager allocations churn
+        between steps, and nothing is refused."""
+        self.run_with("torch", """
+            import gc, torch, cuarena, cuarena.torch
+            inst = cuarena.torch.use()
+            assert inst.torch_stats, inst
+            import torch._inductor.config as ic
+            ic.triton.slow_path_cudagraph_asserts = True
+            def f(x): return (x * 2).sin() + 1
+            def g(y): return (y @ y.T).relu().sum(dim=1)
+            def h(y): return y.cos() * 3 + y.mean()
+            cf, cg, ch = (torch.compile(fn, mode="reduce-overhead") for fn in (f, g, h))
+            torch.manual_seed(0)
+            for step in range(12):
+                torch.compiler.cudagraph_mark_step_begin()
+                x = torch.randn(256, 256, device="cuda")
+                y = cf(x)
+                out = cg(y) if step % 3 != 2 else ch(y)
+                want = g(f(x)) if step % 3 != 2 else h(f(x))
+                assert torch.allclose(out, want, rtol=1e-4, atol=1e-4), (step, (out - want).abs().max())
+                junk = [torch.full((1 << k,), float(k), device="cuda") for k in range(8, 22, 3)]
+                assert all(bool((j == float(k)).all()) for j, k in zip(junk, range(8, 22, 3)))
+                del junk, out, y
+            from torch._inductor import cudagraph_trees
+            tm = cudagraph_trees.get_container(0).tree_manager
+            restores = getattr(tm, "debug_checkpointing_counter", None)
+            assert restores is None or restores > 0, restores
+            torch.cuda.synchronize()
+            s = cuarena.stats()
+            assert s["invalid_frees"] == 0, s
+            print("reduce-overhead OK", restores, s["reserved_bytes"])
+        """, "reduce-overhead OK")
+
     def test_torch_record_stream_past_the_caps_raises_and_foreign_memory_is_skipped(self):
         self.run_with("torch", """
             import ctypes, torch, cuarena, cuarena.torch

@@ -44,7 +44,7 @@ void cuarena_empty_cache(void) {}
 void cuarena_set_memory_fraction(double, int) {}
 // Graph pools (test_shim_graph.py): each call is logged; a pool's "blocks" are fake addresses.
 static char glog[4096];
-static uint64_t live_blocks[8];
+static uint64_t live_blocks[32];
 static size_t live_n = 0;
 static int retain_result = 0;
 static void glog_add(const char *s) { std::strncat(glog, s, sizeof glog - std::strlen(glog) - 1); }
@@ -70,6 +70,31 @@ int cuarena_graph_capture_end(int d) { char m[32]; std::snprintf(m, sizeof m, "e
 int cuarena_graph_pool_live(uint64_t, uint64_t, int, void **out, size_t n, size_t *count) {
     for (size_t i = 0; i < n && i < live_n; i++) out[i] = reinterpret_cast<void *>(live_blocks[i]);
     *count = live_n;
+    return 0;
+}
+// Checkpoints: a checkpoint holds the live blocks (512 bytes each); a restore reports the live
+// blocks as freed (or, with too little room, how many) and makes the checkpoint's live.
+struct cuarena_graph_checkpoint { size_t n; uint64_t blocks[32]; };
+cuarena_graph_checkpoint *cuarena_graph_pool_checkpoint(uint64_t a, uint64_t b, int d) {
+    char m[64]; std::snprintf(m, sizeof m, "checkpoint %llu,%llu@%d;", (unsigned long long)a, (unsigned long long)b, d); glog_add(m);
+    if (retain_result != 0) return nullptr;
+    auto *c = new cuarena_graph_checkpoint{live_n, {}};
+    std::memcpy(c->blocks, live_blocks, live_n * 8);
+    return c;
+}
+ptrdiff_t cuarena_graph_checkpoint_blocks(const cuarena_graph_checkpoint *c, void **p, size_t *s, size_t n) {
+    for (size_t i = 0; i < n && i < c->n; i++) { p[i] = reinterpret_cast<void *>(c->blocks[i]); s[i] = 512; }
+    return static_cast<ptrdiff_t>(c->n);
+}
+void cuarena_graph_checkpoint_free(cuarena_graph_checkpoint *c) { glog_add("checkpoint freed;"); delete c; }
+int cuarena_graph_pool_restore(const cuarena_graph_checkpoint *c, void **freed, size_t n, size_t *count) {
+    char m[32]; std::snprintf(m, sizeof m, "restore room %zu;", n); glog_add(m);
+    if (retain_result != 0) return -1;
+    *count = live_n;
+    if (live_n > n) return 1;
+    for (size_t i = 0; i < live_n; i++) freed[i] = reinterpret_cast<void *>(live_blocks[i]);
+    live_n = c->n;
+    std::memcpy(live_blocks, c->blocks, c->n * 8);
     return 0;
 }
 }

@@ -106,14 +106,44 @@ _PLUGGABLE_HEADER = r"""
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 namespace c10 {
 using DeviceIndex = int8_t;
+enum class DeviceType : int8_t { CPU = 0, CUDA = 1 };
+struct Device {
+    Device(DeviceType t, DeviceIndex i) : type(t), index(i) {}
+    DeviceType type;
+    DeviceIndex index;
+};
+using DeleterFnPtr = void (*)(void *);
+class DataPtr {
+  public:
+    DataPtr(void *data, void *ctx, DeleterFnPtr deleter, Device device)
+        : data_(data), ctx_(ctx), deleter_(deleter), device_(device) {}
+    void *get() const { return data_; }
+    DeleterFnPtr get_deleter() const { return deleter_; }
+    Device device() const { return device_; }
+  private:
+    void *data_;
+    void *ctx_;
+    DeleterFnPtr deleter_;
+    Device device_;
+};
 namespace cuda {
 using CaptureId_t = unsigned long long;
 using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;
-namespace CUDACachingAllocator { struct CUDAAllocator; }
+namespace CUDACachingAllocator {
+struct CUDAAllocator;
+struct AllocatorState { virtual ~AllocatorState() = default; };
+struct CheckpointDelta {
+    std::vector<void *> ptrs_freed;
+    std::vector<c10::DataPtr> dataptrs_allocd;
+};
+}
 }
 namespace CachingDeviceAllocator {
 struct Stat { int64_t current = 0, peak = 0, allocated = 0, freed = 0; };
@@ -128,6 +158,13 @@ struct DeviceStats {
 }
 }
 namespace torch::cuda::CUDAPluggableAllocator {
+struct _AllocationMetadata {
+    _AllocationMetadata();
+    _AllocationMetadata(size_t size, c10::DeviceIndex device_idx, cudaStream_t stream);
+    size_t size;
+    c10::DeviceIndex device_idx;
+    cudaStream_t stream{};
+};
 struct CUDAPluggableAllocator {
     CUDAPluggableAllocator(std::function<void *(size_t, int, cudaStream_t)> alloc_fn,
                            std::function<void(void *, size_t, int, cudaStream_t)> free_fn);
@@ -153,6 +190,13 @@ struct CUDAPluggableAllocator {
     virtual void resetPeakStats(c10::DeviceIndex device);
     virtual void init(int device_count);
     virtual double getMemoryFraction(c10::DeviceIndex device);  // PyTorch 2.11; absent before
+    virtual std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
+        c10::DeviceIndex device, c10::cuda::MempoolId_t id);
+    virtual c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+        c10::DeviceIndex device, std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps);
+    c10::DeleterFnPtr raw_deleter() const;
+    std::mutex allocator_mutex_;
+    std::unordered_map<void *, _AllocationMetadata> allocation_metadata_;
     bool initialized_ = false;
     std::function<void *(size_t, int, cudaStream_t)> alloc_fn_;
     std::function<void(void *, size_t, int, cudaStream_t)> free_fn_;
@@ -165,6 +209,7 @@ struct CUDAPluggableAllocator {
 };
 void changeCurrentAllocator(const std::shared_ptr<CUDAPluggableAllocator> &allocator);
 std::shared_ptr<CUDAPluggableAllocator> current_for_test();
+_AllocationMetadata metadata_for_test(size_t size, c10::DeviceIndex device, cudaStream_t stream);
 }
 """
 _CUDA_FUNCTIONS = "#pragma once\n#include <cstdint>\nnamespace c10::cuda { inline int8_t device_count() noexcept { return 1; } }\n"
@@ -200,6 +245,21 @@ c10::CachingDeviceAllocator::DeviceStats CUDAPluggableAllocator::getDeviceStats(
 void CUDAPluggableAllocator::resetAccumulatedStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support resetAccumulatedStats"); }
 void CUDAPluggableAllocator::resetPeakStats(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support resetPeakStats"); }
 double CUDAPluggableAllocator::getMemoryFraction(c10::DeviceIndex) { C10_THROW_ERROR(Error, "does not yet support getMemoryFraction"); }
+// Hidden, as in PyTorch's libtorch_cuda (the struct is not exported): the shim must not call them.
+__attribute__((visibility("hidden"))) _AllocationMetadata::_AllocationMetadata() : size(0), device_idx(0) {}
+__attribute__((visibility("hidden"))) _AllocationMetadata::_AllocationMetadata(size_t s, c10::DeviceIndex d, cudaStream_t st)
+    : size(s), device_idx(d), stream(st) {}
+std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> CUDAPluggableAllocator::getCheckpointState(
+    c10::DeviceIndex, c10::cuda::MempoolId_t) { C10_THROW_ERROR(Error, "does not yet support getCheckpointState"); }
+c10::cuda::CUDACachingAllocator::CheckpointDelta CUDAPluggableAllocator::setCheckpointPoolState(
+    c10::DeviceIndex, std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState>) {
+    C10_THROW_ERROR(Error, "does not yet support setCheckpointPoolState");
+}
+_AllocationMetadata metadata_for_test(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    return _AllocationMetadata(size, device, stream);
+}
+static void stand_in_raw_delete(void *) {}
+c10::DeleterFnPtr CUDAPluggableAllocator::raw_deleter() const { return &stand_in_raw_delete; }
 void changeCurrentAllocator(const std::shared_ptr<CUDAPluggableAllocator> &a) {
     if (current) C10_THROW_ERROR(Error, "Can't swap an already initialized allocator");
     current = a;
