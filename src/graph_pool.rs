@@ -297,7 +297,7 @@ impl Pool {
                 )));
             }
             let first = self.free.range(..=a).next_back().map_or(a, |(&f, _)| f);
-            for (_, r) in self.free.range(first..end) {
+            for (_, r) in self.free.range(first..end).filter(|&(&f, r)| f + r.len > a) {
                 if matches!(r.reuse, Reuse::Stream(_)) && !r.fences.is_clear() {
                     pending.push(r.fences.clone());
                 }

@@ -378,6 +378,46 @@ class Frameworks(unittest.TestCase):
             print("reduce-overhead OK", restores, s["reserved_bytes"])
         """, "reduce-overhead OK")
 
+    def test_torch_compile_reduce_overhead_trains_like_eager(self):
+        """Training through torch.compile(mode="reduce-overhead") with the shim's own
+        allocator: the graph trees record the forward and the backward (a child of the
+        forward), replay them for 20 steps with eager allocations between steps, and the losses
+        and weights stay close to an eager copy of the model trained alongside."""
+        self.run_with("torch", """
+            import copy, torch, cuarena, cuarena.torch
+            inst = cuarena.torch.use()
+            assert inst.torch_stats, inst
+            import torch._inductor.config as ic
+            ic.triton.slow_path_cudagraph_asserts = True
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(),
+                                        torch.nn.Linear(512, 10)).cuda()
+            eager = copy.deepcopy(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
+            step_fn = torch.compile(lambda x, y: torch.nn.functional.cross_entropy(model(x), y),
+                                    mode="reduce-overhead")
+            for step in range(20):
+                torch.compiler.cudagraph_mark_step_begin()
+                x = torch.randn(64, 128, device="cuda")
+                y = torch.randint(0, 10, (64,), device="cuda")
+                loss = step_fn(x, y)
+                loss.backward()
+                opt.step(); opt.zero_grad(set_to_none=True)
+                loss_e = torch.nn.functional.cross_entropy(eager(x), y)
+                loss_e.backward()
+                opt_e.step(); opt_e.zero_grad(set_to_none=True)
+                assert abs(float(loss) - float(loss_e)) < 1e-3, (step, float(loss), float(loss_e))
+                junk = [torch.empty(1 << k, device="cuda") for k in range(10, 22, 4)]
+                del junk
+            for p, q in zip(model.parameters(), eager.parameters()):
+                assert torch.allclose(p, q, rtol=1e-3, atol=1e-4), (p - q).abs().max()
+            torch.cuda.synchronize()
+            s = cuarena.stats()
+            assert s["invalid_frees"] == 0, s
+            print("reduce-overhead training OK", float(loss))
+        """, "reduce-overhead training OK")
+
     def test_torch_record_stream_past_the_caps_raises_and_foreign_memory_is_skipped(self):
         self.run_with("torch", """
             import ctypes, torch, cuarena, cuarena.torch
