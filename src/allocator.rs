@@ -1776,10 +1776,12 @@ impl Allocator {
     pub fn stats(&self) -> Stats {
         let pool = &self.inner.pool;
         let mut s = if let Some(p) = &self.inner.passthrough {
-            // Pass-through mode; the OOM path's counts are kept per thread as usual.
+            // Pass-through mode; the OOM path's counts are kept per thread as usual, and so are
+            // refused frees of graph pools' blocks (`free_graph`; pass-through's own are its).
             let (mut s, mut c) = (p.stats(), Stats::default());
             self.inner.counters.fill(&mut c);
             (s.alloc_retries, s.ooms, s.oom_hook_calls) = (c.alloc_retries, c.ooms, c.oom_hook_calls);
+            s.invalid_frees += c.invalid_frees;
             s
         } else {
             let mut s = Stats::default();

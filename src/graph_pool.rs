@@ -47,14 +47,17 @@
 //!   others: [`GraphPools::checkpoint`], [`GraphPools::restore`]). A restore frees every block
 //!   live now and makes exactly the checkpoint's blocks live again, at their addresses. The
 //!   caller, restoring, declares every earlier use of the blocks it frees ordered before the
-//!   pool's next use (as PyTorch's own restore assumes), so they become [`Reuse::Fresh`]. A
-//!   block made live again over memory another stream freed outside a capture waits for that
-//!   free's fences first (on the host: a restore is rare and never on a capturing stream). A
+//!   pool's next use (as PyTorch's own restore assumes), so they become [`Reuse::Fresh`], once
+//!   the fences they were taken behind have completed (a block taken from another stream's free
+//!   may never have been used after its stream's wait). A block made live again over memory
+//!   another stream freed outside a capture waits for that free's fences first. Both waits are
+//!   on the host: a restore is rare, and refused instead while a capture is underway. A
 //!   checkpoint names its pool's incarnation: it is refused by a pool released and made again.
 //!
 //! ## Invariants (under `state`'s lock)
 //! - Every byte of every segment of a pool is in exactly one of its `live` blocks, its `free`
-//!   ranges or its `held` ranges; `fit` holds exactly the entries of `free`.
+//!   ranges or its `held` ranges; `fit` holds exactly the entries of `free`; `behind` is keyed
+//!   by live blocks only.
 //! - Two `free` ranges of one segment that touch have different [`Reuse`]s (same ones merge,
 //!   their fences merged); only a [`Reuse::Stream`] range carries fences.
 //! - `segments` maps each segment of each pool that is not parked to that pool, and every such
@@ -176,6 +179,12 @@ struct Pool {
     fit: BTreeSet<(Reuse, u64, u64)>,
     /// Blocks freed with uses on other streams: kept out of use until the pool is released.
     held: BTreeMap<u64, u64>,
+    /// Live blocks carved from free ranges whose fences were not known complete: those fences
+    /// (their stream waited on them, or will not use the block before its own earlier work
+    /// ends). A free outside a capture merges them into the range it makes, and a restore waits
+    /// for them before it frees the block as fresh memory: the block may never have been used
+    /// after the wait, so nothing else orders that work before the next user.
+    behind: HashMap<u64, FenceSet>,
 }
 
 impl Pool {
@@ -223,9 +232,13 @@ impl Pool {
         self.fit.range((reuse, len, 0)..).next().filter(|&&(r, _, _)| r == reuse).map(|&(_, _, a)| a)
     }
 
-    /// Hands out `len` bytes of the free range at `addr`, the rest staying free as it was.
+    /// Hands out `len` bytes of the free range at `addr`, the rest staying free as it was; the
+    /// block keeps the range's fences not known complete (`behind`).
     fn carve(&mut self, addr: u64, len: u64) -> u64 {
         let r = self.remove_free(addr);
+        if !r.fences.is_clear() {
+            self.behind.insert(addr, r.fences.clone());
+        }
         if r.len > len {
             self.insert_free_raw(addr + len, FreeRange { len: r.len - len, ..r });
         }
@@ -273,12 +286,14 @@ impl Pool {
 
     /// Checks that `blocks` can be made live once every live block is freed: sorted, apart,
     /// [`BLOCK_ALIGN`]ed and not empty, each inside one segment of this pool and clear of the
-    /// held ranges. Returns the fences still pending on the free ranges they cover (memory
-    /// another stream freed outside a capture), which must complete first.
+    /// held ranges. Returns the fences that must complete first: those still pending on the
+    /// free ranges the blocks cover (memory another stream freed outside a capture), and those
+    /// the live blocks were taken behind (`behind`).
     fn plan_restore(&self, blocks: &[(u64, u64)]) -> Result<Vec<FenceSet>> {
         let bad = |what: String| Error::Unsupported(format!("graph pool checkpoint: {what}"));
         let align = BLOCK_ALIGN as u64;
-        let mut pending = Vec::new();
+        // The live blocks become fresh memory: the fences they were taken behind first.
+        let mut pending: Vec<FenceSet> = self.behind.values().filter(|f| !f.is_clear()).cloned().collect();
         let mut end_of_last = 0;
         for &(a, l) in blocks {
             if l == 0 || !a.is_multiple_of(align) || !l.is_multiple_of(align) || a < end_of_last {
@@ -312,6 +327,7 @@ impl Pool {
     fn apply_restore(&mut self, blocks: &[(u64, u64)]) -> Vec<(u64, u64)> {
         let mut freed: Vec<(u64, u64)> = self.live.drain().collect();
         freed.sort_unstable();
+        self.behind.clear(); // planned: every one complete
         for &(a, l) in &freed {
             self.insert_free(a, l, Reuse::Fresh, FenceSet::default());
         }
@@ -519,15 +535,23 @@ impl GraphPools {
             Err(e) => return Some(Err(e)),
         };
         pool.live.remove(&ptr);
+        let behind = pool.behind.remove(&ptr);
         match how {
             FreeAs::Held => {
                 pool.held.insert(ptr, len);
             }
+            // A capture's free carries no fence (the module comment's rule), so fences the
+            // block was taken behind are dropped: a capture on this handle may reuse it while
+            // work they guard still runs, if the block was never used after its stream's wait
+            // (RELIABILITY.md, twentieth session).
             FreeAs::Captured(s) => {
                 let (h, t) = handle_of(s);
                 pool.insert_free(ptr, len, Reuse::Captured(h, t), FenceSet::default());
             }
-            FreeAs::Stream(k, fences) => pool.insert_free(ptr, len, Reuse::Stream(k), fences),
+            FreeAs::Stream(k, mut fences) => {
+                fences.merge(behind.unwrap_or_default());
+                pool.insert_free(ptr, len, Reuse::Stream(k), fences);
+            }
         }
         st.retire_if_done(id);
         Some(Ok(GraphFree { bytes: len }))
@@ -651,6 +675,10 @@ impl GraphPools {
         for (id, p) in &st.pools {
             assert!(p.retained > 0 || !p.live.is_empty(), "pool {id:?} released and empty but kept");
             assert_eq!(p.fit.len(), p.free.len());
+            assert!(
+                p.behind.keys().all(|a| p.live.contains_key(a)),
+                "pool {id:?}: fences kept for a block not live"
+            );
             for (&a, r) in &p.free {
                 assert!(p.fit.contains(&(r.reuse, r.len, a)), "fit misses {a:#x}");
             }
