@@ -243,8 +243,9 @@ int cuarena_graph_capture_end(int device);
  * arguments. cuarena_graph_pool_restore: frees every block live in the pool and makes exactly the
  * checkpoint's blocks live again at their addresses (each later freed with cuarena_free); the
  * caller declares every earlier use of the blocks it frees ordered before the pool's next use.
- * A restored block over memory another stream freed outside a capture waits on the host for
- * that stream's work (refused instead while a capture is underway). Writes the number freed to
+ * Another stream's work on memory it freed outside a capture is waited for on the host first,
+ * where a restored block covers that memory or a live block was taken from it (refused instead
+ * while a capture is underway). Writes the number freed to
  * *count and their addresses to freed; returns 0, 1 if more than n blocks are live (nothing
  * changed; *count says how many), or -1 if refused (nothing changed: a pool not retained, or
  * released and made again since the checkpoint, a block over memory held for another stream). */

@@ -2061,9 +2061,10 @@ impl Allocator {
     ///
     /// **Contract:** every earlier use of the blocks it frees is ordered before the pool's next
     /// use (PyTorch's own restore assumes it: the graphs of a pool are replayed in order).
-    /// Memory that another stream freed outside a capture and that a restored block covers is
-    /// waited for on the host first (a query, and a wait only when no capture is underway:
-    /// otherwise [`Error::Unsupported`]). Refused, changing nothing: a pool not retained
+    /// Another stream's work on memory it freed outside a capture is waited for on the host
+    /// first, where a restored block covers that memory or a live block was taken from it
+    /// (a query, and a wait only when no capture is underway: otherwise
+    /// [`Error::Unsupported`]). Refused, changing nothing: a pool not retained
     /// ([`Error::UnknownGraphPool`]), a pool released and made again since the checkpoint, a
     /// restored block over memory held for another stream ([`Error::Unsupported`]).
     pub fn graph_pool_restore(&self, checkpoint: &GraphCheckpoint) -> Result<Vec<(DeviceAddr, usize)>> {

@@ -180,9 +180,9 @@ struct Pool {
     /// Blocks freed with uses on other streams: kept out of use until the pool is released.
     held: BTreeMap<u64, u64>,
     /// Live blocks carved from free ranges whose fences were not known complete: those fences
-    /// (their stream waited on them, or will not use the block before its own earlier work
-    /// ends). A free outside a capture merges them into the range it makes, and a restore waits
-    /// for them before it frees the block as fresh memory: the block may never have been used
+    /// (the block's stream was made to wait on them, or is the stream that freed the range).
+    /// A free outside a capture merges them into the range it makes, and a restore waits for
+    /// them before it frees the block as fresh memory: the block may never have been used
     /// after the wait, so nothing else orders that work before the next user.
     behind: HashMap<u64, FenceSet>,
 }
