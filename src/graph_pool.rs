@@ -284,6 +284,12 @@ impl Pool {
         self.segments.values().sum()
     }
 
+    /// The free ranges overlapping `[a, end)`, by address.
+    fn free_overlapping(&self, a: u64, end: u64) -> impl Iterator<Item = (u64, &FreeRange)> {
+        let first = self.free.range(..=a).next_back().map_or(a, |(&f, _)| f);
+        self.free.range(first..end).filter(move |&(&f, r)| f + r.len > a).map(|(&f, r)| (f, r))
+    }
+
     /// Checks that `blocks` can be made live once every live block is freed: sorted, apart,
     /// [`BLOCK_ALIGN`]ed and not empty, each inside one segment of this pool and clear of the
     /// held ranges. Returns the fences that must complete first: those still pending on the
@@ -311,8 +317,7 @@ impl Pool {
                      after record_stream)"
                 )));
             }
-            let first = self.free.range(..=a).next_back().map_or(a, |(&f, _)| f);
-            for (_, r) in self.free.range(first..end).filter(|&(&f, r)| f + r.len > a) {
+            for (_, r) in self.free_overlapping(a, end) {
                 if matches!(r.reuse, Reuse::Stream(_)) && !r.fences.is_clear() {
                     pending.push(r.fences.clone());
                 }
@@ -333,8 +338,7 @@ impl Pool {
         }
         for &(a, l) in blocks {
             let end = a + l;
-            let first = self.free.range(..=a).next_back().map(|(&f, _)| f).expect("planned: covered");
-            let covering: Vec<u64> = self.free.range(first..end).map(|(&f, _)| f).collect();
+            let covering: Vec<u64> = self.free_overlapping(a, end).map(|(f, _)| f).collect();
             let mut next = a;
             for f in covering {
                 let r = self.remove_free(f);
