@@ -1,14 +1,18 @@
 """Trains a small transformer encoder on random data with fixed seeds and prints one JSON line:
 losses, mean step time and peak memory. Run it once with --allocator native and once with
 --allocator cuarena (separate processes: the allocator is chosen before the first CUDA
-allocation) and compare the losses."""
+allocation) and compare the losses. With --compile reduce-overhead the loss is computed by
+torch.compile(mode="reduce-overhead") (CUDA graph trees: the forward and backward are recorded
+into a graph pool and replayed), on inputs of one shape."""
 import argparse, json, os, sys, time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 p = argparse.ArgumentParser()
 p.add_argument("--allocator", choices=["native", "cuarena"], required=True)
 p.add_argument("--steps", type=int, default=300)
+p.add_argument("--compile", choices=["none", "reduce-overhead"], default="none")
 args = p.parse_args()
+compiled = args.compile != "none"
 
 import torch
 
@@ -24,17 +28,22 @@ dev = torch.device("cuda")
 layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=8, dim_feedforward=1024, dropout=0.0, batch_first=True)
 model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=4), torch.nn.Linear(256, 10)).to(dev)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+loss_fn = lambda x, y: torch.nn.functional.cross_entropy(model(x).mean(dim=1), y)  # noqa: E731
+if compiled:
+    loss_fn = torch.compile(loss_fn, mode=args.compile)
 g = torch.Generator(device="cpu").manual_seed(1)
 losses, times = [], []
 for step in range(args.steps):
-    seq = 16 + (step * 7) % 48          # varying shapes exercise many block sizes
-    batch = 8 + (step * 5) % 24
+    # Varying shapes exercise many block sizes; a compiled run keeps one (no re-recording).
+    seq = 32 if compiled else 16 + (step * 7) % 48
+    batch = 16 if compiled else 8 + (step * 5) % 24
     x = torch.randn(batch, seq, 256, generator=g).to(dev)
     y = torch.randint(0, 10, (batch,), generator=g).to(dev)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = model(x).mean(dim=1)
-    loss = torch.nn.functional.cross_entropy(out, y)
+    if compiled:
+        torch.compiler.cudagraph_mark_step_begin()
+    loss = loss_fn(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -48,6 +57,6 @@ if args.allocator == "cuarena":
 else:
     peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     paths = {}
-steady = times[10:]
+steady = times[20 if compiled else 10:]  # after warm-up (and the graphs' recording)
 print(json.dumps({"allocator": args.allocator, "losses": losses, "step_ms": 1000 * sum(steady) / len(steady),
                   "peak_live_bytes": peak, "peak_reserved_bytes": reserved, **paths}))
