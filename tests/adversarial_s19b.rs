@@ -353,6 +353,31 @@ fn a_pools_out_of_memory_reclaim_records_no_event_on_the_threads_captured_per_th
     assert_all_returned(&a, Some(&dev), 0);
 }
 
+/// Two 1 MiB blocks `x` and `y` fill a new 2 MiB segment of `pool`, allocated on `fs` by `fw`;
+/// then `x` is freed there with work on it (tagged `tag`) held in flight by the returned closed
+/// gate: `x` is the pool's only free range, and its fence is pending until the gate opens.
+fn free_one_behind_a_gate(
+    a: &Allocator,
+    w: &Worker,
+    dev: &HostDevice,
+    fw: Who,
+    fs: Stream,
+    pool: GraphPoolId,
+    tag: u32,
+) -> (DeviceAddr, DeviceAddr, StreamGate) {
+    let (x, y) = on(fw, a, w, move |a| {
+        (a.graph_allocate(pool, MIB, fs).unwrap(), a.graph_allocate(pool, MIB, fs).unwrap())
+    });
+    let d = dev.clone();
+    let gate = on(fw, a, w, move |a| {
+        let g = d.gate(fs).unwrap();
+        d.hold_and_check(x.0, 4096, tag, HOLD, fs).unwrap();
+        a.deallocate(x, MIB, fs).unwrap();
+        g
+    });
+    (x, y, gate)
+}
+
 /// A block freed outside a capture on stream A while A's work on it is held in flight by a
 /// closed gate is handed to stream B (the pool's only free range) only behind a wait on A's
 /// fence: user, per-thread (two threads) and legacy streams, frees and allocations on either
@@ -377,17 +402,7 @@ fn fenced_reuse_outside_a_capture_waits_for_the_freeing_streams_work() {
     for (i, &(name, fw, fs, uw, us)) in cases.iter().enumerate() {
         let pool = GraphPoolId(0x19b, 100 + i as u64);
         a.graph_pool_retain(pool);
-        // Two 1 MiB blocks fill the pool's 2 MiB segment: `x` will be its only free range.
-        let (x, y) = on(fw, &a, &w, move |a| {
-            (a.graph_allocate(pool, MIB, fs).unwrap(), a.graph_allocate(pool, MIB, fs).unwrap())
-        });
-        let d = dev.clone();
-        let gate: StreamGate = on(fw, &a, &w, move |a| {
-            let g = d.gate(fs).unwrap();
-            d.hold_and_check(x.0, 4096, 0x100 + i as u32, HOLD, fs).unwrap();
-            a.deallocate(x, MIB, fs).unwrap();
-            g
-        });
+        let (x, y, gate) = free_one_behind_a_gate(&a, &w, &dev, fw, fs, pool, 0x100 + i as u32);
         let d = dev.clone();
         let (q, waits) = on(uw, &a, &w, move |a| {
             let before = a.stats().fence_waits;
@@ -430,16 +445,7 @@ fn fenced_reuse_during_a_capture_waits_for_completion_and_touches_no_event() {
         let us = cap.unwrap_or_else(|| dev.create_stream());
         let pool = GraphPoolId(0x19b, 200 + i as u64);
         a.graph_pool_retain(pool);
-        let (x, y) = on(fw, &a, &w, move |a| {
-            (a.graph_allocate(pool, MIB, fs).unwrap(), a.graph_allocate(pool, MIB, fs).unwrap())
-        });
-        let d = dev.clone();
-        let gate: StreamGate = on(fw, &a, &w, move |a| {
-            let g = d.gate(fs).unwrap();
-            d.hold_and_check(x.0, 4096, 0x300 + i as u32, HOLD, fs).unwrap();
-            a.deallocate(x, MIB, fs).unwrap();
-            g
-        });
+        let (x, y, gate) = free_one_behind_a_gate(&a, &w, &dev, fw, fs, pool, 0x300 + i as u32);
         let d = dev.clone();
         let (q1, q2) = on(uw, &a, &w, move |a| {
             d.begin_capture(us).unwrap();
