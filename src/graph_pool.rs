@@ -17,10 +17,14 @@
 //!   follow PyTorch's: 2 MiB for requests up to 1 MiB, 20 MiB under 10 MiB, otherwise the
 //!   request rounded up to 2 MiB. Blocks are multiples of [`BLOCK_ALIGN`] bytes and start on
 //!   a multiple of it.
-//! - **A free made during a capture** ([`FreeAs::Captured`]) is reused, with no fence, only by
-//!   allocations made during a capture on the same stream handle (the per-thread stream's is
-//!   the freeing thread's), as PyTorch's private pools reuse: the graphs that share a pool
-//!   must be replayed in the order they were captured (PyTorch's rule). The handle is all
+//! - **A free made during a capture** ([`FreeAs::Captured`]) records no fence and is reused
+//!   only by allocations made during a capture on the same stream handle (the per-thread
+//!   stream's is the freeing thread's), as PyTorch's private pools reuse: the graphs that share
+//!   a pool must be replayed in the order they were captured (PyTorch's rule). A block taken
+//!   outside a capture behind another stream's fences keeps them (`behind`), and so does the
+//!   range its capture's free makes: such a range is reused once they are known or queried
+//!   complete, for the block may never have been used after its stream's wait, and a replay
+//!   need not be ordered after that wait. The handle is all
 //!   there is: a capturing stream's identity cannot be asked (`cuStreamGetId` breaks the
 //!   capture: `device/cuda.rs`), and it cannot be destroyed while it captures.
 //! - **A free made outside a capture** ([`FreeAs::Stream`]) keeps the stream's identity and a
@@ -49,8 +53,9 @@
 //!   caller, restoring, declares every earlier use of the blocks it frees ordered before the
 //!   pool's next use (as PyTorch's own restore assumes), so they become [`Reuse::Fresh`], once
 //!   the fences they were taken behind have completed (a block taken from another stream's free
-//!   may never have been used after its stream's wait). A block made live again over memory
-//!   another stream freed outside a capture waits for that free's fences first. Both waits are
+//!   may never have been used after its stream's wait). A block made live again over a free
+//!   range that keeps fences (another stream's free outside a capture, or a capture's free of
+//!   a block taken behind them) waits for them first. Both waits are
 //!   on the host: a restore is rare, and refused instead while a capture is underway. A
 //!   checkpoint names its pool's incarnation: it is refused by a pool released and made again.
 //!
@@ -159,7 +164,10 @@ struct FreeRange {
     reuse: Reuse,
     /// The segment's base: ranges of two segments never merge.
     segment: u64,
-    /// For [`Reuse::Stream`]: what orders the free before another stream's use.
+    /// For [`Reuse::Stream`]: what orders the free before another stream's use (with the
+    /// fences its blocks were taken behind). For [`Reuse::Captured`]: the fences its blocks
+    /// were taken behind outside a capture, complete before it is reused. Clear for
+    /// [`Reuse::Fresh`].
     fences: FenceSet,
 }
 
@@ -232,6 +240,31 @@ impl Pool {
         self.fit.range((reuse, len, 0)..).next().filter(|&&(r, _, _)| r == reuse).map(|&(_, _, a)| a)
     }
 
+    /// The best fit among `own`'s free ranges that the stream may take now: a stream's own
+    /// frees at once (it was made to wait on the fences its blocks were carved behind before
+    /// it used them), a capture's own frees once the fences they keep (those a block was
+    /// carved behind, outside a capture) are complete, which `ready` asks during a capture.
+    fn own_fit(
+        &self,
+        own: Reuse,
+        len: u64,
+        ready: &mut dyn FnMut(&FenceSet) -> Result<bool>,
+    ) -> Result<Option<u64>> {
+        if matches!(own, Reuse::Stream(_)) {
+            return Ok(self.best_fit(own, len));
+        }
+        for &(r, _, a) in self.fit.range((own, len, 0)..) {
+            if r != own {
+                break;
+            }
+            let fences = &self.free[&a].fences;
+            if fences.is_clear() || ready(fences)? {
+                return Ok(Some(a));
+            }
+        }
+        Ok(None)
+    }
+
     /// Hands out `len` bytes of the free range at `addr`, the rest staying free as it was; the
     /// block keeps the range's fences not known complete (`behind`).
     fn carve(&mut self, addr: u64, len: u64) -> u64 {
@@ -263,7 +296,7 @@ impl Pool {
             }
             Want::Stream(k) => Reuse::Stream(k),
         };
-        if let Some(a) = self.best_fit(own, len).or_else(|| self.best_fit(Reuse::Fresh, len)) {
+        if let Some(a) = self.own_fit(own, len, ready)?.or_else(|| self.best_fit(Reuse::Fresh, len)) {
             return Ok(Some(self.carve(a, len)));
         }
         let others: Vec<u64> = self
@@ -293,8 +326,9 @@ impl Pool {
     /// Checks that `blocks` can be made live once every live block is freed: sorted, apart,
     /// [`BLOCK_ALIGN`]ed and not empty, each inside one segment of this pool and clear of the
     /// held ranges. Returns the fences that must complete first: those still pending on the
-    /// free ranges the blocks cover (memory another stream freed outside a capture), and those
-    /// the live blocks were taken behind (`behind`).
+    /// free ranges the blocks cover (memory another stream freed outside a capture, or that a
+    /// capture freed after it was taken behind such fences), and those the live blocks were
+    /// taken behind (`behind`).
     fn plan_restore(&self, blocks: &[(u64, u64)]) -> Result<Vec<FenceSet>> {
         let bad = |what: String| Error::Unsupported(format!("graph pool checkpoint: {what}"));
         let align = BLOCK_ALIGN as u64;
@@ -318,7 +352,7 @@ impl Pool {
                 )));
             }
             for (_, r) in self.free_overlapping(a, end) {
-                if matches!(r.reuse, Reuse::Stream(_)) && !r.fences.is_clear() {
+                if !r.fences.is_clear() {
                     pending.push(r.fences.clone());
                 }
             }
@@ -544,13 +578,18 @@ impl GraphPools {
             FreeAs::Held => {
                 pool.held.insert(ptr, len);
             }
-            // A capture's free carries no fence (the module comment's rule), so fences the
-            // block was taken behind are dropped: a capture on this handle may reuse it while
-            // work they guard still runs, if the block was never used after its stream's wait
-            // (RELIABILITY.md, twentieth session).
+            // A capture's free records no fence (the module comment's rule), but the range
+            // keeps the fences the block was taken behind: the block may never have been used
+            // after its stream's wait, and a graph replayed on another stream is not ordered
+            // after that wait, so a capture reuses the range only once they are complete.
             FreeAs::Captured(s) => {
                 let (h, t) = handle_of(s);
-                pool.insert_free(ptr, len, Reuse::Captured(h, t), FenceSet::default());
+                let kept = if cfg!(cuarena_mutant = "captured_free_drops_fences") {
+                    FenceSet::default()
+                } else {
+                    behind.unwrap_or_default()
+                };
+                pool.insert_free(ptr, len, Reuse::Captured(h, t), kept);
             }
             FreeAs::Stream(k, mut fences) => {
                 fences.merge(behind.unwrap_or_default());

@@ -130,6 +130,50 @@ fn a_restored_block_waits_for_the_work_of_the_stream_that_freed_it() {
     assert_all_returned(&a, Some(&dev), 0);
 }
 
+/// The same over a capture's free: a block taken outside a capture from s1's free (behind a
+/// wait on its fence only), then freed during a capture, keeps s1's fence; a restore that
+/// makes the block live again waits for s1's work before a third stream writes it.
+#[test]
+fn a_restored_block_waits_for_the_fence_a_captures_free_kept() {
+    let dev = host(0);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let (s1, s2, s3) = (dev.create_stream(), dev.create_stream(), dev.create_stream());
+    let pool = GraphPoolId(41, 1);
+    a.graph_pool_retain(pool);
+    let x = a.graph_allocate(pool, 8192, s1).unwrap();
+    let fill = a.graph_allocate(pool, (2 << 20) - 8192, s1).unwrap(); // the segment full
+    assert_eq!(fill.0, x.0 + 8192);
+    let c = a.graph_pool_checkpoint(pool).unwrap();
+    let gate = dev.gate(s1).unwrap();
+    dev.hold_and_check(x.0, 8192, 0x4141, Duration::from_millis(2), s1).unwrap();
+    a.deallocate(x, 8192, s1).unwrap(); // its fence waits behind the gate
+    let l = a.graph_allocate(pool, 8192, s2).unwrap();
+    assert_eq!(l, x, "s2 took s1's free behind a wait");
+    dev.begin_capture(s2).unwrap();
+    a.deallocate(l, 8192, s2).unwrap(); // a capture's free
+    dev.end_capture(s2).unwrap();
+
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(5));
+        gate.open();
+    });
+    let waits = a.stats().host_syncs + a.stats().fence_polls;
+    assert_eq!(a.graph_pool_restore(&c).unwrap(), vec![(fill, (2 << 20) - 8192)]);
+    opener.join().unwrap();
+    let asked = a.stats().host_syncs + a.stats().fence_polls > waits;
+    assert_eq!(live(&a, pool), vec![x.0, fill.0]);
+    dev.write_tag(x.0, 8192, 0x4343, s3).unwrap();
+    let v = dev.violations();
+    dev.synchronize();
+    a.deallocate(x, 8192, s3).unwrap();
+    a.deallocate(fill, (2 << 20) - 8192, s3).unwrap();
+    a.graph_pool_release(pool).unwrap();
+    assert!(asked, "the restore asked no fence");
+    assert!(v.is_empty(), "the restored block was written under s1's running work: {v:?}");
+    assert_eq!(dev.tag_errors(), 0);
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
 /// Bad input, each refused with a clear error and changing nothing: a checkpoint of a pool not
 /// retained; a restore of a released pool; a restore of a checkpoint taken of an earlier
 /// incarnation of the pool's id; a restore over memory held for another stream; a restore

@@ -167,6 +167,50 @@ fn a_reused_handle_does_not_get_a_destroyed_streams_pending_free() {
     assert_all_returned(&a, Some(&dev), 0);
 }
 
+/// A block taken outside a capture from another stream's free (behind an on-device wait on
+/// its fence only) and freed during a capture keeps that fence: the capture's next allocation
+/// on the same handle does not get it while the first stream's work runs (a replay on another
+/// stream would not be ordered after the wait), and does once that work is done.
+#[test]
+fn a_captures_free_keeps_the_fence_its_block_was_taken_behind() {
+    let dev = host(0);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let (s1, s2) = (dev.create_stream(), dev.create_stream());
+    let pool = GraphPoolId(13, 0);
+    a.graph_pool_retain(pool);
+    let x = a.graph_allocate(pool, 8192, s1).unwrap();
+    let fill = a.graph_allocate(pool, (2 << 20) - 8192, s1).unwrap();
+    assert_eq!(fill.0, x.0 + 8192, "one segment, full");
+    let gate = dev.gate(s1).unwrap();
+    dev.hold_and_check(x.0, 8192, 0x1313, std::time::Duration::from_millis(1), s1).unwrap();
+    a.deallocate(x, 8192, s1).unwrap(); // its fence waits behind the gate
+    let l = a.graph_allocate(pool, 8192, s2).unwrap();
+    assert_eq!(l, x, "s2 took s1's free behind a wait");
+    dev.begin_capture(s2).unwrap();
+    a.deallocate(l, 8192, s2).unwrap(); // a capture's free: no fence recorded
+    let y = a.graph_allocate(pool, 8192, s2).unwrap();
+    assert!(
+        !ranges_overlap((y.0, 8192), (x.0, 8192)),
+        "a capture got a block under s1's running work: {y:?} over {x:?}"
+    );
+    a.deallocate(y, 8192, s2).unwrap();
+    dev.end_capture(s2).unwrap();
+    gate.open();
+    dev.synchronize();
+    // s1's work is done: the capture's own free is reused by its next capture.
+    dev.begin_capture(s2).unwrap();
+    let z = a.graph_allocate(pool, 8192, s2).unwrap();
+    assert!([x, y].contains(&z), "the capture's own frees are reused: {z:?}");
+    a.deallocate(z, 8192, s2).unwrap();
+    dev.end_capture(s2).unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    assert_eq!(dev.tag_errors(), 0);
+    a.deallocate(fill, (2 << 20) - 8192, s1).unwrap();
+    a.graph_pool_release(pool).unwrap();
+    dev.synchronize();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
 /// Memory a fence still guards (freed on a stream whose work has not run) is never given to a
 /// pool: a capturing stream would have to wait on it. The simulator reports such a wait.
 #[test]
