@@ -60,9 +60,10 @@
 //! (it may name no stream, and crash the driver, or a new stream). So memory leaves a user
 //! arena under an event on its stream only inside a call on that stream (the return rule);
 //! when the arena is given up elsewhere (thread exit, replacement of the least recently used
-//! one) while it holds memory, it is parked ([`Zombies`]) until one device synchronise, which
-//! names no stream, gives back everything parked (more than `ZOMBIE_BYTES` parked,
-//! out-of-memory, `trim(true)`, or the allocator's drop). Reclaim by another thread takes a
+//! one) while it holds memory, it is parked ([`Zombies`]) until the next allocation on its own
+//! stream adopts it (`Slot::new_user_arena`: that call proves the stream alive), or one device
+//! synchronise, which names no stream, gives back everything parked (more than
+//! `ZOMBIE_BYTES` parked, out-of-memory, `trim(true)`, or the allocator's drop). Reclaim by another thread takes a
 //! user arena's memory only where it may block (out-of-memory, `trim(true)`), after a device
 //! synchronise (`Env::reclaim_fence`). Remote frees on a user stream that cannot wait in their
 //! thread's outbox for a call on that stream are parked the same way (`outbox.rs`).
@@ -160,7 +161,9 @@ struct Shells {
 /// (thread exit, or replacement of the least recently used user arena), it is parked here,
 /// its superblocks kept, rather than synchronising at once; a thread that
 /// parks one that brings the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives
-/// them all back, as do the out-of-memory paths, `trim(true)` and the allocator's drop.
+/// them all back, as do the out-of-memory paths, `trim(true)` and the allocator's drop. A
+/// parked arena whose stream is still in use is adopted by the next allocation on it
+/// ([`Zombies::adopt`], by identity only).
 ///
 /// Remote frees made on user streams that had to leave a thread's outbox outside a call on
 /// their stream (`outbox.rs`, "Frees on user streams") are parked here too, unfenced, and
@@ -186,7 +189,8 @@ struct Shells {
 /// counts it may be above the truth.
 #[derive(Default)]
 struct Zombies {
-    arenas: Vec<OwnedArena>,
+    /// Parked arenas, each with its stream's identity.
+    arenas: Vec<(StreamKey, OwnedArena)>,
     frees: ParkedFrees,
     bytes: usize,
 }
@@ -195,8 +199,18 @@ impl Zombies {
     /// Counts the bytes the parked arenas hold now (one held by a reclaimer this moment counts
     /// as nothing; the reclaimer gives superblocks back, never takes any) and the parked frees.
     fn recount(&mut self) {
-        self.bytes = self.arenas.iter_mut().map(|a| a.with(|a| a.held_bytes()).unwrap_or(0)).sum::<usize>()
-            + self.frees.bytes();
+        self.bytes =
+            self.arenas.iter_mut().map(|(_, a)| a.with(|a| a.held_bytes()).unwrap_or(0)).sum::<usize>()
+                + self.frees.bytes();
+    }
+
+    /// Takes out the parked arena of the stream with identity `key`, if there is one. Only a
+    /// call on that very stream may take it (see [`Slot::new_user_arena`]).
+    fn adopt(&mut self, key: StreamKey) -> Option<OwnedArena> {
+        let i = self.arenas.iter().position(|(k, _)| *k == key)?;
+        let (_, a) = self.arenas.swap_remove(i);
+        self.recount();
+        Some(a)
     }
 
     fn is_empty(&self) -> bool {
@@ -256,8 +270,16 @@ fn arena_index(stream: Stream) -> Option<usize> {
 type Flushed = Option<(Stream, Option<Arc<Fence>>)>;
 
 /// User-stream arenas a thread keeps at most. A thread that allocates small blocks on more
-/// user streams than this gives back the least recently used one (see [`Arenas::users`]).
-pub(crate) const MAX_USER_ARENAS: usize = 4;
+/// user streams than this gives back the least recently used one (see [`Arenas::users`]):
+/// parked while it holds memory, and adopted again by the next call on its stream that needs
+/// an arena (see `Slot::new_user_arena`). Sixteen covers a thread that round-robins over a
+/// stream pool of that size; the lookup is a scan of the thread's arenas by identity.
+pub const MAX_USER_ARENAS: usize = 16;
+
+/// User arenas past which a thread's user arenas are all lean (`arena.rs`, "Lean arenas"): a
+/// thread cycling through many streams keeps no slack in each, so what it holds stays near what
+/// it uses, and an arena given up is seldom parked.
+pub(crate) const LEAN_AFTER_USER_ARENAS: usize = 4;
 
 /// A thread's arena for one user stream, found by the stream's identity.
 struct UserArena {
@@ -297,6 +319,8 @@ struct Arenas {
     users: Vec<UserArena>,
     /// Counts user-stream allocations, for `UserArena::last_use`.
     tick: u64,
+    /// Whether every user arena is lean (more than `LEAN_AFTER_USER_ARENAS` of them).
+    users_lean: bool,
 }
 
 impl Arenas {
@@ -452,9 +476,9 @@ impl Inner {
         sh
     }
 
-    /// Gives up a user-stream arena (thread exit, or replacement): back to the pool under a
-    /// fence on its stream, or, if that stream was destroyed, parked (see [`Zombies`]).
-    fn retire_user(&self, env: &Env<'_>, mut owned: OwnedArena) {
+    /// Gives up the arena of the user stream with identity `key` (thread exit, or
+    /// replacement): given back if it holds nothing, otherwise parked (see [`Zombies`]).
+    fn retire_user(&self, env: &Env<'_>, key: StreamKey, mut owned: OwnedArena) {
         // This call is not on the arena's stream, so its handle must not be touched (it may
         // name no stream, or another one, by now: `Env::home_fence`): an arena that holds
         // memory is parked. Waiting: a reclaimer holding the arena at this moment may still be
@@ -475,7 +499,7 @@ impl Inner {
         }
         let over = {
             let mut z = lock(&self.zombies);
-            z.arenas.push(owned);
+            z.arenas.push((key, owned));
             z.recount();
             z.bytes > ZOMBIE_BYTES
         };
@@ -540,7 +564,7 @@ impl Inner {
             graph_bytes += len as usize;
         }
 
-        for owned in z.arenas {
+        for (_, owned) in z.arenas {
             // All work queued before the synchronise, on every stream, has completed.
             if let Some(shell) = owned.exit(env, Some(None)) {
                 lock(&self.shells).idle.push(shell);
@@ -784,29 +808,57 @@ impl Slot {
         inner.settle(&env, sent);
     }
 
-    /// Adds an (empty) arena for the user stream `stream` with identity `key`, first giving
-    /// back the least recently used one if the thread has [`MAX_USER_ARENAS`] already.
+    /// Adds an arena for the user stream `stream` with identity `key`, first giving back the
+    /// least recently used one if the thread has [`MAX_USER_ARENAS`] already: the parked arena
+    /// of this stream if there is one (see below), otherwise a new, empty one.
+    ///
+    /// **Adopting a parked arena.** An arena parked by a replacement or a thread's exit (see
+    /// [`Zombies`]) holds memory freed on its stream with no event; what makes it unsafe for
+    /// another stream is exactly that it is safe for its own. This call is on the stream with
+    /// identity `key`, asked just now, and an identity is never given to another stream, so
+    /// that stream is alive and `stream` is its handle (one handle for its life): the arena's
+    /// frees are ordered before this call's work by the free's contract, whichever thread made
+    /// them, and it is adopted as it is, with no fence and no synchronise. So a thread that
+    /// cycles through more streams than it keeps arenas for, or a stream served by threads
+    /// that come and go, reuses its memory rather than parking more until a synchronise.
     #[cold]
     #[inline(never)]
     fn new_user_arena(&mut self, inner: &Inner, stream: Stream, key: StreamKey) -> Result<()> {
+        // Adopted before the replacement below parks another arena: that may bury every
+        // parked arena (a synchronise), this one with them.
+        let adopted = if cfg!(cuarena_mutant = "adopt_any_parked") {
+            let mut z = lock(&inner.zombies);
+            let any = z.arenas.first().map(|(k, _)| *k);
+            any.and_then(|k| z.adopt(k))
+        } else {
+            lock(&inner.zombies).adopt(key)
+        };
         if self.arenas.users.len() >= MAX_USER_ARENAS {
             let lru = (0..self.arenas.users.len())
                 .min_by_key(|&j| self.arenas.users[j].last_use)
                 .expect("the table is full");
             let old = self.arenas.users.swap_remove(lru);
-            inner.retire_user(&inner.env(&self.counters), old.arena);
+            inner.retire_user(&inner.env(&self.counters), old.key, old.arena);
         }
-        let sb = inner.cfg.superblock / GRANULE;
         inner.arenas.fetch_add(1, Ordering::Relaxed);
-        let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
-        let arena = Arena::new(inner.take_shell(), stream, key, sb, k, f);
-        let tick = self.arenas.tick;
-        self.arenas.users.push(UserArena {
-            key,
-            handle: stream,
-            arena: OwnedArena::new(arena),
-            last_use: tick,
+        let arena = adopted.unwrap_or_else(|| {
+            let sb = inner.cfg.superblock / GRANULE;
+            let (k, f) = (inner.cfg.keep_empty, inner.cfg.sparse);
+            OwnedArena::new(Arena::new(inner.take_shell(), stream, key, sb, k, f))
         });
+        let tick = self.arenas.tick;
+        self.arenas.users.push(UserArena { key, handle: stream, arena, last_use: tick });
+        // Lean once past the threshold; the table never shrinks but at thread exit, when the
+        // arenas go too. An adopted arena takes this thread's setting.
+        let lean = self.arenas.users.len() > LEAN_AFTER_USER_ARENAS
+            && !cfg!(cuarena_mutant = "user_arenas_never_lean");
+        let newest = self.arenas.users.len() - 1;
+        for (j, u) in self.arenas.users.iter_mut().enumerate() {
+            if j == newest || self.arenas.users_lean != lean {
+                u.arena.with_waiting(|a| a.set_lean(lean));
+            }
+        }
+        self.arenas.users_lean = lean;
         Ok(())
     }
 
@@ -844,8 +896,13 @@ impl Slot {
             let arena = Arena::new(inner.take_shell(), home, key, sb, k, f);
             self.arenas.fixed[i] = Some(OwnedArena::new(arena));
         }
+        // A lean user arena borrows no large superblock (`arena.rs`, "Lean arenas"): one per
+        // stream a thread cycles through would hold four times each large request, and it
+        // would give it back at once anyway. The pool serves the request.
+        let lean_large = large && matches!(w, Which::User(_)) && self.arenas.users_lean;
         let owned = self.arenas.get_mut(w).expect("the arena exists");
-        let r = match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
+        let r = if lean_large { None } else { owned.with(|arena| arena.alloc_slow(&env, class, g)) };
+        let r = match r {
             Some(Err(Error::OutOfMemory { .. })) => {
                 // Memory may be idle elsewhere: in this thread's outbox, its other arenas,
                 // other threads' arenas, and parked arenas of destroyed streams. Take it back,
@@ -1119,7 +1176,7 @@ impl Slot {
             }
         }
         for u in self.arenas.users.drain(..) {
-            inner.retire_user(&env, u.arena);
+            inner.retire_user(&env, u.key, u.arena);
         }
         flushed.map(|_| ())
     }
@@ -1710,7 +1767,7 @@ impl Allocator {
             }
             // Parked arenas have no owner to take in frees sent to them: any flush does, so
             // that a bad one among them is found and reported now (the memory stays parked).
-            for a in lock(&inner.zombies).arenas.iter_mut() {
+            for (_, a) in lock(&inner.zombies).arenas.iter_mut() {
                 a.with(|a| a.drain(&env));
             }
             Ok(())

@@ -147,6 +147,17 @@
 //! every superblock that holds no used block and out of memory everything free (`reclaim`,
 //! dissolving superblocks, large ones too), whatever `E` was.
 //!
+//! **Lean arenas** ([`Arena::set_lean`]): a thread that serves more than `LEAN_AFTER_USER_ARENAS`
+//! user streams (`allocator.rs`) multiplies whatever each arena keeps by the streams it cycles
+//! through, and a user arena's memory can leave it only inside a call on its stream. So its user
+//! arenas keep no slack: `K = 0`, no `L` and no `E`, `u` is the live granules, not their
+//! recent peak, and the rule gives back only empty superblocks (it dissolves none: each of a
+//! dissolved superblock's blocks would then be freed the pool's way, with an event). An arena
+//! then gives back every superblock its own frees empty, within the call that empties it
+//! (under one event on its stream), and one given up later holds only superblocks with live
+//! blocks: **a lean arena strands no empty superblock; what it holds beyond its live blocks is
+//! their superblocks' free space**.
+//!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
 //! fence, **then** closes the inbox. It completes no pending batch: frees waiting for their
@@ -209,6 +220,8 @@ pub(crate) struct Arena {
     /// window.
     awaiting_regret: bool,
     keep_empty: usize,
+    /// A lean arena (see "Lean arenas" above): the rule keeps no slack.
+    lean: bool,
     /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
     dense_1024: usize,
     lists: FreeLists,
@@ -304,6 +317,7 @@ impl Arena {
             since_give_back: 0,
             awaiting_regret: false,
             keep_empty,
+            lean: false,
             dense_1024: ((1.0 - sparse) * 1024.0).round() as usize,
             lists: FreeLists::default(),
             owned: Vec::new(),
@@ -757,10 +771,23 @@ impl Arena {
         self.legacy_kept.recycle(blocks);
     }
 
+    /// Makes the arena lean, or not (see "Lean arenas" above). Its learnt slack is forgotten.
+    #[cold]
+    pub(crate) fn set_lean(&mut self, lean: bool) {
+        self.lean = lean;
+        self.extra = 0;
+        self.awaiting_regret = false;
+        self.recent = self.live;
+    }
+
     /// True if the return rule asks for a superblock back.
     #[inline]
     fn over_held(&mut self) -> bool {
         self.since_give_back = self.since_give_back.saturating_add(1);
+        if self.lean {
+            let (u, a) = (self.live, self.held);
+            return u < a && u * 1024 < self.dense_1024 * a;
+        }
         let (u, slack) = if self.large_held == 0 {
             (self.live, 0)
         } else {
@@ -812,13 +839,20 @@ impl Arena {
         while self.over_held() {
             // The emptiest superblock, the largest of equally empty ones; a large superblock
             // only if it is empty (dissolving one would leave its large blocks in the pool,
-            // scattered over a range the pool could otherwise lend again whole).
+            // scattered over a range the pool could otherwise lend again whole), and in a lean
+            // arena any superblock only if it is empty (its blocks' frees would each take the
+            // pool's way, with an event, where the arena's own take none).
+            let lean = self.lean;
             let Some(idx) = (0..self.owned.len())
                 .filter_map(|i| {
                     let sb = self.owned[i];
                     // SAFETY: we own every superblock in `owned`.
                     let (live, granules) = unsafe { ((*sb).with_local(|l| l.live), (*sb).granules) };
-                    (live == 0 || granules == normal).then_some((i, live, std::cmp::Reverse(granules)))
+                    (live == 0 || (granules == normal && !lean)).then_some((
+                        i,
+                        live,
+                        std::cmp::Reverse(granules),
+                    ))
                 })
                 .min_by_key(|&(_, live, big)| (live, big))
                 .map(|(i, ..)| i)

@@ -38,7 +38,7 @@ mod superblock;
 pub(crate) mod sync;
 pub mod trace;
 
-pub use allocator::{Allocator, MAX_OOM_RETRIES, OomHook};
+pub use allocator::{Allocator, MAX_OOM_RETRIES, MAX_USER_ARENAS, OomHook};
 pub use buffer::DeviceBuffer;
 pub use config::{Config, ConfigBuilder, Limit};
 #[cfg(not(loom))]
@@ -48,6 +48,8 @@ pub use device::{Device, DeviceKind, Event};
 pub use error::{Error, InvalidFree, Result};
 pub use global::global;
 pub use graph_pool::{GraphCheckpoint, GraphPoolId};
+#[doc(hidden)]
+pub use outbox::MAX_USER_BATCHES;
 pub use ptr::DeviceAddr;
 pub use stats::Stats;
 pub use stream::{Stream, StreamKey, StreamUse};

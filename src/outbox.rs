@@ -29,11 +29,13 @@
 //! the batch was made on that stream before the event, so the event follows all their earlier
 //! uses (the free's contract). A free on a stream being captured into a graph is refused before
 //! it joins a batch (one `cuStreamIsCapturing`), so a batch never holds a free whose uses a
-//! graph still to be launched may make.
+//! graph still to be launched may make. A free on a stream past the thread's
+//! [`MAX_USER_BATCHES`] batched ones evicts no batch (an evicted batch could not be fenced): it
+//! is sent at once, alone, under an event recorded in its own call.
 //!
-//! A batch that cannot wait for a call on its stream (thread exit, `flush`, a reclaim, a
-//! fifth stream's free evicting the batch least recently added to, or an event that cannot be
-//! recorded, as on a stream being captured when an allocation finds the batch due) is *parked*
+//! A batch that cannot wait for a call on its stream (thread exit, `flush`, a reclaim, or an
+//! event that cannot be recorded, as on a stream being captured when an allocation finds the
+//! batch due) is *parked*
 //! ([`ParkedFrees`], `allocator.rs`): handed, with no event, to the allocator's parked list,
 //! where it waits for the next device synchronise that gives parked memory back (a parked
 //! arena past 64 MiB, out of memory, `trim(true)`, the allocator's drop). A synchronise names
@@ -55,8 +57,9 @@ use crate::size_class::block_bytes;
 use crate::stream::{Stream, StreamKey};
 use std::sync::Arc;
 
-/// Streams per thread whose remote frees may wait in a batch (see "Frees on user streams").
-pub(crate) const MAX_USER_BATCHES: usize = 4;
+/// Streams per thread whose remote frees may wait in a batch (see "Frees on user streams"): as
+/// many as the user-stream arenas a thread keeps (`allocator.rs`, `MAX_USER_ARENAS`).
+pub const MAX_USER_BATCHES: usize = 16;
 /// Allocations on its stream after which a partly filled user-stream batch is sent.
 pub(crate) const STALE_ALLOCS: u32 = 256;
 
@@ -70,8 +73,6 @@ pub(crate) struct Outbox {
     /// Batches of frees on user streams, one per stream identity (at most
     /// [`MAX_USER_BATCHES`]); none is empty.
     users: Vec<UserBatch>,
-    /// Counts pushes to `users`, to find the batch least recently added to.
-    user_pushes: u64,
 }
 
 /// Remote frees made on one user stream, waiting for a call on it to fence them.
@@ -81,8 +82,6 @@ struct UserBatch {
     count: usize,
     /// The thread's allocations on this stream since the batch began.
     allocs: u32,
-    /// `user_pushes` at the last push.
-    last: u64,
 }
 
 /// What a user-stream batch operation leaves its caller: frees to park, an error to keep.
@@ -196,7 +195,7 @@ impl Outbox {
     /// Adds a free of a block owned by `dest`, made on the user stream `stream` whose identity
     /// the caller asked in this call (`key`). Once the thread's user-stream batches together
     /// hold `blocks` blocks or `bytes` bytes, sends this stream's batch under one event. A new
-    /// stream's free past [`MAX_USER_BATCHES`] evicts the batch least recently added to.
+    /// stream's free past [`MAX_USER_BATCHES`] is sent at once, alone, under its own event.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn push_user(
         &mut self,
@@ -208,24 +207,29 @@ impl Outbox {
         blocks: usize,
         bytes: usize,
     ) -> UserSend {
-        self.user_pushes += 1;
         let mut out = UserSend::default();
-        let i = match self.users.iter().position(|b| b.key == key) {
-            Some(i) => i,
-            None => {
-                if self.users.len() >= MAX_USER_BATCHES {
-                    let old = (0..self.users.len()).min_by_key(|&i| self.users[i].last).expect("full");
-                    out.park(self.users.swap_remove(old).frees);
-                }
-                let b = UserBatch { key, frees: ParkedFrees::default(), count: 0, allocs: 0, last: 0 };
-                self.users.push(b);
-                self.users.len() - 1
+        let i = self.users.iter().position(|b| b.key == key);
+        // Past `MAX_USER_BATCHES` streams no batch is evicted: none can be fenced outside a
+        // call on its stream, so an evicted one would be parked until a device synchronise.
+        // This free is sent at once instead, alone, under an event recorded now on its stream
+        // (one event for one free, never a synchronise).
+        if i.is_none() && self.users.len() >= MAX_USER_BATCHES {
+            let mut alone = ParkedFrees::default();
+            alone.push(dest, fr, block_bytes(fr.size, env.small_max).unwrap_or(fr.size));
+            if cfg!(cuarena_mutant = "user_free_alone_unfenced") {
+                alone.deliver(env, None); // the mutation `tests/user_stream_batches.rs` must catch
+            } else {
+                Self::send_frees(env, alone, key, stream, &mut out);
             }
-        };
+            return out;
+        }
+        let i = i.unwrap_or_else(|| {
+            self.users.push(UserBatch { key, frees: ParkedFrees::default(), count: 0, allocs: 0 });
+            self.users.len() - 1
+        });
         let b = &mut self.users[i];
         b.frees.push(dest, fr, block_bytes(fr.size, env.small_max).unwrap_or(fr.size));
         b.count += 1;
-        b.last = self.user_pushes;
         let (n, total) = self.users.iter().fold((0, 0), |(n, t), b| (n + b.count, t + b.frees.bytes));
         if n >= blocks || total >= bytes {
             self.send_user(env, i, stream, &mut out);
@@ -254,10 +258,16 @@ impl Outbox {
     /// only that the stream is being captured now.
     fn send_user(&mut self, env: &Env<'_>, i: usize, stream: Stream, out: &mut UserSend) {
         let b = self.users.swap_remove(i);
-        match env.fence(stream, b.key) {
-            Ok(fence) => b.frees.deliver(env, fence),
+        Self::send_frees(env, b.frees, b.key, stream, out);
+    }
+
+    /// Sends `frees`, made on `stream` (identity `key`, inside this call on it), under one
+    /// event recorded there now; parks them in `out` if none can be (see [`Outbox::send_user`]).
+    fn send_frees(env: &Env<'_>, frees: ParkedFrees, key: StreamKey, stream: Stream, out: &mut UserSend) {
+        match env.fence(stream, key) {
+            Ok(fence) => frees.deliver(env, fence),
             Err(e) => {
-                out.park(b.frees);
+                out.park(frees);
                 if !matches!(e, Error::StreamCapturing { .. }) {
                     out.err = Some(e);
                 }

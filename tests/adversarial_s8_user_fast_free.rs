@@ -329,46 +329,62 @@ fn cross_thread_and_owner_double_frees_on_one_user_stream() {
     }
 }
 
-/// Five user streams on one thread: the first one's arena is retired (least recently used)
-/// while it holds a live block, and parked. The owner's free of that block on its (live)
-/// stream finds no arena of the thread: it goes the remote way, once; a second free is
-/// refused; the other arenas' frees take the fast path. After the arena for the first stream
-/// is made again, the old block is not its own.
+/// One user stream more than a thread keeps arenas for: the first one's arena is retired
+/// (least recently used) while it holds a live block, and parked. The owner's free of that
+/// block on its (live) stream finds no arena of the thread: it goes the remote way, once; a
+/// second free is refused; the other arenas' frees are their own (lean arenas: each gives its
+/// emptied superblock back). The next allocation on the first stream adopts its parked arena
+/// again (`Slot::new_user_arena`), with no synchronise, and its free there is its own; the old
+/// block stays freed.
 #[test]
 fn frees_after_the_arena_was_retired_by_lru() {
+    let n = cuarena::MAX_USER_ARENAS + 1;
     for size in SIZES {
         let sim = host(0);
         let a = alloc_on(&sim);
-        let streams: Vec<Stream> = (0..5).map(|_| sim.create_stream()).collect();
+        let streams: Vec<Stream> = (0..n).map(|_| sim.create_stream()).collect();
         let ps: Vec<DeviceAddr> = streams.iter().map(|&s| a.allocate(size, s).unwrap()).collect();
         for (i, (&p, &s)) in ps.iter().zip(&streams).enumerate() {
             sim.write_tag(p.0, 256, i as u32 + 1, s).unwrap();
         }
         let s0 = a.stats();
-        assert_eq!(s0.arenas, 4, "{size}: at most four user arenas: {s0:?}");
+        assert_eq!(s0.arenas as usize, n - 1, "{size}: at most MAX_USER_ARENAS user arenas: {s0:?}");
         assert!(a.parked_bytes() > 0, "{size}: the first stream's arena is parked");
         a.deallocate(ps[0], size, streams[0]).unwrap();
         let s1 = a.stats();
         assert_eq!(s1.cross_thread_frees + s1.cross_stream_frees, 1, "{size}: the remote way: {s1:?}");
         assert_eq!(refused(a.deallocate(ps[0], size, streams[0])), InvalidFree::DoubleFree, "{size}");
-        for i in 1..5 {
+        for i in 1..n {
             let before = a.stats();
             a.deallocate(ps[i], size, streams[i]).unwrap();
             let after = a.stats();
-            assert_eq!(after.driver_calls - before.driver_calls, 1, "{size}: fast path: {after:?}");
+            // The arena's own free (no remote way); the thread has more than
+            // `LEAN_AFTER_USER_ARENAS` user arenas, so they are lean: this free, which empties
+            // the arena, gives its superblock back under an event (`arena.rs`). A large block
+            // of a lean arena's stream is the pool's (no large superblock is borrowed), except
+            // the first four streams', borrowed before the thread's arenas turned lean.
+            let remote = |s: &cuarena::Stats| s.cross_thread_frees + s.cross_stream_frees;
+            assert_eq!(remote(&after), remote(&before), "{size}: its own free: {after:?}");
+            if size <= 64 << 10 || i < 4 {
+                let returned = after.superblocks_returned - before.superblocks_returned;
+                assert_eq!(returned, 1, "{size}: lean: {after:?}");
+            }
             assert_eq!(refused(a.deallocate(ps[i], size, streams[i])), InvalidFree::DoubleFree, "{size}");
         }
-        // Stream 0's arena again (retiring the least recently used one): the old block is
-        // freed already, and a new one of the same stream is its own.
+        // Stream 0 again: its parked arena is adopted (retiring the least recently used one,
+        // which is parked in turn), with no synchronise.
+        let syncs = a.stats().host_syncs;
         let q = a.allocate(size, streams[0]).unwrap();
+        assert_eq!(a.stats().host_syncs, syncs, "{size}: adopted without a synchronise");
+        assert_eq!(a.stats().arenas as usize, n - 1, "{size}");
         sim.write_tag(q.0, 256, 9, streams[0]).unwrap();
-        assert_eq!(refused(a.deallocate(ps[0], size, streams[0])), InvalidFree::DoubleFree, "{size}");
         let before = a.stats();
         a.deallocate(q, size, streams[0]).unwrap();
         let after = a.stats();
-        assert_eq!(after.cross_stream_frees, before.cross_stream_frees, "{size}: {after:?}");
+        assert_eq!(after.cross_stream_frees, before.cross_stream_frees, "{size}: its own free: {after:?}");
         assert_eq!(after.live_bytes, 0, "{size}: {after:?}");
-        assert_all_returned(&a, Some(&sim), 6);
+        assert_eq!(refused(a.deallocate(ps[0], size, streams[0])), InvalidFree::DoubleFree, "{size}");
+        assert_all_returned(&a, Some(&sim), n as u64 + 1);
     }
 }
 

@@ -185,7 +185,10 @@ fn reused_handle_on_the_same_thread_gets_a_new_arena() {
                     a.deallocate(p, n, s).unwrap();
                 }
                 let st = a.stats();
-                assert!(st.arenas <= 4, "at most MAX_USER_ARENAS user arenas: {st:?}");
+                assert!(
+                    st.arenas as usize <= cuarena::MAX_USER_ARENAS,
+                    "at most MAX_USER_ARENAS user arenas: {st:?}"
+                );
             }
             sim.destroy_stream(s).unwrap();
             live.assert_clean();
@@ -241,7 +244,10 @@ fn stream_per_step_churn_under_a_cap() {
                 assert!(sim.reserved_bytes() <= cap, "reserved {} above the cap", sim.reserved_bytes());
                 assert!(a.parked_bytes() <= (64 << 20) + (1 << 20), "parked {}", a.parked_bytes());
                 let st = a.stats();
-                assert!(st.arenas <= 5, "the per-thread arena and at most 4 user arenas: {st:?}");
+                assert!(
+                    st.arenas as usize <= 1 + cuarena::MAX_USER_ARENAS,
+                    "the per-thread arena and at most MAX_USER_ARENAS user arenas: {st:?}"
+                );
                 assert!(st.arena_held_bytes <= st.pool_in_use_bytes, "{st:?}");
                 prev = Some(s);
             }
@@ -542,7 +548,10 @@ fn per_thread_fast_path_unaffected_by_user_arenas() {
                 assert_eq!(after.pool_allocations, before.pool_allocations, "{after:?}");
             }
             let st = a.stats();
-            assert!(st.arenas <= 5, "the per-thread arena and at most 4 user arenas: {st:?}");
+            assert!(
+                st.arenas as usize <= 1 + cuarena::MAX_USER_ARENAS,
+                "the per-thread arena and at most MAX_USER_ARENAS user arenas: {st:?}"
+            );
         }
     });
     assert!(a.parked_bytes() > 0, "the dead streams' arenas were parked");

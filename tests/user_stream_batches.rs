@@ -2,8 +2,9 @@
 //! call on the same stream (`outbox.rs`, "Frees on user streams"): the owner never reuses a
 //! block before its batch's event (the host device's race checker would see it; with fencing
 //! off it does), a partial batch is sent after enough allocations on its stream, a batch whose
-//! stream is gone is parked and comes back after a device synchronise, a fifth stream's free
-//! parks the least recently used batch, and a free on a stream being captured is refused.
+//! stream is gone is parked and comes back after a device synchronise, a free on a stream past
+//! the batched ones is sent alone under its own event, and a free on a stream being captured
+//! is refused.
 
 use std::time::Duration;
 
@@ -168,25 +169,40 @@ fn a_batch_whose_stream_is_gone_is_parked_and_comes_back_after_a_synchronise() {
     assert_all_returned(&a, Some(&sim), 0);
 }
 
+/// Frees on one stream more than a thread batches for: the last stream's free evicts no batch
+/// (an evicted batch could not be fenced outside a call on its stream, and would be parked
+/// until a device synchronise); it is sent at once, alone, under one event recorded in its own
+/// call. Nothing is parked, no synchronise is made, and the owner's reuse of that block waits
+/// for the stream's work on it (the race checker; the mutation `user_free_alone_unfenced`,
+/// which sends it unfenced, fails here).
 #[test]
-fn a_fifth_streams_free_parks_the_least_recently_used_batch() {
+fn a_free_on_a_stream_past_the_batched_ones_is_sent_alone_under_its_own_event() {
+    let n = cuarena::MAX_USER_BATCHES + 1;
     let sim = host(0);
     let a = alloc_with(&sim, small());
     let owner = Worker::new(&a);
-    let (blocks, ready) = owned_blocks(&owner, &sim, 5, 3);
-    let streams: Vec<Stream> = (0..5).map(|_| sim.create_stream()).collect();
-    for (p, &s) in blocks.iter().zip(&streams) {
+    let (blocks, ready) = owned_blocks(&owner, &sim, n, 3);
+    let streams: Vec<Stream> = (0..n).map(|_| sim.create_stream()).collect();
+    let before = a.stats();
+    for (i, (p, &s)) in blocks.iter().zip(&streams).enumerate() {
         sim.stream_wait_event(s, ready).unwrap();
+        let hold = if i == n - 1 { Duration::from_millis(30) } else { Duration::ZERO };
+        sim.hold_and_check(p.0, SIZE, 3, hold, s).unwrap();
         a.deallocate(*p, SIZE, s).unwrap();
     }
-    // Four batches wait; the fifth stream's free parked the first one's.
-    assert_eq!(a.parked_free_bytes(), SIZE);
+    let (after, parked) = (a.stats(), a.parked_free_bytes());
+    // The owner takes the last free in and reuses everything it can while that stream's work
+    // still runs: the block must not be among what it writes before the work is done.
+    owner_reuses(&owner, &sim, 64);
+    let v = sim.violations();
+    assert!(v.is_empty(), "the owner reused the block under the stream's running work: {v:?}");
+    assert_eq!(parked, 0, "nothing parked");
+    assert_eq!(after.fences_recorded - before.fences_recorded, 1, "one event, for the last free: {after:?}");
+    assert_eq!(after.host_syncs, before.host_syncs, "{after:?}");
     a.trim(true).unwrap();
-    assert_eq!(a.parked_free_bytes(), 0);
     for s in streams {
         sim.destroy_stream(s).unwrap();
     }
-    owner_reuses(&owner, &sim, 64);
     drop(owner);
     assert_all_returned(&a, Some(&sim), 0);
 }

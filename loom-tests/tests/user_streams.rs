@@ -131,3 +131,68 @@ fn a_parked_user_stream_free_is_reused_only_after_a_synchronise() {
         assert_eq!(a.stats().live_bytes, 0);
     });
 }
+
+/// Adoption of a parked arena (`Slot::new_user_arena`): two arenas are parked with memory
+/// freed on their streams, one stream alive (`s`), one destroyed (`t`); the pool has no room
+/// left. A thread allocating on `s` adopts `s`'s arena and may reuse its memory at once (the
+/// same stream orders it), while another allocates on a third stream `u`, which adopts
+/// nothing and gets memory only after a synchronise (its out-of-memory path buries what is
+/// still parked), or runs out of memory if the first thread holds it all. The mutation
+/// `adopt_any_parked` (adopt whatever is parked) fails it: `u` takes another stream's memory
+/// unsynchronised.
+#[test]
+fn a_parked_arena_is_adopted_only_by_its_own_stream() {
+    model(|| {
+        let dev = Arc::new(ModelDevice::new(SB as u64, 2 * SB as u64));
+        let cfg = Config::builder()
+            .superblock(SB)
+            .small_max(SB / 2)
+            .chunk(SB)
+            .max_bytes(2 * SB)
+            .keep_empty(8)
+            .build()
+            .expect("a valid model config");
+        let a = Allocator::new(dev.clone(), cfg).expect("allocator");
+        let (s, t, u) = (Stream::from_raw(0x100), Stream::from_raw(0x200), Stream::from_raw(0x300));
+        // Set up on this thread, before the race: each arena parked by a release. The second
+        // stream must not get the first's parked memory (no synchronise has been made).
+        let mut first = None;
+        for (stream, destroy) in [(s, false), (t, true)] {
+            let p = a.allocate(SB / 2, stream).unwrap();
+            assert!(first.is_none_or(|f| f != p), "parked memory of another stream reused unsynchronised");
+            first = Some(p);
+            a.deallocate(p, SB / 2, stream).unwrap();
+            if destroy {
+                dev.destroy_stream(stream);
+            }
+            a.release_thread().unwrap();
+        }
+        assert_eq!(a.parked_bytes(), 2 * SB, "both arenas parked");
+        let a2 = a.clone();
+        let adopt = thread::spawn(move || {
+            // Adopted, or, if the other thread's reclaim buried it first, a new arena.
+            match a2.allocate(SB / 2, s) {
+                Ok(q) => a2.deallocate(q, SB / 2, s).unwrap(),
+                Err(e) => assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}"),
+            }
+            a2.release_thread().unwrap();
+        });
+        match a.allocate(SB / 2, u) {
+            Ok(r) => {
+                assert!(
+                    dev.syncs() > 0 || dev.caught_up(),
+                    "parked memory reused on another stream unsynchronised"
+                );
+                a.deallocate(r, SB / 2, u).unwrap();
+            }
+            Err(e) => assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}"),
+        }
+        adopt.join().unwrap();
+        a.release_thread().unwrap();
+        a.trim(true).unwrap();
+        a.check_invariants();
+        assert_eq!((a.parked_bytes(), a.parked_free_bytes()), (0, 0));
+        assert_eq!(a.pool_in_use(), 0, "{:?}", a.pool_used_ranges());
+        assert_eq!(a.stats().live_bytes, 0);
+    });
+}

@@ -469,18 +469,27 @@ pub enum StreamMode {
     /// Each thread creates a user stream and works on it throughout; its cross-stream frees go
     /// to a second user stream of its own.
     Own,
+    /// Each thread creates [`MANY_STREAMS`] user streams, more than a thread keeps arenas and
+    /// remote-free batches for (`cuarena::MAX_USER_ARENAS`), and each of its slots works on one
+    /// of them (slot `i` on stream `i % MANY_STREAMS`), so the thread cycles through them;
+    /// its cross-stream frees go to one more user stream of its own. Not in [`StreamMode::ALL`].
+    Many,
 }
 
+/// User streams per thread in [`StreamMode::Many`].
+pub const MANY_STREAMS: usize = cuarena::MAX_USER_ARENAS + 4;
+
 impl StreamMode {
-    /// Every mode.
+    /// The three modes of the benchmark's table and of the fence torture's every run.
     pub const ALL: [StreamMode; 3] = [StreamMode::Ptds, StreamMode::Legacy, StreamMode::Own];
 
-    /// `"ptds"`, `"legacy"` or `"own"`.
+    /// `"ptds"`, `"legacy"`, `"own"` or `"many"`.
     pub fn name(self) -> &'static str {
         match self {
             StreamMode::Ptds => "ptds",
             StreamMode::Legacy => "legacy",
             StreamMode::Own => "own",
+            StreamMode::Many => "many",
         }
     }
 }
@@ -619,7 +628,11 @@ struct TCounts {
 
 /// Per-thread, per-device state of the torture.
 struct Lane {
+    /// The thread's stream for handoffs and throttling; `streams[0]`.
     main: Stream,
+    /// The streams its slots work on: slot `i` on `streams[i % streams.len()]` (one stream
+    /// but in [`StreamMode::Many`]).
+    streams: Vec<Stream>,
     alt: Stream,
     slots: Vec<Option<TBlock>>,
     /// The throttle's events of `throttle` steps back, on `main` and `alt`.
@@ -705,13 +718,15 @@ fn torture_thread(
     let mut x = p.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add((t as u64 + 1) * 0x2545_f491) | 1;
     let mut lanes = Vec::with_capacity(targets.len());
     for tg in targets {
-        let main = match p.mode {
-            StreamMode::Ptds => Stream::PER_THREAD,
-            StreamMode::Legacy => Stream::LEGACY,
-            StreamMode::Own => tg.ops.create_stream()?,
+        let streams = match p.mode {
+            StreamMode::Ptds => vec![Stream::PER_THREAD],
+            StreamMode::Legacy => vec![Stream::LEGACY],
+            StreamMode::Own => vec![tg.ops.create_stream()?],
+            StreamMode::Many => (0..MANY_STREAMS).map(|_| tg.ops.create_stream()).collect::<Result<_>>()?,
         };
         let alt = tg.ops.create_stream()?;
-        lanes.push(Lane { main, alt, slots: (0..p.slots).map(|_| None).collect(), pending: None });
+        let main = streams[0];
+        lanes.push(Lane { main, streams, alt, slots: (0..p.slots).map(|_| None).collect(), pending: None });
     }
     let mut c = TCounts::default();
     let small_min = p.small_min.max(4);
@@ -749,13 +764,14 @@ fn torture_thread(
         }
         let lane = &mut lanes[d];
         let i = (rng(&mut x) % p.slots as u64) as usize;
+        let home = lane.streams[i % lane.streams.len()];
         if let Some(blk) = lane.slots[i].take() {
             // The block's last use on its stream, in flight as it is freed or handed on.
-            hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
+            hold_block(&*tg.ops, p, &blk, home, p.hold)?;
             let r = rng(&mut x) % 100;
             if p.threads > 1 && r < p.handoff_pct as u64 {
                 let ev = dev.create_event()?;
-                dev.record_event(ev, lane.main)?;
+                dev.record_event(ev, home)?;
                 let to = (t + 1 + (rng(&mut x) % (p.threads as u64 - 1)) as usize) % p.threads;
                 if let Err(mpsc::SendError(h)) = txs[to].send(Handoff { dev: d, blk, event: ev }) {
                     // The receiver failed and returned early; its error is the one reported.
@@ -764,7 +780,7 @@ fn torture_thread(
                 }
             } else if r < (p.handoff_pct + p.cross_stream_pct) as u64 {
                 let ev = dev.create_event()?;
-                dev.record_event(ev, lane.main)?;
+                dev.record_event(ev, home)?;
                 dev.stream_wait_event(lane.alt, ev)?;
                 dev.destroy_event(ev);
                 hold_block(&*tg.ops, p, &blk, lane.alt, p.cross_hold.unwrap_or(p.hold))?;
@@ -773,7 +789,7 @@ fn torture_thread(
                 c.cross += 1;
             } else {
                 lives[d].remove(blk.ptr.0);
-                tg.alloc.deallocate(blk.ptr, blk.size, lane.main)?;
+                tg.alloc.deallocate(blk.ptr, blk.size, home)?;
                 c.local += 1;
             }
         }
@@ -781,10 +797,10 @@ fn torture_thread(
         let u = (rng(&mut x) % 1_000_000) as f64 / 1_000_000.0;
         let size = if large { (llo + u * (lhi - llo)).exp() } else { (slo + u * (shi - slo)).exp() } as usize;
         let size = size.max(small_min);
-        let ptr = tg.alloc.allocate(size, lane.main)?;
+        let ptr = tg.alloc.allocate(size, home)?;
         lives[d].insert(ptr.0, size, layout);
         let blk = TBlock { ptr, size, tag: rng(&mut x) as u32 | 1 };
-        hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
+        hold_block(&*tg.ops, p, &blk, home, p.hold)?;
         lane.slots[i] = Some(blk);
         c.allocations += 1;
         c.large += u64::from(size > p.small_max);
@@ -797,10 +813,13 @@ fn torture_thread(
     }
     for (d, lane) in lanes.iter_mut().enumerate() {
         let tg = &targets[d];
-        for blk in lane.slots.iter_mut().filter_map(Option::take) {
-            hold_block(&*tg.ops, p, &blk, lane.main, p.hold)?;
+        let n = lane.streams.len();
+        for (i, slot) in lane.slots.iter_mut().enumerate() {
+            let Some(blk) = slot.take() else { continue };
+            let home = lane.streams[i % n];
+            hold_block(&*tg.ops, p, &blk, home, p.hold)?;
             lives[d].remove(blk.ptr.0);
-            tg.alloc.deallocate(blk.ptr, blk.size, lane.main)?;
+            tg.alloc.deallocate(blk.ptr, blk.size, home)?;
             c.local += 1;
         }
         if let Some(evs) = lane.pending.take() {
@@ -810,8 +829,10 @@ fn torture_thread(
         }
         // Blocks freed on these streams are fenced there; CUDA keeps queued work of a
         // destroyed stream, and the allocator knows streams by key, not by handle.
-        if p.mode == StreamMode::Own {
-            tg.ops.destroy_stream(lane.main)?;
+        if matches!(p.mode, StreamMode::Own | StreamMode::Many) {
+            for &s in &lane.streams {
+                tg.ops.destroy_stream(s)?;
+            }
         }
         tg.ops.destroy_stream(lane.alt)?;
     }
