@@ -900,9 +900,31 @@ impl Slot {
         // stream a thread cycles through would hold four times each large request, and it
         // would give it back at once anyway. The pool serves the request.
         let lean_large = large && matches!(w, Which::User(_)) && self.arenas.users_lean;
+        if lean_large {
+            let pool = |env: &Env<'_>| inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences);
+            let p = match pool(&env) {
+                // The out-of-memory reclaim every request gets, and one more try.
+                Err(Error::OutOfMemory { .. }) => {
+                    Self::reclaim(
+                        &mut self.arenas,
+                        &mut self.outbox,
+                        &mut self.ptds,
+                        inner,
+                        &env,
+                        true,
+                        true,
+                    );
+                    self.counters.bump(&self.counters.alloc_retries, 1);
+                    pool(&env)?
+                }
+                r => r?,
+            };
+            self.counted_alloc(g * GRANULE, AllocPath::Pool);
+            self.sample_peak(inner);
+            return Ok(p);
+        }
         let owned = self.arenas.get_mut(w).expect("the arena exists");
-        let r = if lean_large { None } else { owned.with(|arena| arena.alloc_slow(&env, class, g)) };
-        let r = match r {
+        let r = match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
             Some(Err(Error::OutOfMemory { .. })) => {
                 // Memory may be idle elsewhere: in this thread's outbox, its other arenas,
                 // other threads' arenas, and parked arenas of destroyed streams. Take it back,

@@ -150,13 +150,16 @@
 //! **Lean arenas** ([`Arena::set_lean`]): a thread that serves more than `LEAN_AFTER_USER_ARENAS`
 //! user streams (`allocator.rs`) multiplies whatever each arena keeps by the streams it cycles
 //! through, and a user arena's memory can leave it only inside a call on its stream. So its user
-//! arenas keep no slack: `K = 0`, no `L` and no `E`, `u` is the live granules, not their
-//! recent peak, and the rule gives back only empty superblocks (it dissolves none: each of a
-//! dissolved superblock's blocks would then be freed the pool's way, with an event). An arena
+//! arenas keep no slack: no `K`, `f`, `L` or `E`. After every own free, while the free granules
+//! (`a - u`) come to a normal superblock or more, the rule gives back an empty superblock, if
+//! there is one; it dissolves none (each of a dissolved superblock's blocks would then be freed
+//! the pool's way, with an event). An arena
 //! then gives back every superblock its own frees empty, within the call that empties it
 //! (under one event on its stream), and one given up later holds only superblocks with live
-//! blocks: **a lean arena strands no empty superblock; what it holds beyond its live blocks is
-//! their superblocks' free space**.
+//! blocks: **a lean arena strands no empty superblock after its next own free; what it holds
+//! beyond its live blocks is their superblocks' free space**. An arena made lean when its thread
+//! takes its fifth user stream keeps what it held until its own next free on its stream (only a
+//! call there may give memory back); if none comes, it is parked with it at thread exit.
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
@@ -785,8 +788,8 @@ impl Arena {
     fn over_held(&mut self) -> bool {
         self.since_give_back = self.since_give_back.saturating_add(1);
         if self.lean {
-            let (u, a) = (self.live, self.held);
-            return u < a && u * 1024 < self.dense_1024 * a;
+            // Room for an empty superblock (`shrink` then gives back only empty ones).
+            return self.live + self.granules <= self.held;
         }
         let (u, slack) = if self.large_held == 0 {
             (self.live, 0)
