@@ -152,7 +152,8 @@
 //! through, and a user arena's memory can leave it only inside a call on its stream. So its user
 //! arenas keep no slack: no `K`, `f`, `L` or `E`. After every own free, while the free granules
 //! (`a - u`) come to a normal superblock or more, the rule gives back an empty superblock, if
-//! there is one; it dissolves none (each of a dissolved superblock's blocks would then be freed
+//! there is one (it fires only while one may be, `may_hold_empty`, so an arena whose free
+//! space lies in used superblocks pays nothing per free for it); it dissolves none (each of a dissolved superblock's blocks would then be freed
 //! the pool's way, with an event). An arena
 //! then gives back every superblock its own frees empty, within the call that empties it
 //! (under one event on its stream), and one given up later holds only superblocks with live
@@ -225,6 +226,14 @@ pub(crate) struct Arena {
     keep_empty: usize,
     /// A lean arena (see "Lean arenas" above): the rule keeps no slack.
     lean: bool,
+    /// Some superblock held may be empty (`live == 0` in it). Invariant: false only if none
+    /// is. Set by every path that can empty one (an own free that empties its superblock, a
+    /// remote batch completed, legacy frees merged, `set_lean`), cleared by `shrink` when it
+    /// finds none; an allocation leaves it as it is (it may only make it stale, never wrong).
+    /// A lean arena's rule fires only while it is set, so an arena whose free space is spread
+    /// over used superblocks does not scan, flush its cache and ask its stream's identity on
+    /// every free, to find nothing to give back.
+    may_hold_empty: bool,
     /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
     dense_1024: usize,
     lists: FreeLists,
@@ -321,6 +330,7 @@ impl Arena {
             awaiting_regret: false,
             keep_empty,
             lean: false,
+            may_hold_empty: false,
             dense_1024: ((1.0 - sparse) * 1024.0).round() as usize,
             lists: FreeLists::default(),
             owned: Vec::new(),
@@ -595,10 +605,11 @@ impl Arena {
                     }
                     None => Self::merge_free(lists, l, sb, first, g),
                 }
-                Ok(())
+                Ok(l.live == 0)
             })
         };
-        r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
+        let emptied = r.map_err(|reason| Error::InvalidFree { ptr, size, reason })?;
+        self.may_hold_empty |= emptied;
         self.live -= g;
         if self.over_held() {
             // Inside a free on the home stream, or on its handle, which may name another stream
@@ -771,6 +782,7 @@ impl Arena {
             };
             self.live -= g;
         }
+        self.may_hold_empty = true;
         self.legacy_kept.recycle(blocks);
     }
 
@@ -778,6 +790,7 @@ impl Arena {
     #[cold]
     pub(crate) fn set_lean(&mut self, lean: bool) {
         self.lean = lean;
+        self.may_hold_empty = true;
         self.extra = 0;
         self.awaiting_regret = false;
         self.recent = self.live;
@@ -788,8 +801,12 @@ impl Arena {
     fn over_held(&mut self) -> bool {
         self.since_give_back = self.since_give_back.saturating_add(1);
         if self.lean {
-            // Room for an empty superblock (`shrink` then gives back only empty ones).
-            return self.live + self.granules <= self.held;
+            // Room for an empty superblock, and maybe one (`shrink` gives back only empty ones).
+            // The mutation `lean_rule_unflagged` ignores the flag: the tests
+            // `lean_arena_churn_over_{half,quarter}_used_superblocks_asks_the_driver_nothing_more`
+            // must then fail.
+            let maybe = self.may_hold_empty || cfg!(cuarena_mutant = "lean_rule_unflagged");
+            return maybe && self.live + self.granules <= self.held;
         }
         let (u, slack) = if self.large_held == 0 {
             (self.live, 0)
@@ -860,7 +877,10 @@ impl Arena {
                 .min_by_key(|&(_, live, big)| (live, big))
                 .map(|(i, ..)| i)
             else {
-                return; // only large superblocks in use: they go back when empty
+                // Only large superblocks in use (they go back when empty), or in a lean arena
+                // no empty superblock (the cache was flushed above, so `live` is exact).
+                self.may_hold_empty = false;
+                return;
             };
             let fence = match env.home_fence(self.home, self.key, live) {
                 Ok(HomeFence::Fence(f)) => f,
@@ -1103,6 +1123,7 @@ impl Arena {
                         })
                     };
                     self.live -= g;
+                    self.may_hold_empty = true;
                 }
                 // `give_back` takes a superblock's pending blocks out of `pending`, so every
                 // entry here is in a superblock we own.

@@ -64,7 +64,9 @@
 //!   ranges or its `held` ranges; `fit` holds exactly the entries of `free`; `behind` is keyed
 //!   by live blocks only.
 //! - Two `free` ranges of one segment that touch have different [`Reuse`]s (same ones merge,
-//!   their fences merged); only a [`Reuse::Stream`] range carries fences.
+//!   their fences merged); a [`Reuse::Fresh`] range carries none, a [`Reuse::Stream`] range
+//!   its frees' fences (and those its blocks were taken behind), a [`Reuse::Captured`] range
+//!   only the fences its blocks were taken behind.
 //! - `segments` maps each segment of each pool that is not parked to that pool, and every such
 //!   segment lies inside `[lo, hi)`.
 //! - `retained > 0` for every pool in `pools`, or the pool has live blocks (it is released and

@@ -1445,3 +1445,79 @@ fn a_free_sent_alone_to_a_parked_arena_is_fenced_for_its_adopter() {
     no_violations(&sim);
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// Same-stream churn in a lean arena whose superblocks are half used (free space of more than
+/// a superblock in all, but no superblock empty): the owner's frees on the arena's handle cost
+/// one capture query each, and its allocations one identity lookup each, as in any user arena
+/// (`allocator.rs`, "A user arena's own frees": the identity is asked again only "when the
+/// return rule fires", about once per 10^4 frees in steady churn, to give a superblock back).
+///
+/// Was a defect (from `05ff83d`, the lean rule "a superblock's worth free", to the fix of
+/// `may_hold_empty` in `arena.rs`): a lean arena's rule fired on every free although it had no
+/// empty superblock to give back (`over_held` true, `shrink` finding none), so every own free
+/// asked the stream's identity (`Arena::free_local` -> `handle_names_home`: a `cuStreamGetId`),
+/// flushed the block cache and scanned every superblock: 6,000 driver calls for 2,000 pairs
+/// instead of 4,000.
+#[test]
+fn lean_arena_churn_over_half_used_superblocks_asks_the_driver_nothing_more() {
+    lean_churn_driver_calls(2);
+}
+
+/// The same with a quarter of each superblock used.
+///
+/// Was a defect (already on 2716dc4, whose lean rule fired below 40% use): the same failure,
+/// 6,000 driver calls for 2,000 pairs instead of 4,000. A non-lean arena dissolves a superblock when
+/// its rule fires, so the rule stops firing; a lean arena dissolves none, so it fires again on
+/// the next free, and the next.
+#[test]
+fn lean_arena_churn_over_quarter_used_superblocks_asks_the_driver_nothing_more() {
+    lean_churn_driver_calls(4);
+}
+
+/// A thread with six user arenas (lean) fills eight superblocks with 8 KiB blocks on one
+/// stream, keeps one block in `keep_every`, then churns one 8 KiB block there 2,000 times;
+/// checks the driver calls of the churn: one per allocation and one per free.
+fn lean_churn_driver_calls(keep_every: usize) {
+    let sim = host(0);
+    let a = alloc_with(&sim, small());
+    let (calls, ops, st) = on_thread(&a, {
+        let sim = sim.clone();
+        move |a| {
+            let ss: Vec<Stream> = (0..6).map(|_| sim.create_stream()).collect();
+            touch_all(a, &ss); // lean
+            let s = ss[5];
+            let v: Vec<DeviceAddr> = (0..256).map(|_| a.allocate(8192, s).unwrap()).collect();
+            let mut kept = Vec::new();
+            for (i, p) in v.into_iter().enumerate() {
+                if i % keep_every == 0 {
+                    kept.push(p);
+                } else {
+                    a.deallocate(p, 8192, s).unwrap();
+                }
+            }
+            let held = a.stats().arena_held_bytes;
+            assert!(held >= 8 * SB, "no superblock was empty: {held}");
+            let before = a.stats();
+            let steady = 2000u64;
+            for i in 0..steady {
+                let p = a.allocate(8192, s).unwrap();
+                sim.write_tag(p.0, 64, i as u32 | 1, s).unwrap();
+                a.deallocate(p, 8192, s).unwrap();
+            }
+            let after = a.stats();
+            for p in kept {
+                a.deallocate(p, 8192, s).unwrap();
+            }
+            a.release_thread().unwrap();
+            for s in ss {
+                sim.destroy_stream(s).unwrap();
+            }
+            (after.driver_calls - before.driver_calls, 2 * steady, after)
+        }
+    });
+    assert_eq!(
+        calls, ops,
+        "one identity lookup per allocation, one capture query per free, nothing else: {st:?}"
+    );
+    assert_all_returned(&a, Some(&sim), 0);
+}

@@ -17,7 +17,8 @@ use cuarena_testkit::{GpuOps, TagOps, gpu_or_skip};
 
 /// `threads` threads, each making `requests` requests of 8 blocks (256 B to 512 KiB) on the
 /// next stream of a pool of `streams`, with a tag kernel over one block of each request when
-/// `kernels`. Returns (pairs per second, device synchronises, peak reserved MiB, peak live MiB).
+/// `kernels`. Returns (pairs per second, device synchronises, peak reserved MiB, peak live MiB,
+/// driver calls per pair, events recorded per 1,000 pairs).
 fn run(
     a: &Allocator,
     ops: &Arc<GpuOps>,
@@ -25,7 +26,7 @@ fn run(
     streams: usize,
     requests: usize,
     kernels: bool,
-) -> (f64, u64, u64, u64) {
+) -> (f64, u64, u64, u64, f64, f64) {
     let pool: Arc<Vec<Stream>> =
         Arc::new((0..streams).map(|_| ops.kernels.create_stream().unwrap()).collect());
     let next = Arc::new(AtomicUsize::new(0));
@@ -65,11 +66,14 @@ fn run(
         ops.kernels.destroy_stream(s).unwrap();
     }
     let st = a.stats();
+    let pairs = (threads * requests * 8) as f64;
     (
-        (threads * requests * 8) as f64 / secs,
+        pairs / secs,
         st.host_syncs,
         st.peak_reserved_bytes >> 20,
         st.peak_live_bytes >> 20,
+        st.driver_calls as f64 / pairs,
+        st.fences_recorded as f64 * 1000.0 / pairs,
     )
 }
 
@@ -84,10 +88,11 @@ fn gpu_threads_sharing_a_pool_of_streams() {
     {
         let a = Allocator::new(dev.clone(), Config::default()).unwrap();
         let requests = if kernels { 2_000 } else { 10_000 };
-        let (rate, syncs, reserved, live) = run(&a, &ops, threads, streams, requests, kernels);
+        let (rate, syncs, reserved, live, calls, events) = run(&a, &ops, threads, streams, requests, kernels);
         println!(
             "pool-of-streams threads={threads} streams={streams} kernels={kernels}: {:.3} M pairs/s, \
-             device syncs {syncs}, peak reserved {reserved} MiB, peak live {live} MiB",
+             device syncs {syncs}, peak reserved {reserved} MiB, peak live {live} MiB, \
+             {calls:.2} driver calls a pair, {events:.1} events per 1,000 pairs",
             rate / 1e6
         );
         if !measure_only {
