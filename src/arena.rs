@@ -226,10 +226,14 @@ pub(crate) struct Arena {
     keep_empty: usize,
     /// A lean arena (see "Lean arenas" above): the rule keeps no slack.
     lean: bool,
-    /// Some superblock held may be empty (`live == 0` in it). Invariant: false only if none
-    /// is. Set by every path that can empty one (an own free that empties its superblock, a
-    /// remote batch completed, legacy frees merged, `set_lean`), cleared by `shrink` when it
-    /// finds none; an allocation leaves it as it is (it may only make it stale, never wrong).
+    /// Some superblock held may be empty (`live == 0` in it). Invariant, between calls: false
+    /// only if none is. Set by every path that can empty one (an own free or a completed
+    /// remote free that empties its superblock, legacy frees merged, a range quarantined or
+    /// released from quarantine, `set_lean`), cleared by `shrink` when it finds none; an
+    /// allocation leaves it as it is (it may only make it stale, never wrong). A superblock
+    /// `grow` borrows is empty, but the same call carves the request from it at once, or
+    /// quarantines it whole (`carve_around_transit`, which sets the flag), so the flag is not
+    /// set there: it would cost a scan and an identity query after every borrow.
     /// A lean arena's rule fires only while it is set, so an arena whose free space is spread
     /// over used superblocks does not scan, flush its cache and ask its stream's identity on
     /// every free, to find nothing to give back.
@@ -427,6 +431,9 @@ impl Arena {
         // SAFETY: as above.
         unsafe { sb.with_local(|l| l.mark(b.first, b.len, PENDING, b.len)) };
         self.quarantined.push(b);
+        // A quarantined range counts as free, not live: its superblock may be empty (one
+        // borrowed for this very request, quarantined whole).
+        self.may_hold_empty = true;
         None
     }
 
@@ -436,6 +443,7 @@ impl Arena {
         if self.quarantined.is_empty() {
             return;
         }
+        self.may_hold_empty = true; // as when the range was quarantined
         let lists = &mut self.lists;
         self.quarantined.retain(|b| {
             // SAFETY: quarantined ranges lie in superblocks we own (`give_back` takes them out).
@@ -1116,14 +1124,15 @@ impl Arena {
                     let first = ((fr.ptr - sb.base) >> GRANULE_SHIFT) as usize;
                     let lists = &mut self.lists;
                     // SAFETY: we own `sb`; the block was marked PENDING by `drain`.
-                    unsafe {
+                    let emptied = unsafe {
                         sb.with_local(|l| {
                             debug_assert_eq!(l.head(first), Some((PENDING, g)));
-                            Self::merge_free(lists, l, sb, first, g)
+                            Self::merge_free(lists, l, sb, first, g);
+                            l.live == 0
                         })
                     };
                     self.live -= g;
-                    self.may_hold_empty = true;
+                    self.may_hold_empty |= emptied;
                 }
                 // `give_back` takes a superblock's pending blocks out of `pending`, so every
                 // entry here is in a superblock we own.
