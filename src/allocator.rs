@@ -63,7 +63,9 @@
 //! one) while it holds memory, it is parked ([`Zombies`]) until the next allocation on its own
 //! stream adopts it (`Slot::new_user_arena`: that call proves the stream alive), or one device
 //! synchronise, which names no stream, gives back everything parked (more than
-//! `ZOMBIE_BYTES` parked, out-of-memory, `trim(true)`, or the allocator's drop). Reclaim by another thread takes a
+//! `ZOMBIE_BYTES` parked at a thread's exit, out-of-memory, `trim(true)`, or the allocator's
+//! drop). A replacement parks only within `ZOMBIE_BYTES`, and never synchronises: past it the
+//! pool serves the stream instead (`Slot::new_user_arena`, "Making room"). Reclaim by another thread takes a
 //! user arena's memory only where it may block (out-of-memory, `trim(true)`), after a device
 //! synchronise (`Env::reclaim_fence`). Remote frees on a user stream that cannot wait in their
 //! thread's outbox for a call on that stream are parked the same way (`outbox.rs`).
@@ -159,9 +161,11 @@ struct Shells {
 /// another one, so no event can be recorded there (`Env::home_fence`), and only a device
 /// synchronise makes the memory safe for another stream. So when such an arena is given up
 /// (thread exit, or replacement of the least recently used user arena), it is parked here,
-/// its superblocks kept, rather than synchronising at once; a thread that
-/// parks one that brings the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives
-/// them all back, as do the out-of-memory paths, `trim(true)` and the allocator's drop. A
+/// its superblocks kept, rather than synchronising at once; a thread whose exit parks one that
+/// brings the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives them all back,
+/// as do the out-of-memory paths, `trim(true)` and the allocator's drop. A replacement parks
+/// only while the parked bytes stay within the bound, and never synchronises
+/// (`Slot::new_user_arena`, "Making room"). A
 /// parked arena whose stream is still in use is adopted by the next allocation on it
 /// ([`Zombies::adopt`], by identity only).
 ///
@@ -180,9 +184,10 @@ struct Shells {
 /// parked free; such blocks were the arena's when it was parked, so they are within what it
 /// held then.
 ///
-/// **Bound:** parked arenas hold at most `ZOMBIE_BYTES` plus one arena's superblocks (parked
-/// frees count towards `ZOMBIE_BYTES` when an arena is parked, but have no bound of their
-/// own, above).
+/// **Bound:** parked arenas hold at most `ZOMBIE_BYTES` plus one arena's superblocks per
+/// thread parking at that moment (a replacement's check of the room and its parking are two
+/// steps under the lock; parked frees count towards `ZOMBIE_BYTES` when an arena is parked,
+/// but have no bound of their own, above).
 /// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas when they were last
 /// counted ([`Zombies::recount`], at every park), plus the bytes of the parked frees: a
 /// reclaimer on out-of-memory may take superblocks from a parked arena meanwhile, so between
@@ -270,10 +275,11 @@ fn arena_index(stream: Stream) -> Option<usize> {
 type Flushed = Option<(Stream, Option<Arc<Fence>>)>;
 
 /// User-stream arenas a thread keeps at most. A thread that allocates small blocks on more
-/// user streams than this gives back the least recently used one (see [`Arenas::users`]):
-/// parked while it holds memory, and adopted again by the next call on its stream that needs
-/// an arena (see `Slot::new_user_arena`). Sixteen covers a thread that round-robins over a
-/// stream pool of that size; the lookup is a scan of the thread's arenas by identity.
+/// user streams than this gives back the least recently used one that holds no memory, or
+/// parks the least recently used one while the parked bound allows, to be adopted again by the
+/// next call on its stream that needs an arena; otherwise the pool serves the new stream (see
+/// `Slot::new_user_arena`). Sixteen covers a thread that round-robins over a stream pool of
+/// that size; the lookup is a scan of the thread's arenas by identity.
 pub const MAX_USER_ARENAS: usize = 16;
 
 /// User arenas past which a thread's user arenas are all lean (`arena.rs`, "Lean arenas"): a
@@ -477,8 +483,11 @@ impl Inner {
     }
 
     /// Gives up the arena of the user stream with identity `key` (thread exit, or
-    /// replacement): given back if it holds nothing, otherwise parked (see [`Zombies`]).
-    fn retire_user(&self, env: &Env<'_>, key: StreamKey, mut owned: OwnedArena) {
+    /// replacement): given back if it holds nothing, otherwise parked (see [`Zombies`]). With
+    /// `may_bury` (thread exit), parking past [`ZOMBIE_BYTES`] gives back everything parked
+    /// after a device synchronise; a replacement passes false (it checked the room first:
+    /// `Slot::new_user_arena`) and never synchronises.
+    fn retire_user(&self, env: &Env<'_>, key: StreamKey, mut owned: OwnedArena, may_bury: bool) {
         // This call is not on the arena's stream, so its handle must not be touched (it may
         // name no stream, or another one, by now: `Env::home_fence`): an arena that holds
         // memory is parked. Waiting: a reclaimer holding the arena at this moment may still be
@@ -501,7 +510,7 @@ impl Inner {
             let mut z = lock(&self.zombies);
             z.arenas.push((key, owned));
             z.recount();
-            z.bytes > ZOMBIE_BYTES
+            may_bury && z.bytes > ZOMBIE_BYTES
         };
         if over && let Err(e) = self.bury_zombies(env) {
             env.defer(e);
@@ -764,7 +773,10 @@ impl Slot {
             Some(Ok(p)) => Ok(p),
             Some(Err(j)) => self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, large),
             None => {
-                self.new_user_arena(inner, stream, key)?;
+                if !self.new_user_arena(inner, stream, key) {
+                    // No room for another arena (`new_user_arena`): the pool serves the request.
+                    return self.alloc_pool_keyed(inner, g * GRANULE, stream, key);
+                }
                 let j = self.arenas.users.len() - 1;
                 self.alloc_slow_in(inner, Which::User(j), (stream, key), class, g, large)
             }
@@ -808,9 +820,20 @@ impl Slot {
         inner.settle(&env, sent);
     }
 
-    /// Adds an arena for the user stream `stream` with identity `key`, first giving back the
-    /// least recently used one if the thread has [`MAX_USER_ARENAS`] already: the parked arena
-    /// of this stream if there is one (see below), otherwise a new, empty one.
+    /// Adds an arena for the user stream `stream` with identity `key`: the parked arena of this
+    /// stream if there is one (see below), otherwise a new, empty one. Returns false, changing
+    /// nothing, if the thread has [`MAX_USER_ARENAS`] already and none can make room without a
+    /// device synchronise: the pool then serves the request.
+    ///
+    /// **Making room.** A full table gives back its least recently used arena that holds no
+    /// memory (given back whole, nothing parked); if every arena holds memory, the least
+    /// recently used one is parked (see [`Zombies`]), but only while that keeps the parked bytes
+    /// within [`ZOMBIE_BYTES`] (counting out the arena this call adopts). Past that the request
+    /// goes to the pool, under its lock and with an event at its free, rather than park more
+    /// and synchronise the device to bury it: a replacement never synchronises. So a thread
+    /// with live blocks on more streams than it keeps arenas for is served by arenas on 16 of
+    /// them and by the pool on the rest once the parked bound is reached, and the table follows
+    /// the streams again as arenas empty.
     ///
     /// **Adopting a parked arena.** An arena parked by a replacement or a thread's exit (see
     /// [`Zombies`]) holds memory freed on its stream with no event; what makes it unsafe for
@@ -823,9 +846,15 @@ impl Slot {
     /// that come and go, reuses its memory rather than parking more until a synchronise.
     #[cold]
     #[inline(never)]
-    fn new_user_arena(&mut self, inner: &Inner, stream: Stream, key: StreamKey) -> Result<()> {
-        // Adopted before the replacement below parks another arena: that may bury every
-        // parked arena (a synchronise), this one with them.
+    fn new_user_arena(&mut self, inner: &Inner, stream: Stream, key: StreamKey) -> bool {
+        let victim = if self.arenas.users.len() >= MAX_USER_ARENAS {
+            match self.room_for_user_arena(inner, key) {
+                Some(j) => Some(j),
+                None => return false,
+            }
+        } else {
+            None
+        };
         let adopted = if cfg!(cuarena_mutant = "adopt_any_parked") {
             let mut z = lock(&inner.zombies);
             let any = z.arenas.first().map(|(k, _)| *k);
@@ -833,12 +862,12 @@ impl Slot {
         } else {
             lock(&inner.zombies).adopt(key)
         };
-        if self.arenas.users.len() >= MAX_USER_ARENAS {
-            let lru = (0..self.arenas.users.len())
-                .min_by_key(|&j| self.arenas.users[j].last_use)
-                .expect("the table is full");
-            let old = self.arenas.users.swap_remove(lru);
-            inner.retire_user(&inner.env(&self.counters), old.key, old.arena);
+        if let Some(j) = victim {
+            let old = self.arenas.users.swap_remove(j);
+            // No synchronise: `room_for_user_arena` checked the room (the mutation below buries
+            // past the bound, as the code before it did).
+            let bury = cfg!(cuarena_mutant = "replacement_parks_past_the_bound");
+            inner.retire_user(&inner.env(&self.counters), old.key, old.arena, bury);
         }
         inner.arenas.fetch_add(1, Ordering::Relaxed);
         let arena = adopted.unwrap_or_else(|| {
@@ -859,7 +888,42 @@ impl Slot {
             }
         }
         self.arenas.users_lean = lean;
-        Ok(())
+        true
+    }
+
+    /// The user arena a full table gives up for the stream with identity `key` (see "Making
+    /// room" at [`Slot::new_user_arena`]): the least recently used that holds no memory, else
+    /// the least recently used if parking it keeps the parked bytes within [`ZOMBIE_BYTES`];
+    /// `None` if neither (or a reclaimer holds the one to weigh at this moment).
+    #[cold]
+    fn room_for_user_arena(&mut self, inner: &Inner, key: StreamKey) -> Option<usize> {
+        let users = &mut self.arenas.users;
+        let held: Vec<Option<usize>> = users.iter_mut().map(|u| u.arena.with(|a| a.held_bytes())).collect();
+        let lru = |empty: bool| {
+            (0..users.len()).filter(|&j| !empty || held[j] == Some(0)).min_by_key(|&j| users[j].last_use)
+        };
+        if let Some(j) = lru(true) {
+            return Some(j);
+        }
+        // The mutation `replacement_parks_past_the_bound` parks whatever it holds and buries the
+        // parked arenas past the bound, as the code before it did: the test
+        // `a_full_table_of_busy_arenas_overflows_to_the_pool_without_a_synchronise` must then
+        // fail.
+        if cfg!(cuarena_mutant = "replacement_parks_past_the_bound") {
+            return lru(false);
+        }
+        let j = lru(false)?;
+        let bytes = held[j]?;
+        // `bytes` may be above the truth between counts (see [`Zombies`]): the check errs
+        // towards the pool.
+        let mut z = lock(&inner.zombies);
+        let adopting: usize = z
+            .arenas
+            .iter_mut()
+            .filter(|(k, _)| *k == key)
+            .filter_map(|(_, a)| a.with(|a| a.held_bytes()))
+            .sum();
+        (z.bytes.saturating_sub(adopting) + bytes <= ZOMBIE_BYTES).then_some(j)
     }
 
     /// The slow path of the arena `w` serving `home` (identity `key`): drains and grows it,
@@ -971,9 +1035,22 @@ impl Slot {
     #[cold]
     #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
+        let key = Self::key_of(&mut self.ptds, &inner.env(&self.counters), stream)?;
+        self.alloc_pool_keyed(inner, bytes, stream, key)
+    }
+
+    /// [`Slot::alloc_pool`] on `stream`, whose identity `key` the caller has asked.
+    #[cold]
+    #[inline(never)]
+    fn alloc_pool_keyed(
+        &mut self,
+        inner: &Inner,
+        bytes: usize,
+        stream: Stream,
+        key: StreamKey,
+    ) -> Result<u64> {
         let env = inner.env(&self.counters);
         // CUDA graphs: the pool refuses a stream being captured (`GlobalPool::alloc`).
-        let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
             Err(Error::OutOfMemory { .. }) => {
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
@@ -1198,7 +1275,7 @@ impl Slot {
             }
         }
         for u in self.arenas.users.drain(..) {
-            inner.retire_user(&env, u.key, u.arena);
+            inner.retire_user(&env, u.key, u.arena, true);
         }
         flushed.map(|_| ())
     }

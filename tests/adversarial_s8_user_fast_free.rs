@@ -335,11 +335,12 @@ fn cross_thread_and_owner_double_frees_on_one_user_stream() {
 /// second free is refused; the other arenas' frees are their own (lean arenas: each gives its
 /// emptied superblock back). The next allocation on the first stream adopts its parked arena
 /// again (`Slot::new_user_arena`), with no synchronise, and its free there is its own; the old
-/// block stays freed.
+/// block stays freed. (The small size only: with the large one, the lean arenas' blocks are
+/// the pool's, so their arenas hold nothing and one of them is replaced instead: below.)
 #[test]
 fn frees_after_the_arena_was_retired_by_lru() {
     let n = cuarena::MAX_USER_ARENAS + 1;
-    for size in SIZES {
+    for size in [SIZES[0]] {
         let sim = host(0);
         let a = alloc_on(&sim);
         let streams: Vec<Stream> = (0..n).map(|_| sim.create_stream()).collect();
@@ -386,6 +387,37 @@ fn frees_after_the_arena_was_retired_by_lru() {
         assert_eq!(refused(a.deallocate(ps[0], size, streams[0])), InvalidFree::DoubleFree, "{size}");
         assert_all_returned(&a, Some(&sim), n as u64 + 1);
     }
+}
+
+/// One user stream more than a thread keeps arenas for, with a large block live on each: the
+/// first four streams' arenas hold large superblocks (borrowed before the thread's arenas
+/// turned lean), the others' blocks are the pool's and their arenas hold nothing. The 17th
+/// stream's arena replaces the least recently used arena that holds nothing (the fifth
+/// stream's), not the least recently used one: nothing is parked, and the first stream's
+/// block is still its arena's own free (`Slot::new_user_arena`, "Making room").
+#[test]
+fn an_empty_arena_is_replaced_before_a_busy_one() {
+    let n = cuarena::MAX_USER_ARENAS + 1;
+    let size = SIZES[1];
+    let sim = host(0);
+    let a = alloc_on(&sim);
+    let streams: Vec<Stream> = (0..n).map(|_| sim.create_stream()).collect();
+    let ps: Vec<DeviceAddr> = streams.iter().map(|&s| a.allocate(size, s).unwrap()).collect();
+    for (i, (&p, &s)) in ps.iter().zip(&streams).enumerate() {
+        sim.write_tag(p.0, 256, i as u32 + 1, s).unwrap();
+    }
+    let st = a.stats();
+    assert_eq!(st.arenas as usize, n - 1, "{st:?}");
+    assert_eq!(a.parked_bytes(), 0, "an arena holding nothing was replaced: {st:?}");
+    assert_eq!(st.host_syncs, 0, "{st:?}");
+    let remote = |s: &cuarena::Stats| s.cross_thread_frees + s.cross_stream_frees;
+    for (i, (&p, &s)) in ps.iter().zip(&streams).enumerate() {
+        let before = a.stats();
+        a.deallocate(p, size, s).unwrap();
+        assert_eq!(remote(&a.stats()), remote(&before), "stream {i}: its own or the pool's free");
+        assert_eq!(refused(a.deallocate(p, size, s)), InvalidFree::DoubleFree, "stream {i}");
+    }
+    assert_all_returned(&a, Some(&sim), n as u64);
 }
 
 /// The return rule on a user stream's fast-path free: with `keep_empty = 0` the free that

@@ -375,10 +375,12 @@ fn gpu_torture_many_streams() {
     };
     let r = torture(&[Target { ops, alloc: a.clone() }], &p).unwrap();
     assert_eq!(r.allocations, 320_000);
-    // Not bounded: every stream holds live blocks, so a replaced arena is parked with them, and
-    // 16 threads' parked arenas pass the 64 MiB bound often (1,306 synchronises in 320,000
-    // allocations on the H200, 2026-12-04: RELIABILITY.md, twenty-first session).
-    check_fenced("gpu torture many", &r, &[&a], None);
+    // Every stream holds live blocks, so a full table makes room by parking an arena with its
+    // memory, but only within the parked bound; past it the pool serves the stream, and no
+    // replacement synchronises (`Slot::new_user_arena`, "Making room"; before, 1,306
+    // synchronises in 320,000 allocations on the H200, 2026-12-04). A thread's exit may still
+    // park past the bound: at most one synchronise per thread.
+    check_fenced("gpu torture many", &r, &[&a], Some(1));
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Arenas for user streams: the fast path, identity by `cuStreamGetId` (never the handle), the
-//! replacement of the least recently used arena, and arenas whose stream was destroyed while
+//! replacement of the least recently used arena (one that holds nothing first; the pool past
+//! the parked bound), and arenas whose stream was destroyed while
 //! they held memory freed on it (parked until a device synchronise).
 
 mod common;
@@ -403,5 +404,71 @@ fn threads_sharing_a_pool_of_streams_hold_little_and_never_synchronise() {
     for s in streams {
         sim.destroy_stream(s).unwrap();
     }
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// Threads with a live block on more user streams than they keep arenas for (a request's
+/// buffer on each request's stream, living as long as the request): every arena of a full
+/// table holds memory, so another stream's arena can only be made by parking one with its
+/// memory. Parking stops at the parked bound (64 MiB; 2 MiB superblocks here, so 4 threads ×
+/// 12 streams past the table would park 96 MiB): past it the pool serves those streams, and
+/// nothing synchronises the device (`Slot::new_user_arena`, "Making room"). The mutation
+/// `replacement_parks_past_the_bound` (park whatever the arena holds and bury past the bound,
+/// as the code before it did) fails it.
+#[test]
+fn a_full_table_of_busy_arenas_overflows_to_the_pool_without_a_synchronise() {
+    let sim = host(5);
+    let a = host_allocator(sim.clone(), cuarena::Config::default()).unwrap();
+    let per_thread = cuarena::MAX_USER_ARENAS + 12;
+    let live = Live::default();
+    let threads = 4;
+    let barrier = std::sync::Barrier::new(threads);
+    let at_barrier = std::sync::Mutex::new(None);
+    std::thread::scope(|sc| {
+        for t in 0..threads as u32 {
+            let (a, sim, live, barrier, at_barrier) = (&a, &sim, &live, &barrier, &at_barrier);
+            sc.spawn(move || {
+                let streams: Vec<Stream> = (0..per_thread).map(|_| sim.create_stream()).collect();
+                let held: Vec<(cuarena::DeviceAddr, Stream)> = streams
+                    .iter()
+                    .map(|&s| {
+                        let p = a.allocate(4096, s).unwrap();
+                        live.insert(p, 4096);
+                        (p, s)
+                    })
+                    .collect();
+                for round in 0..4u32 {
+                    for (i, &s) in streams.iter().enumerate() {
+                        let n = 256 << (i % 9);
+                        let p = a.allocate(n, s).unwrap();
+                        live.insert(p, n);
+                        let tag = (t << 24) | (round << 16) | ((i as u32) << 4) | 1;
+                        sim.hold_and_check(p.0, n.min(1024), tag, Duration::from_micros(5), s).unwrap();
+                        live.remove(p);
+                        a.deallocate(p, n, s).unwrap();
+                    }
+                }
+                barrier.wait();
+                if t == 0 {
+                    *at_barrier.lock().unwrap() = Some((a.stats(), a.parked_bytes()));
+                }
+                barrier.wait();
+                for (p, s) in held {
+                    live.remove(p);
+                    a.deallocate(p, 4096, s).unwrap();
+                }
+                a.release_thread().unwrap();
+                for s in streams {
+                    sim.destroy_stream(s).unwrap();
+                }
+            });
+        }
+    });
+    live.assert_clean();
+    let (st, parked) = at_barrier.into_inner().unwrap().unwrap();
+    assert_eq!(st.host_syncs, 0, "a device synchronise: {st:?}");
+    assert!(st.pool_allocations > 0, "the pool served the streams past the room: {st:?}");
+    assert!(parked <= (64 << 20) + threads * (2 << 20), "parked {parked}");
+    assert!(st.arenas as usize <= threads * (1 + cuarena::MAX_USER_ARENAS), "{st:?}");
     assert_all_returned(&a, Some(&sim), 0);
 }
