@@ -161,8 +161,8 @@ struct Shells {
 /// another one, so no event can be recorded there (`Env::home_fence`), and only a device
 /// synchronise makes the memory safe for another stream. So when such an arena is given up
 /// (thread exit, or replacement of the least recently used user arena), it is parked here,
-/// its superblocks kept, rather than synchronising at once; a thread whose exit parks one that
-/// brings the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives them all back,
+/// its superblocks kept, rather than synchronising at once; a thread whose exit parks arenas
+/// that bring the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives them all back,
 /// as do the out-of-memory paths, `trim(true)` and the allocator's drop. A replacement parks
 /// only while the parked bytes stay within the bound, and never synchronises
 /// (`Slot::new_user_arena`, "Making room"). A
@@ -184,10 +184,11 @@ struct Shells {
 /// parked free; such blocks were the arena's when it was parked, so they are within what it
 /// held then.
 ///
-/// **Bound:** parked arenas hold at most `ZOMBIE_BYTES` plus one arena's superblocks per
-/// thread parking at that moment (a replacement's check of the room and its parking are two
-/// steps under the lock; parked frees count towards `ZOMBIE_BYTES` when an arena is parked,
-/// but have no bound of their own, above).
+/// **Bound:** parked arenas hold at most `ZOMBIE_BYTES`, plus one arena's superblocks per
+/// thread replacing one at that moment (a replacement's check of the room and its parking are
+/// two steps under the lock), plus the arenas of threads exiting at that moment (each buries
+/// once it has parked them all); parked frees count towards `ZOMBIE_BYTES` when an arena is
+/// parked, but have no bound of their own (above).
 /// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas when they were last
 /// counted ([`Zombies::recount`], at every park), plus the bytes of the parked frees: a
 /// reclaimer on out-of-memory may take superblocks from a parked arena meanwhile, so between
@@ -483,11 +484,10 @@ impl Inner {
     }
 
     /// Gives up the arena of the user stream with identity `key` (thread exit, or
-    /// replacement): given back if it holds nothing, otherwise parked (see [`Zombies`]). With
-    /// `may_bury` (thread exit), parking past [`ZOMBIE_BYTES`] gives back everything parked
-    /// after a device synchronise; a replacement passes false (it checked the room first:
-    /// `Slot::new_user_arena`) and never synchronises.
-    fn retire_user(&self, env: &Env<'_>, key: StreamKey, mut owned: OwnedArena, may_bury: bool) {
+    /// replacement): given back if it holds nothing, otherwise parked (see [`Zombies`]). Never
+    /// synchronises: a thread's exit then calls [`Inner::bury_past_bound`] once, and a
+    /// replacement checked the room first (`Slot::new_user_arena`).
+    fn retire_user(&self, env: &Env<'_>, key: StreamKey, mut owned: OwnedArena) {
         // This call is not on the arena's stream, so its handle must not be touched (it may
         // name no stream, or another one, by now: `Env::home_fence`): an arena that holds
         // memory is parked. Waiting: a reclaimer holding the arena at this moment may still be
@@ -506,12 +506,15 @@ impl Inner {
             }
             return;
         }
-        let over = {
-            let mut z = lock(&self.zombies);
-            z.arenas.push((key, owned));
-            z.recount();
-            may_bury && z.bytes > ZOMBIE_BYTES
-        };
+        let mut z = lock(&self.zombies);
+        z.arenas.push((key, owned));
+        z.recount();
+    }
+
+    /// Gives back everything parked, after one device synchronise, if the parked bytes are
+    /// past [`ZOMBIE_BYTES`] (a thread's exit, once it has parked its arenas).
+    fn bury_past_bound(&self, env: &Env<'_>) {
+        let over = lock(&self.zombies).bytes > ZOMBIE_BYTES;
         if over && let Err(e) = self.bury_zombies(env) {
             env.defer(e);
         }
@@ -866,8 +869,11 @@ impl Slot {
             let old = self.arenas.users.swap_remove(j);
             // No synchronise: `room_for_user_arena` checked the room (the mutation below buries
             // past the bound, as the code before it did).
-            let bury = cfg!(cuarena_mutant = "replacement_parks_past_the_bound");
-            inner.retire_user(&inner.env(&self.counters), old.key, old.arena, bury);
+            let env = inner.env(&self.counters);
+            inner.retire_user(&env, old.key, old.arena);
+            if cfg!(cuarena_mutant = "replacement_parks_past_the_bound") {
+                inner.bury_past_bound(&env);
+            }
         }
         inner.arenas.fetch_add(1, Ordering::Relaxed);
         let arena = adopted.unwrap_or_else(|| {
@@ -1274,8 +1280,11 @@ impl Slot {
                 }
             }
         }
-        for u in self.arenas.users.drain(..) {
-            inner.retire_user(&env, u.key, u.arena, true);
+        if !self.arenas.users.is_empty() {
+            for u in self.arenas.users.drain(..) {
+                inner.retire_user(&env, u.key, u.arena);
+            }
+            inner.bury_past_bound(&env); // one synchronise at most per exit
         }
         flushed.map(|_| ())
     }
