@@ -1099,11 +1099,26 @@ impl Slot {
                 0
             });
         }
+        // One synchronise covers all of this thread's user arenas: every local free in them
+        // was made by this thread before this call (no other thread frees locally into them;
+        // remote frees keep their own fences), so after the first user arena's synchronise the
+        // others need no fence. The mutation `reclaim_syncs_every_user_arena` synchronises
+        // for each: the test `out_of_memory_on_the_overflow_path_synchronises_about_once`
+        // must then fail.
+        let mut synced = false;
         for owned in arenas.iter_mut() {
             bytes += owned
                 .with(|a| {
                     let (home, key) = (a.home, a.key);
-                    a.reclaim(env, dissolve, || env.reclaim_fence(home, key, may_block))
+                    a.reclaim(env, dissolve, || {
+                        let user = home.is_user() && may_block && !env.skip_fences;
+                        if user && synced && !cfg!(cuarena_mutant = "reclaim_syncs_every_user_arena") {
+                            return Ok(HomeFence::Fence(None));
+                        }
+                        let f = env.reclaim_fence(home, key, may_block)?;
+                        synced |= user; // `home_fence_or_sync` synchronised: no call on a user home here
+                        Ok(f)
+                    })
                 })
                 .unwrap_or(0);
         }
