@@ -594,9 +594,11 @@ impl Inner {
     /// call are skipped: they drain on their own. `own` are the caller's shells, skipped. Free
     /// ranges go back behind a fence on the legacy stream, which follows the owners' earlier
     /// per-thread-stream work, or, for a user-stream arena, on that stream (`Env::home_fence`).
-    /// Returns the bytes given back. With `may_block`, an arena whose user stream was destroyed
-    /// gives its memory back after a device synchronise (see `Env::home_fence`); without, it
-    /// keeps it.
+    /// Returns the bytes given back. With `may_block`, a user-stream arena (its stream may be
+    /// gone: `Env::home_fence`) gives its memory back after a device synchronise of its own,
+    /// made once its claim is held: its owner, idle but alive, may have freed into it after an
+    /// earlier one (unlike the caller's own arenas in `Slot::reclaim`, which share one); without
+    /// `may_block`, it keeps it.
     #[cold]
     fn reclaim_others(
         &self,

@@ -1,8 +1,8 @@
-//! Adversarial tests (helper-23) of the twenty-second session's making room in a full table of user arenas
-//! (`Slot::new_user_arena`, `Slot::room_for_user_arena`, "Making room"): an empty arena given
-//! up first, a busy one parked only within `ZOMBIE_BYTES`, else the pool serves the stream
-//! (`alloc_pool_keyed`); no synchronise on a replacement, at most one per thread exit
-//! (`Inner::bury_past_bound`).
+//! Adversarial tests (helper-23) of the twenty-second session's making room in a full table of
+//! user arenas (`Slot::new_user_arena`, `Slot::room_for_user_arena`, "Making room"): an empty
+//! arena given up first, a busy one parked only within `ZOMBIE_BYTES`, else the pool serves
+//! the stream (`alloc_pool_keyed`); no synchronise on a replacement, at most one per thread
+//! exit (`Inner::bury_past_bound`).
 //!
 //! Most tests first bring the calling thread to the "overflow" state with the default
 //! configuration (2 MiB superblocks): one 4 KiB block live on each of 48 streams, so that the
