@@ -971,29 +971,9 @@ impl Slot {
         // A lean user arena borrows no large superblock (`arena.rs`, "Lean arenas"): one per
         // stream a thread cycles through would hold four times each large request, and it
         // would give it back at once anyway. The pool serves the request.
-        let lean_large = large && matches!(w, Which::User(_)) && self.arenas.users_lean;
-        if lean_large {
-            let pool = |env: &Env<'_>| inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences);
-            let p = match pool(&env) {
-                // The out-of-memory reclaim every request gets, and one more try.
-                Err(Error::OutOfMemory { .. }) => {
-                    Self::reclaim(
-                        &mut self.arenas,
-                        &mut self.outbox,
-                        &mut self.ptds,
-                        inner,
-                        &env,
-                        true,
-                        true,
-                    );
-                    self.counters.bump(&self.counters.alloc_retries, 1);
-                    pool(&env)?
-                }
-                r => r?,
-            };
-            self.counted_alloc(g * GRANULE, AllocPath::Pool);
-            self.sample_peak(inner);
-            return Ok(p);
+        // (With the out-of-memory reclaim and one more try, as every pool request.)
+        if large && matches!(w, Which::User(_)) && self.arenas.users_lean {
+            return self.alloc_pool_keyed(inner, g * GRANULE, home, key);
         }
         let owned = self.arenas.get_mut(w).expect("the arena exists");
         let r = match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
