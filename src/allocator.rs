@@ -906,7 +906,11 @@ impl Slot {
     #[cold]
     fn room_for_user_arena(&mut self, inner: &Inner, key: StreamKey) -> Option<usize> {
         let users = &mut self.arenas.users;
-        let held: Vec<Option<usize>> = users.iter_mut().map(|u| u.arena.with(|a| a.held_bytes())).collect();
+        // On every allocation of a stream served by the pool for want of room: no heap.
+        let mut held = [None; MAX_USER_ARENAS];
+        for (h, u) in held.iter_mut().zip(users.iter_mut()) {
+            *h = u.arena.with(|a| a.held_bytes());
+        }
         let lru = |empty: bool| {
             (0..users.len()).filter(|&j| !empty || held[j] == Some(0)).min_by_key(|&j| users[j].last_use)
         };
