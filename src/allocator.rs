@@ -65,10 +65,11 @@
 //! synchronise, which names no stream, gives back everything parked (more than
 //! `ZOMBIE_BYTES` parked at a thread's exit, out-of-memory, `trim(true)`, or the allocator's
 //! drop). A replacement parks only within `ZOMBIE_BYTES`, and never synchronises: past it the
-//! pool serves the stream instead (`Slot::new_user_arena`, "Making room"). Reclaim by another thread takes a
-//! user arena's memory only where it may block (out-of-memory, `trim(true)`), after a device
-//! synchronise (`Env::reclaim_fence`). Remote frees on a user stream that cannot wait in their
-//! thread's outbox for a call on that stream are parked the same way (`outbox.rs`).
+//! pool serves the stream instead (`Slot::new_user_arena`, "Making room"). Reclaim by another
+//! thread takes a user arena's memory only where it may block (out-of-memory, `trim(true)`),
+//! after a device synchronise (`Env::reclaim_fence`). Remote frees on a user stream that
+//! cannot wait in their thread's outbox for a call on that stream are parked the same way
+//! (`outbox.rs`).
 
 use std::cell::RefCell;
 
@@ -165,9 +166,8 @@ struct Shells {
 /// that bring the parked bytes above [`ZOMBIE_BYTES`] synchronises once and gives them all back,
 /// as do the out-of-memory paths, `trim(true)` and the allocator's drop. A replacement parks
 /// only while the parked bytes stay within the bound, and never synchronises
-/// (`Slot::new_user_arena`, "Making room"). A
-/// parked arena whose stream is still in use is adopted by the next allocation on it
-/// ([`Zombies::adopt`], by identity only).
+/// (`Slot::new_user_arena`, "Making room"). A parked arena whose stream is still in use is
+/// adopted by the next allocation on it ([`Zombies::adopt`], by identity only).
 ///
 /// Remote frees made on user streams that had to leave a thread's outbox outside a call on
 /// their stream (`outbox.rs`, "Frees on user streams") are parked here too, unfenced, and

@@ -153,8 +153,8 @@
 //! arenas keep no slack: no `K`, `f`, `L` or `E`. After every own free, while the free granules
 //! (`a - u`) come to a normal superblock or more, the rule gives back an empty superblock, if
 //! there is one (it fires only while one may be, `may_hold_empty`, so an arena whose free
-//! space lies in used superblocks pays nothing per free for it); it dissolves none (each of a dissolved superblock's blocks would then be freed
-//! the pool's way, with an event). An arena
+//! space lies in used superblocks pays nothing per free for it); it dissolves none (each of a
+//! dissolved superblock's blocks would then be freed the pool's way, with an event). An arena
 //! then gives back every superblock its own frees empty, within the call that empties it
 //! (under one event on its stream), and one given up later holds only superblocks with live
 //! blocks: **a lean arena strands no empty superblock after its next own free; what it holds
