@@ -10,8 +10,8 @@
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
-use cuarena::{Allocator, Device, DeviceAddr, Error, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena::{Device, DeviceAddr, Error, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned};
 
 mod common;
 use common::*;
@@ -23,15 +23,6 @@ const S: usize = 256 * KIB;
 const SMALL_MAX: usize = 64 * KIB;
 /// The spare the return rule keeps while large superblocks are held (`arena.rs`).
 const L: usize = 128 * MIB;
-
-fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
-}
-
-/// Superblocks the pool has lent now, as `(base, bytes)`.
-fn lent(a: &Allocator) -> Vec<(u64, usize)> {
-    a.pool_used_ranges().into_iter().filter(|r| r.2).map(|r| (r.0, r.1)).collect()
-}
 
 #[test]
 fn small_blocks_carved_from_a_large_superblock_and_large_ones_interleaved_never_overlap() {

@@ -40,16 +40,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cuarena::{Allocator, Config, Device, DeviceAddr, Error, InvalidFree, Stream};
-use cuarena_testkit::{HookedDevice, Hooks, HostDevice, Stall, assert_all_returned, host_allocator};
+use cuarena_testkit::{HookedDevice, Hooks, HostDevice, Stall, assert_all_returned};
 
 mod common;
 use common::*;
 
 const KIB4: usize = 4 << 10;
-
-fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
-}
 
 /// Counts identity queries (`Device::stream_key`) per raw handle of user streams; can be told
 /// to fail the next `fail` user-stream queries.

@@ -50,8 +50,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cuarena::{Allocator, Device, DeviceAddr, Error, Event, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena::{Device, DeviceAddr, Error, Event, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned};
 
 mod common;
 use common::*;
@@ -63,23 +63,6 @@ const S: usize = 256 * KIB;
 const SMALL_MAX: usize = 64 * KIB;
 /// The default `large_max`.
 const LARGE_MAX: usize = 64 * MIB;
-
-fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
-}
-
-/// Superblocks the pool has lent now, as `(base, bytes)`.
-fn lent(a: &Allocator) -> Vec<(u64, usize)> {
-    a.pool_used_ranges().into_iter().filter(|r| r.2).map(|r| (r.0, r.1)).collect()
-}
-
-/// The lent superblock holding `p`.
-fn superblock_of(a: &Allocator, p: u64) -> (u64, usize) {
-    lent(a)
-        .into_iter()
-        .find(|&(b, l)| (b..b + l as u64).contains(&p))
-        .unwrap_or_else(|| panic!("{p:#x} lies in no lent superblock: {:?}", lent(a)))
-}
 
 /// Makes later work on `to` wait for the work queued on `from` so far (both resolved for the
 /// calling thread).

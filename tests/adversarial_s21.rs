@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Live, Worker, host, on_thread, rng, small};
+use common::{Live, Worker, alloc_with, host, no_violations, on_thread, rng, small};
 use cuarena::{Allocator, DeviceAddr, Error, InvalidFree, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
@@ -21,18 +21,6 @@ use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 const BIG_SMALL: usize = 64 << 10;
 /// A normal superblock of `small()`.
 const SB: u64 = 256 << 10;
-
-fn alloc_with(sim: &HostDevice, b: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), b.build().unwrap()).unwrap()
-}
-
-fn no_violations(sim: &HostDevice) {
-    sim.synchronize();
-    let v = sim.violations();
-    assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
-    assert_eq!(sim.tag_errors(), 0, "a block was reused under running work");
-    assert_eq!(sim.stale_handle_calls(), 0);
-}
 
 fn overlaps(x: (u64, usize), y: (u64, usize)) -> bool {
     x.0 < y.0 + y.1 as u64 && y.0 < x.0 + x.1 as u64

@@ -16,9 +16,9 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{Worker, host, on_thread, small};
+use common::{Worker, alloc_with, host, lent, no_violations, on_thread, small, superblock_of};
 use cuarena::{Allocator, DeviceAddr, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena_testkit::{HostDevice, assert_all_returned};
 
 /// 64 KiB: the largest small class of `small()`, four to a 256 KiB superblock, never cached.
 const BIG_SMALL: usize = 64 << 10;
@@ -26,31 +26,6 @@ const BIG_SMALL: usize = 64 << 10;
 const CACHED: usize = 8 << 10;
 /// A normal superblock of `small()`.
 const SB: u64 = 256 << 10;
-
-fn alloc_with(sim: &HostDevice, b: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), b.build().unwrap()).unwrap()
-}
-
-fn no_violations(sim: &HostDevice) {
-    sim.synchronize();
-    let v = sim.violations();
-    assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
-    assert_eq!(sim.tag_errors(), 0, "a block was reused under running work");
-    assert_eq!(sim.stale_handle_calls(), 0);
-}
-
-/// Superblocks lent to arenas: (base, bytes).
-fn lent(a: &Allocator) -> Vec<(u64, usize)> {
-    a.pool_used_ranges().into_iter().filter(|r| r.2).map(|r| (r.0, r.1)).collect()
-}
-
-/// The lent superblock holding `p`.
-fn superblock_of(a: &Allocator, p: u64) -> (u64, usize) {
-    lent(a)
-        .into_iter()
-        .find(|&(b, l)| (b..b + l as u64).contains(&p))
-        .unwrap_or_else(|| panic!("{p:#x} lies in no lent superblock: {:?}", lent(a)))
-}
 
 /// Makes the calling thread's user arenas lean: one small block allocated and freed on each
 /// of `streams` (more than four of them).

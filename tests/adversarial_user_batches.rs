@@ -14,15 +14,11 @@ use std::time::Duration;
 
 use common::*;
 use cuarena::{Allocator, Device, DeviceAddr, Error, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena_testkit::{HostDevice, assert_all_returned};
 
 /// 64 KiB: the largest small class of `small()`; 64 of them fill a batch (64 blocks = 4 MiB),
 /// 63 do not.
 const SIZE: usize = 64 << 10;
-
-fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
-}
 
 /// The owner allocates `n` blocks of `size` on its per-thread stream and tags them there;
 /// returns them with an event after the tags.
@@ -63,14 +59,6 @@ fn owner_reuses(owner: &Worker, sim: &HostDevice, n: usize, size: usize) {
             a.deallocate(p, size, Stream::PER_THREAD).unwrap();
         }
     });
-}
-
-fn no_violations(sim: &HostDevice) {
-    sim.synchronize();
-    let v = sim.violations();
-    assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
-    assert_eq!(sim.tag_errors(), 0);
-    assert_eq!(sim.stale_handle_calls(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,16 +6,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Live, Worker, host, on_thread, small};
+use common::{Live, Worker, alloc_with, host, on_thread, small};
 use cuarena::{Allocator, Device, DeviceAddr, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 fn alloc_on(sim: &HostDevice) -> Allocator {
     host_allocator(sim.clone(), small().build().unwrap()).unwrap()
-}
-
-fn alloc_with(sim: &HostDevice, b: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), b.build().unwrap()).unwrap()
 }
 
 /// On a fresh thread: a stream made, `n` blocks of `size` used on it by long work, freed on it

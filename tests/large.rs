@@ -6,16 +6,12 @@
 use std::time::Duration;
 
 use cuarena::{Allocator, Device, DeviceAddr, Error, InvalidFree, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena_testkit::assert_all_returned;
 
 mod common;
 use common::*;
 
 const HOLD: Duration = Duration::from_millis(150);
-
-fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
-}
 
 #[test]
 fn large_blocks_from_many_threads_never_overlap_and_all_come_back() {

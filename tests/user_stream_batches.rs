@@ -9,16 +9,12 @@
 use std::time::Duration;
 
 use cuarena::{Allocator, Device, DeviceAddr, Error, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena_testkit::{HostDevice, assert_all_returned};
 
 mod common;
 use common::*;
 
 const SIZE: usize = 8 << 10;
-
-fn alloc_with(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> Allocator {
-    host_allocator(sim.clone(), cfg.build().unwrap()).unwrap()
-}
 
 /// The owner allocates `n` blocks on its per-thread stream and tags them there; returns them
 /// with an event after the tags, which the user orders its stream after (the blocks are ready

@@ -10,7 +10,7 @@ use std::sync::{Mutex, mpsc};
 use std::time::Duration;
 
 use cuarena::{Allocator, Config, DeviceAddr, Error, InvalidFree, Stream};
-use cuarena_testkit::{HostConfig, HostDevice};
+use cuarena_testkit::{HostConfig, HostDevice, host_allocator};
 
 pub fn host(max_delay_us: u64) -> HostDevice {
     HostDevice::new(HostConfig {
@@ -264,4 +264,32 @@ pub fn use_on_another_thread(sim: &HostDevice, blocks: &[(DeviceAddr, usize)], t
     })
     .join()
     .unwrap();
+}
+
+/// An allocator on `sim` with the configuration `b` builds.
+pub fn alloc_with(sim: &HostDevice, b: cuarena::ConfigBuilder) -> Allocator {
+    host_allocator(sim.clone(), b.build().unwrap()).unwrap()
+}
+
+/// Waits for all of `sim`'s work, then checks that it saw no race, no overwritten tag (a block
+/// reused under running work) and no call on a destroyed stream's handle.
+pub fn no_violations(sim: &HostDevice) {
+    sim.synchronize();
+    let v = sim.violations();
+    assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), &v[..v.len().min(3)]);
+    assert_eq!(sim.tag_errors(), 0, "a block was reused under running work");
+    assert_eq!(sim.stale_handle_calls(), 0);
+}
+
+/// Superblocks the pool has lent now, as `(base, bytes)`.
+pub fn lent(a: &Allocator) -> Vec<(u64, usize)> {
+    a.pool_used_ranges().into_iter().filter(|r| r.2).map(|r| (r.0, r.1)).collect()
+}
+
+/// The lent superblock holding `p`.
+pub fn superblock_of(a: &Allocator, p: u64) -> (u64, usize) {
+    lent(a)
+        .into_iter()
+        .find(|&(b, l)| (b..b + l as u64).contains(&p))
+        .unwrap_or_else(|| panic!("{p:#x} lies in no lent superblock: {:?}", lent(a)))
 }
