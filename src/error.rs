@@ -16,6 +16,8 @@
 
 use std::fmt;
 
+use crate::stream::Stream;
+
 /// Why a free was refused. A refused free changes nothing: the block, if it exists, stays live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -62,7 +64,9 @@ pub enum Error {
     Unsupported(String),
     /// An allocation or free on a stream that is being captured into a CUDA graph (or a free
     /// declared used on one): refused, nothing changed (see README, "CUDA graphs"). `stream`
-    /// is the raw handle.
+    /// is the raw handle. The legacy stream's handle means that the call needed the legacy
+    /// stream (or a device synchronise) while a blocking stream was being captured, whose
+    /// capture that would have invalidated.
     StreamCapturing { stream: usize },
     /// An allocation for, or a release of, a CUDA graph pool that is not retained (never
     /// retained, or released as often as retained): see [`crate::GraphPoolId`].
@@ -102,6 +106,12 @@ impl fmt::Display for Error {
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
             Error::ShutDown => write!(f, "the allocator has shut down: process exit has begun"),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
+            Error::StreamCapturing { stream } if Stream::from_raw(*stream).is_legacy() => write!(
+                f,
+                "a blocking stream (a per-thread default stream among them) is being captured into a CUDA graph, and \
+                 this needed the legacy stream (or a device synchronise), whose use would invalidate that capture: \
+                 refused, nothing changed (try again after the capture)"
+            ),
             Error::StreamCapturing { stream } => write!(
                 f,
                 "stream {stream:#x} is being captured into a CUDA graph: cuarena does not allocate or free on a \

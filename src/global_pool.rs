@@ -631,11 +631,19 @@ impl GlobalPool {
         for (base, len) in empty {
             if st.free.get(base).expect("checked").1.fences.has_lazy_legacy() {
                 // Asked before the extent is taken out: an error here must leave it in place.
-                let legacy = self.legacy(dev)?;
+                // While a blocking stream is being captured the legacy stream may not be used
+                // (`Device::stream_capturing`): the chunk is kept for a later trim.
+                let legacy = match self.legacy(dev) {
+                    Err(Error::StreamCapturing { .. }) => continue,
+                    r => r?,
+                };
                 let (l, mut e) = st.free.remove(base).expect("checked");
                 let r = e.fences.materialize(dev, legacy);
                 st.free.insert(base, l, e);
-                r?;
+                match r {
+                    Err(Error::StreamCapturing { .. }) => continue,
+                    r => r?,
+                }
             }
             let fences = &st.free.get(base).expect("checked").1.fences;
             if blocking {

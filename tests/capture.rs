@@ -240,3 +240,285 @@ fn an_owner_free_on_its_capturing_user_stream_is_refused() {
     dev.destroy_stream(s).unwrap();
     assert_all_returned(&a, Some(&dev), 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// A per-thread stream captured (a blocking stream: the legacy stream may not be used meanwhile,
+// and no device synchronise may run; see `HostDevice::begin_capture`) while other threads work
+// through cuarena on their per-thread and non-blocking streams, never naming the legacy stream.
+// The GPU twin of these is `gpu_capture::a_per_thread_streams_capture_survives_other_threads_work`.
+
+/// Captures this thread's per-thread stream around `work` (run on another thread and joined),
+/// then checks that the capture ended intact and the simulator saw no violation. With
+/// `may_refuse`, `work` may fail with out-of-memory or `StreamCapturing` (what cuarena cannot
+/// do during the capture without breaking it); otherwise it must succeed.
+fn under_a_per_thread_capture(
+    dev: &cuarena_testkit::HostDevice,
+    may_refuse: bool,
+    work: impl FnOnce() -> cuarena::Result<()> + Send + 'static,
+) {
+    dev.begin_capture(Stream::PER_THREAD).unwrap();
+    let r = std::thread::spawn(work).join().unwrap();
+    let ended = dev.end_capture(Stream::PER_THREAD);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    ended.expect("the capture was invalidated");
+    match r {
+        Ok(()) => {}
+        Err(Error::OutOfMemory { .. }) if may_refuse => {}
+        Err(e) if may_refuse && capturing(&e) => {}
+        Err(e) => panic!("the work failed: {e}"),
+    }
+}
+
+fn churn_per_thread(a: &cuarena::Allocator, n: usize) -> cuarena::Result<()> {
+    for i in 0..n {
+        let size = 64 + (i * 7919) % (200 << 10);
+        let p = a.allocate_per_thread(size)?;
+        a.deallocate_per_thread(p, size)?;
+    }
+    Ok(())
+}
+
+/// Frees between a thread's per-thread stream and its non-blocking stream, a flush, a trim,
+/// and the thread's release, while another thread's per-thread stream is captured.
+#[test]
+fn cross_stream_frees_during_a_per_thread_capture_leave_the_legacy_stream_alone() {
+    let dev = host(20);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    // The capturing thread has arenas, idle during the capture: the trim below reclaims from
+    // them, whose fence would go on the legacy stream (whose identity is known by now).
+    let p = a.allocate_per_thread(4096).unwrap();
+    a.deallocate_per_thread(p, 4096).unwrap();
+    let p = a.allocate(4096, Stream::LEGACY).unwrap();
+    a.deallocate(p, 4096, Stream::LEGACY).unwrap();
+    let (a2, d2) = (a.clone(), dev.clone());
+    under_a_per_thread_capture(&dev, false, move || {
+        let u = d2.create_stream();
+        for i in 0..200usize {
+            let n = 256 + i * 300;
+            let p = a2.allocate_per_thread(n)?;
+            a2.deallocate(p, n, u)?;
+            let q = a2.allocate(n, u)?;
+            a2.deallocate_per_thread(q, n)?;
+        }
+        a2.flush()?;
+        a2.trim(false)?;
+        a2.release_thread()?;
+        d2.destroy_stream(u)
+    });
+    let _ = a.take_deferred_error();
+    dev.synchronize();
+    a.trim(true).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
+/// Frees to another thread and reuse of what comes back, a thread's exit with its blocks held
+/// by another, and own-stream churn with the stream then destroyed, all during a capture.
+#[test]
+fn remote_frees_exits_and_own_streams_during_a_per_thread_capture() {
+    let dev = host(20);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let (a2, d2) = (a.clone(), dev.clone());
+    under_a_per_thread_capture(&dev, false, move || {
+        let blocks: Vec<_> = (0..300usize)
+            .map(|i| (i * 4099) % (60 << 10) + 64)
+            .map(|n| a2.allocate_per_thread(n).map(|p| (p, n)))
+            .collect::<cuarena::Result<_>>()?;
+        let a3 = a2.clone();
+        std::thread::spawn(move || {
+            for (p, n) in blocks {
+                a3.deallocate_per_thread(p, n)?;
+            }
+            a3.flush()?;
+            a3.release_thread()
+        })
+        .join()
+        .unwrap()?;
+        churn_per_thread(&a2, 600)?;
+        // A thread exits holding nothing; its blocks, held here, are freed after.
+        let a3 = a2.clone();
+        let held = std::thread::spawn(move || {
+            (0..50usize)
+                .map(|i| 512 + i * 1001)
+                .map(|n| a3.allocate_per_thread(n).map(|p| (p, n)))
+                .collect::<cuarena::Result<Vec<_>>>()
+        })
+        .join()
+        .unwrap()?;
+        for (p, n) in held {
+            a2.deallocate_per_thread(p, n)?;
+        }
+        let u = d2.create_stream();
+        for i in 0..300usize {
+            let n = 64 + (i * 7919) % (60 << 10);
+            let p = a2.allocate(n, u)?;
+            a2.deallocate(p, n, u)?;
+        }
+        a2.release_thread()?;
+        d2.destroy_stream(u)
+    });
+    let _ = a.take_deferred_error();
+    dev.synchronize();
+    a.trim(true).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
+/// Out of memory during a capture, with an idle thread's per-thread arena to reclaim (its
+/// fence would go on the legacy stream) and a destroyed stream's memory (which waits for a
+/// device synchronise), then a blocking trim: nothing breaks the capture; what cannot be taken
+/// back without the legacy stream or a synchronise stays until after it.
+#[test]
+fn out_of_memory_and_a_blocking_trim_during_a_per_thread_capture_break_nothing() {
+    let dev = host(20);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    // Before the capture: an idle thread holds freed memory in its arena; a destroyed
+    // stream's arena holds more.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let a2 = a.clone();
+    let idle = std::thread::spawn(move || {
+        let ps: Vec<_> = (0..24).map(|_| a2.allocate_per_thread(48 << 10).unwrap()).collect();
+        ps.into_iter().for_each(|p| a2.deallocate_per_thread(p, 48 << 10).unwrap());
+        ready_tx.send(()).unwrap();
+        let _ = rx.recv();
+        a2.release_thread().unwrap();
+    });
+    ready_rx.recv().unwrap();
+    let (a2, d2) = (a.clone(), dev.clone());
+    under_a_per_thread_capture(&dev, false, move || {
+        let u = d2.create_stream();
+        let ps: Vec<_> = (0..16).map(|_| a2.allocate(48 << 10, u)).collect::<cuarena::Result<_>>()?;
+        ps.into_iter().try_for_each(|p| a2.deallocate(p, 48 << 10, u))?;
+        a2.release_thread()?; // the destroyed stream's arena is parked
+        d2.destroy_stream(u)?;
+        a2.set_limit_bytes(a2.stats().reserved_bytes as usize);
+        let r = a2.allocate_per_thread(3 << 20).and_then(|p| a2.deallocate_per_thread(p, 3 << 20));
+        a2.set_limit_bytes(usize::MAX);
+        match r {
+            Err(Error::OutOfMemory { .. }) | Ok(()) => {}
+            Err(e) => return Err(e),
+        }
+        match a2.trim(true) {
+            Ok(_) => {}
+            Err(e) if capturing(&e) => {}
+            Err(e) => return Err(e),
+        }
+        let _ = a2.take_deferred_error();
+        a2.release_thread()
+    });
+    tx.send(()).unwrap();
+    idle.join().unwrap();
+    let _ = a.take_deferred_error();
+    // After the capture everything comes back.
+    a.trim(true).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
+/// Memory freed on the legacy stream before the capture (the pool keeps a lazy legacy fence)
+/// and wanted during it by another thread's per-thread stream: its reuse needs an event on the
+/// legacy stream (the free's earlier uses may be on a third thread's per-thread stream, which
+/// the taker's per-thread stream does not follow by itself), so it is refused, not fenced, and
+/// no capture is broken.
+#[test]
+fn legacy_frees_wanted_by_a_per_thread_stream_during_a_capture_are_refused_not_fenced() {
+    let dev = host(20);
+    let a = host_allocator(dev.clone(), small().large_max(64 << 10).build().unwrap()).unwrap();
+    let ps: Vec<_> = (0..8).map(|_| a.allocate(1 << 20, Stream::LEGACY).unwrap()).collect();
+    for &p in &ps {
+        dev.write_tag(p.0, 1 << 20, 0xabc, Stream::LEGACY).unwrap();
+    }
+    ps.into_iter().for_each(|p| a.deallocate(p, 1 << 20, Stream::LEGACY).unwrap());
+    a.flush().unwrap();
+    let (a2, d2) = (a.clone(), dev.clone());
+    under_a_per_thread_capture(&dev, true, move || {
+        let r = a2.allocate_per_thread(1 << 20);
+        assert!(matches!(r, Err(Error::StreamCapturing { stream: 1 })), "{r:?}");
+        let before = a2.stats().live_bytes;
+        assert_eq!(before, 0, "nothing changed");
+        // Per-thread work that needs no legacy event still goes on.
+        let p = a2.allocate_per_thread(4096)?;
+        d2.write_tag(p.0, 4096, 0xdef, Stream::PER_THREAD)?;
+        a2.deallocate_per_thread(p, 4096)?;
+        a2.release_thread()
+    });
+    // After the capture the same request is served, behind the legacy stream's event.
+    let p = a.allocate_per_thread(1 << 20).unwrap();
+    dev.write_tag(p.0, 1 << 20, 0x123, Stream::PER_THREAD).unwrap();
+    a.deallocate_per_thread(p, 1 << 20).unwrap();
+    dev.synchronize();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    a.trim(true).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
+/// A thread that used the legacy stream before a per-thread stream's capture exits during it:
+/// its legacy arena's fence would go on the legacy stream, so the arena is parked instead, and
+/// after the capture a blocking trim gives everything back.
+#[test]
+fn a_legacy_arena_whose_thread_exits_during_a_per_thread_capture_is_parked_not_fenced() {
+    let dev = host(20);
+    let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
+    let (began_tx, began_rx) = std::sync::mpsc::channel::<()>();
+    let (used_tx, used_rx) = std::sync::mpsc::channel::<()>();
+    let a2 = a.clone();
+    let worker = std::thread::spawn(move || {
+        for i in 0..100usize {
+            let n = 256 + i * 97;
+            let p = a2.allocate(n, Stream::LEGACY).unwrap();
+            a2.deallocate(p, n, Stream::LEGACY).unwrap();
+        }
+        used_tx.send(()).unwrap();
+        began_rx.recv().unwrap();
+        // Exits now, during the capture, with memory in its legacy arena.
+    });
+    used_rx.recv().unwrap();
+    let held = a.stats().arena_held_bytes;
+    assert!(held > 0, "the worker's legacy arena holds memory");
+    dev.begin_capture(Stream::PER_THREAD).unwrap();
+    began_tx.send(()).unwrap();
+    worker.join().unwrap();
+    dev.end_capture(Stream::PER_THREAD).expect("the capture was invalidated");
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    assert_eq!(a.take_deferred_error(), None);
+    a.trim(true).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}
+
+/// The same memory reused during the capture on another thread's non-blocking stream, which
+/// needs an event recorded on the legacy stream first: refused with a clear error (the legacy
+/// stream may not be used meanwhile), nothing changed, no capture broken; after the capture
+/// the same allocation succeeds and is fenced.
+#[test]
+fn legacy_frees_reused_by_a_user_stream_during_a_capture_are_refused_not_fenced() {
+    let dev = host(20);
+    let a = host_allocator(dev.clone(), small().large_max(64 << 10).build().unwrap()).unwrap();
+    let u = dev.create_stream();
+    // Once before the capture, so that the pool knows the legacy stream's identity: the
+    // refusal below is then the legacy stream's state, not its identity's lookup.
+    for s in [Stream::LEGACY, u] {
+        let p = a.allocate(1 << 20, s).unwrap();
+        a.deallocate(p, 1 << 20, s).unwrap();
+        a.flush().unwrap();
+    }
+    let p = a.allocate(1 << 20, Stream::LEGACY).unwrap();
+    dev.write_tag(p.0, 1 << 20, 0xabc, Stream::LEGACY).unwrap();
+    a.deallocate(p, 1 << 20, Stream::LEGACY).unwrap();
+    a.flush().unwrap();
+    let a2 = a.clone();
+    dev.begin_capture(Stream::PER_THREAD).unwrap();
+    let r = std::thread::spawn(move || a2.allocate(1 << 20, u)).join().unwrap();
+    let before = a.stats();
+    dev.end_capture(Stream::PER_THREAD).expect("the capture was invalidated");
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    let e = r.expect_err("the legacy stream's event cannot be recorded during the capture");
+    assert!(matches!(e, Error::StreamCapturing { stream: 1 }), "{e}");
+    assert!(e.to_string().contains("blocking stream"), "{e}");
+    assert_eq!(before.live_bytes, 0, "nothing changed");
+    let q = a.allocate(1 << 20, u).unwrap();
+    dev.write_tag(q.0, 1 << 20, 0xdef, u).unwrap();
+    a.deallocate(q, 1 << 20, u).unwrap();
+    dev.synchronize();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    a.trim(true).unwrap();
+    dev.destroy_stream(u).unwrap();
+    assert_all_returned(&a, Some(&dev), 0);
+}

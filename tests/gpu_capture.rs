@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use cuarena::device::cuda::check;
-use cuarena::{Allocator, Config, CudaDevice, Error, Stream};
+use cuarena::{Allocator, Config, CudaDevice, Error, Stream, StreamKey};
 use cuarena_testkit::gpu_or_skip;
 use cudarc::driver::sys;
 
@@ -268,4 +268,345 @@ fn a_capture_allocates_in_a_graph_pool_and_its_replays_keep_their_memory() {
         sys::cuStreamDestroy_v2(raw(s));
         sys::cuStreamDestroy_v2(raw(other));
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Captures of *blocking* streams. CUDA forbids any use of the legacy stream while a stream not
+// created non-blocking is being captured (the legacy stream would wait for it), and such a use
+// from any thread invalidates the capture. A per-thread default stream is such a stream too.
+// So while thread A captures its blocking stream or its per-thread stream, cuarena's work for
+// other threads that never name the legacy stream must not use it either, nor synchronise.
+
+/// The stream a [`blocking_capture`] scenario captures.
+#[derive(Clone, Copy, Debug)]
+enum Captured {
+    /// A stream created with no flags (`cudaStreamCreate`'s default, CuPy's streams).
+    Blocking,
+    /// The capturing thread's own per-thread default stream.
+    PerThread,
+}
+
+fn create_blocking_stream() -> Stream {
+    let mut s = std::ptr::null_mut();
+    // SAFETY: out-pointer valid; flag 0 = a blocking stream.
+    check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, 0) }).unwrap();
+    Stream::from_raw(s as usize)
+}
+
+/// Begins a global-mode capture of `captured` on this thread, runs `work` on other threads
+/// (it joins them), then ends the capture and runs the graph. `Err` names what failed.
+fn under_capture(
+    dev: &Arc<CudaDevice>,
+    captured: Captured,
+    watch: impl FnOnce(usize),
+    work: impl FnOnce() -> cuarena::Result<()> + Send + 'static,
+) -> std::result::Result<(), String> {
+    make_current(dev);
+    let s = match captured {
+        Captured::Blocking => create_blocking_stream(),
+        Captured::PerThread => Stream::PER_THREAD,
+    };
+    let mut target = 0;
+    // SAFETY: out-pointer valid; a context is current.
+    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut target, 1 << 20) }).unwrap();
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: `s` is a live stream of the current context.
+    check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(raw(s), mode) }).unwrap();
+    // SAFETY: `target` is 1 MiB of device memory.
+    check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(target, 7, 1 << 20, raw(s)) }).unwrap();
+    // Another thread cannot name this thread's per-thread stream: only a blocking one is watched.
+    if let Captured::Blocking = captured {
+        watch(s.as_raw());
+    }
+    let d2 = Arc::clone(dev);
+    let worked = std::thread::spawn(move || {
+        make_current(&d2);
+        work()
+    })
+    .join();
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: `s` is capturing; `graph` is a valid out-pointer.
+    let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(raw(s), &mut graph) });
+    let mut out = Ok(());
+    match ended {
+        Ok(()) => {
+            let mut exec = std::ptr::null_mut();
+            // SAFETY: `graph` is the captured graph; `exec` launched on the live `s`, then waited.
+            unsafe {
+                check("cuGraphInstantiate", sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)).unwrap();
+                check("cuGraphLaunch", sys::cuGraphLaunch(exec, raw(s))).unwrap();
+                check("cuStreamSynchronize", sys::cuStreamSynchronize(raw(s))).unwrap();
+                sys::cuGraphExecDestroy(exec);
+                sys::cuGraphDestroy(graph);
+            }
+        }
+        Err(e) => out = Err(format!("the capture was invalidated ({e})")),
+    }
+    match worked {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => out = out.and(Err(format!("cuarena refused the work: {e}"))),
+        Err(_) => out = out.and(Err("the work panicked".into())),
+    }
+    // SAFETY: nothing else uses `target` or `s` now (the graph ran and was waited for).
+    unsafe {
+        check("cuCtxSynchronize", sys::cuCtxSynchronize()).unwrap();
+        sys::cuMemFree_v2(target);
+        if let Captured::Blocking = captured {
+            sys::cuStreamDestroy_v2(raw(s));
+        }
+    }
+    out
+}
+
+fn churn_per_thread(a: &Allocator, n: usize) -> cuarena::Result<()> {
+    for i in 0..n {
+        let size = 256 + (i * 7919) % (1 << 20);
+        let p = a.allocate_per_thread(size)?;
+        a.deallocate_per_thread(p, size)?;
+    }
+    Ok(())
+}
+
+/// A [`CudaDevice`] that notes the first of cuarena's calls after which the capture of
+/// `watched` (a raw stream handle; 0: none) is found invalidated, to name what broke it.
+struct Watch {
+    dev: Arc<CudaDevice>,
+    watched: std::sync::atomic::AtomicUsize,
+    first: std::sync::Mutex<Option<String>>,
+}
+
+impl Watch {
+    fn after<T>(&self, what: impl FnOnce() -> String, r: T) -> T {
+        let s = self.watched.load(std::sync::atomic::Ordering::Relaxed);
+        let mut first = self.first.lock().unwrap();
+        if s != 0 && first.is_none() {
+            let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: `s` is live while watched; `st` is a valid out-pointer.
+            unsafe { sys::cuStreamIsCapturing(s as sys::CUstream, &mut st) };
+            if st == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED {
+                *first = Some(what());
+            }
+        }
+        r
+    }
+}
+
+impl cuarena::Device for Watch {
+    fn kind(&self) -> cuarena::DeviceKind {
+        self.dev.kind()
+    }
+    fn ordinal(&self) -> i32 {
+        self.dev.ordinal()
+    }
+    fn total_memory(&self) -> cuarena::Result<usize> {
+        self.dev.total_memory()
+    }
+    fn reserve(&self, bytes: usize) -> cuarena::Result<Option<u64>> {
+        self.after(|| "reserve".into(), self.dev.reserve(bytes))
+    }
+    unsafe fn release(&self, ptr: u64, bytes: usize) -> cuarena::Result<()> {
+        // SAFETY: forwarded from the caller.
+        self.after(|| "release".into(), unsafe { self.dev.release(ptr, bytes) })
+    }
+    fn alloc_async(&self, bytes: usize, stream: Stream) -> cuarena::Result<Option<u64>> {
+        self.after(|| format!("alloc_async on {stream:?}"), self.dev.alloc_async(bytes, stream))
+    }
+    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> cuarena::Result<()> {
+        // SAFETY: forwarded from the caller.
+        self.after(|| format!("free_async on {stream:?}"), unsafe { self.dev.free_async(ptr, bytes, stream) })
+    }
+    fn create_event(&self) -> cuarena::Result<cuarena::device::Event> {
+        self.after(|| "create_event".into(), self.dev.create_event())
+    }
+    fn destroy_event(&self, event: cuarena::device::Event) {
+        self.dev.destroy_event(event);
+        self.after(|| "destroy_event".into(), ())
+    }
+    fn record_event(&self, event: cuarena::device::Event, stream: Stream) -> cuarena::Result<()> {
+        self.after(|| format!("record_event on {stream:?}"), self.dev.record_event(event, stream))
+    }
+    fn query_event(&self, event: cuarena::device::Event) -> cuarena::Result<bool> {
+        self.after(|| "query_event".into(), self.dev.query_event(event))
+    }
+    fn sync_event(&self, event: cuarena::device::Event) -> cuarena::Result<()> {
+        self.after(|| "sync_event".into(), self.dev.sync_event(event))
+    }
+    fn synchronize(&self) -> cuarena::Result<()> {
+        self.after(|| "synchronize".into(), self.dev.synchronize())
+    }
+    fn stream_wait_event(&self, stream: Stream, event: cuarena::device::Event) -> cuarena::Result<()> {
+        self.after(|| format!("stream_wait_event on {stream:?}"), self.dev.stream_wait_event(stream, event))
+    }
+    fn stream_key(&self, stream: Stream) -> cuarena::Result<StreamKey> {
+        self.after(|| format!("stream_key of {stream:?}"), self.dev.stream_key(stream))
+    }
+    fn stream_key_calls(&self, stream: Stream) -> u64 {
+        self.dev.stream_key_calls(stream)
+    }
+    fn stream_capturing(&self, stream: Stream) -> cuarena::Result<bool> {
+        self.after(|| format!("stream_capturing of {stream:?}"), self.dev.stream_capturing(stream))
+    }
+}
+
+/// A named piece of work for [`blocking_capture`], given a warm allocator.
+type Scenario = (&'static str, fn(Allocator, Arc<CudaDevice>) -> cuarena::Result<()>);
+
+/// What other threads do through cuarena on their per-thread and non-blocking streams while a
+/// blocking stream or a per-thread stream is captured: each scenario under its own capture.
+fn blocking_capture(captured: Captured) {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let scenarios: [Scenario; 7] = [
+        ("per-thread churn, small and large", |a, _| {
+            churn_per_thread(&a, 300)?;
+            for _ in 0..3 {
+                let p = a.allocate_per_thread(64 << 20)?;
+                a.deallocate_per_thread(p, 64 << 20)?;
+            }
+            a.release_thread()
+        }),
+        ("frees across a thread's per-thread and non-blocking streams", |a, _| {
+            let u = create_stream();
+            for i in 0..200usize {
+                let n = 4096 + i * 1000;
+                let p = a.allocate_per_thread(n)?;
+                a.deallocate(p, n, u)?;
+                let q = a.allocate(n, u)?;
+                a.deallocate_per_thread(q, n)?;
+            }
+            a.flush()?;
+            a.trim(false)?;
+            a.release_thread()?;
+            // SAFETY: the stream's work is queued; destroying it is deferred by CUDA until done.
+            unsafe { sys::cuStreamDestroy_v2(raw(u)) };
+            Ok(())
+        }),
+        ("frees to another thread, and reuse of what it sent back", |a, dev| {
+            let blocks: Vec<_> = (0..500usize)
+                .map(|i| (i * 4099) % (256 << 10) + 64)
+                .map(|n| a.allocate_per_thread(n).map(|p| (p, n)))
+                .collect::<cuarena::Result<_>>()?;
+            let a2 = a.clone();
+            std::thread::spawn(move || {
+                make_current(&dev);
+                for (p, n) in blocks {
+                    a2.deallocate_per_thread(p, n)?;
+                }
+                a2.flush()?;
+                a2.release_thread()
+            })
+            .join()
+            .unwrap()?;
+            churn_per_thread(&a, 1000)?;
+            a.release_thread()
+        }),
+        ("a thread exits with its blocks held by another, which frees them after", |a, dev| {
+            let a2 = a.clone();
+            let blocks = std::thread::spawn(move || {
+                make_current(&dev);
+                (0..100usize)
+                    .map(|i| 512 + i * 3001)
+                    .map(|n| a2.allocate_per_thread(n).map(|p| (p, n)))
+                    .collect::<cuarena::Result<Vec<_>>>()
+            })
+            .join()
+            .unwrap()?;
+            for (p, n) in blocks {
+                a.deallocate_per_thread(p, n)?;
+            }
+            churn_per_thread(&a, 300)?;
+            a.release_thread()
+        }),
+        ("own non-blocking stream churn, then the stream destroyed", |a, _| {
+            let u = create_stream();
+            for i in 0..300usize {
+                let n = 256 + (i * 7919) % (1 << 20);
+                let p = a.allocate(n, u)?;
+                a.deallocate(p, n, u)?;
+            }
+            a.release_thread()?;
+            // SAFETY: destroyed once; CUDA defers the destruction until its work is done.
+            unsafe { sys::cuStreamDestroy_v2(raw(u)) };
+            Ok(())
+        }),
+        ("out of memory, with an idle thread's per-thread arena to reclaim", |a, dev| {
+            // An idle thread holds freed memory in its arena (it stays alive, parked).
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            let (ready_tx, ready_rx) = std::sync::mpsc::channel::<cuarena::Result<()>>();
+            let a2 = a.clone();
+            let idle = std::thread::spawn(move || {
+                make_current(&dev);
+                let r = (|| {
+                    let ps: Vec<_> =
+                        (0..64).map(|_| a2.allocate_per_thread(512 << 10)).collect::<cuarena::Result<_>>()?;
+                    ps.into_iter().try_for_each(|p| a2.deallocate_per_thread(p, 512 << 10))
+                })();
+                ready_tx.send(r).unwrap();
+                let _ = rx.recv();
+                a2.release_thread()
+            });
+            ready_rx.recv().unwrap()?;
+            a.set_limit_bytes(a.stats().reserved_bytes as usize);
+            // Needs what the idle thread holds: the out-of-memory path reclaims it.
+            let r = a.allocate_per_thread(24 << 20).and_then(|p| a.deallocate_per_thread(p, 24 << 20));
+            a.set_limit_bytes(usize::MAX);
+            tx.send(()).unwrap();
+            idle.join().unwrap()?;
+            match r {
+                Ok(()) | Err(Error::OutOfMemory { .. }) => a.release_thread(),
+                Err(e) => Err(e),
+            }
+        }),
+        ("out of memory with a destroyed stream's memory, and a blocking trim", |a, _| {
+            let u = create_stream();
+            let ps: Vec<_> = (0..32).map(|_| a.allocate(512 << 10, u)).collect::<cuarena::Result<_>>()?;
+            ps.into_iter().try_for_each(|p| a.deallocate(p, 512 << 10, u))?;
+            // SAFETY: destroyed once; its memory in the arena now waits for a synchronise.
+            unsafe { sys::cuStreamDestroy_v2(raw(u)) };
+            a.set_limit_bytes(a.stats().reserved_bytes as usize);
+            let r = a.allocate_per_thread(24 << 20).and_then(|p| a.deallocate_per_thread(p, 24 << 20));
+            a.set_limit_bytes(usize::MAX);
+            match r {
+                Ok(()) | Err(Error::OutOfMemory { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            a.trim(true)?;
+            a.release_thread()
+        }),
+    ];
+    let mut broken = Vec::new();
+    for (name, work) in scenarios {
+        let watch = Arc::new(Watch { dev: Arc::clone(&dev), watched: 0.into(), first: None.into() });
+        let a = Allocator::new(Arc::clone(&watch) as Arc<dyn cuarena::Device>, Config::default()).unwrap();
+        // Warm: the pool holds a chunk before the capture (its first growth happens anyway).
+        let p = a.allocate_per_thread(4096).unwrap();
+        a.deallocate_per_thread(p, 4096).unwrap();
+        let (a2, d2) = (a.clone(), Arc::clone(&dev));
+        let w = Arc::clone(&watch);
+        let set = move |s| w.watched.store(s, std::sync::atomic::Ordering::Relaxed);
+        let r = under_capture(&dev, captured, set, move || work(a2, d2));
+        watch.watched.store(0, std::sync::atomic::Ordering::Relaxed);
+        let first = watch.first.lock().unwrap().take();
+        let s = a.stats();
+        eprintln!(
+            "{captured:?} / {name}: {r:?} (host syncs {}, driver calls {}; first call found to break it: {first:?})",
+            s.host_syncs, s.driver_calls
+        );
+        if let Err(e) = r {
+            broken.push(format!("{name}: {e} (first call found to break it: {first:?})"));
+        }
+        a.trim(true).unwrap();
+    }
+    assert!(broken.is_empty(), "{captured:?} capture broken or work refused by: {broken:#?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn a_blocking_streams_capture_survives_other_threads_work() {
+    blocking_capture(Captured::Blocking);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn a_per_thread_streams_capture_survives_other_threads_work() {
+    blocking_capture(Captured::PerThread);
 }

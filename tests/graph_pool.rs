@@ -321,8 +321,12 @@ fn threads_capturing_into_their_own_pools_alongside_eager_churn_never_overlap() 
             let pool = GraphPoolId(100 + t, 0);
             for round in 0..20 {
                 let capture = t % 2 == 0;
+                // Announced, as the shim announces PyTorch's: a capture of a non-blocking stream
+                // cannot be seen otherwise, and another thread's out of memory would
+                // synchronise, which invalidates it (the simulator fails `end_capture` then).
                 if capture {
                     a.graph_pool_retain(pool);
+                    a.graph_capture_begin();
                     dev.begin_capture(s).unwrap();
                 }
                 let mut mine = Vec::new();
@@ -347,6 +351,7 @@ fn threads_capturing_into_their_own_pools_alongside_eager_churn_never_overlap() 
                 }
                 if capture {
                     dev.end_capture(s).unwrap();
+                    a.graph_capture_end().unwrap();
                     if round % 5 == 4 {
                         // Destroyed graphs: the pool's memory parks until a synchronise.
                         for _ in 0..5 {

@@ -292,26 +292,35 @@ impl Device for CudaDevice {
     fn stream_capturing(&self, stream: Stream) -> Result<bool> {
         // The one query CUDA allows during any capture: no capture-mode switch needed.
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut implicated = false;
         self.query("cuStreamIsCapturing", stream, || {
             // SAFETY: `status` is a valid out-pointer; NULL, 0x1 and 0x2 are accepted handles.
-            unsafe { sys::cuStreamIsCapturing(raw_stream(stream), &mut status) }
+            let r = unsafe { sys::cuStreamIsCapturing(raw_stream(stream), &mut status) };
+            // Of the legacy stream while a blocking stream (a per-thread stream among them) is
+            // being captured: CUDA's "implicit" error, which harms nothing, where any use of
+            // the legacy stream would invalidate that capture (measured on the H200:
+            // `notes/experiments/s23_blocking_capture_probe.py`).
+            if stream.is_legacy() && r == sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT {
+                implicated = true;
+                return sys::CUresult::CUDA_SUCCESS;
+            }
+            r
         })?;
         // An invalidated capture is still open until cuStreamEndCapture: treated as capturing.
-        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        Ok(implicated || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    fn stream_key_calls(&self, stream: Stream) -> u64 {
-        if stream.is_legacy() { 1 } else { 2 } // `cuStreamIsCapturing` first, below
+    fn stream_key_calls(&self, _stream: Stream) -> u64 {
+        2 // `cuStreamIsCapturing` first, below
     }
 
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
-        if !stream.is_legacy() {
-            // `cuStreamGetId` on a stream being captured fails and invalidates the capture
-            // (measured on the H200, global and thread-local modes): ask first, with the one
-            // query CUDA allows during any capture.
-            if self.stream_capturing(stream)? {
-                return Err(Error::StreamCapturing { stream: stream.as_raw() });
-            }
+        // `cuStreamGetId` on a stream being captured fails and invalidates the capture
+        // (measured on the H200, global and thread-local modes), and so does it on the legacy
+        // stream while a blocking stream is captured: ask first, with the one query CUDA
+        // allows during any capture.
+        if self.stream_capturing(stream)? {
+            return Err(Error::StreamCapturing { stream: stream.as_raw() });
         }
         let mut id = 0;
         self.query("cuStreamGetId", stream, || {

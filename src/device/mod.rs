@@ -92,14 +92,16 @@ pub trait Device: Send + Sync + 'static {
     fn stream_key(&self, stream: Stream) -> Result<StreamKey>;
     /// The driver calls one [`Device::stream_key`] of `stream` makes, for the statistics'
     /// `driver_calls`: 1 unless a device says otherwise (CUDA asks `cuStreamIsCapturing`
-    /// before `cuStreamGetId` on every stream but the legacy one: 2).
+    /// before `cuStreamGetId`: 2).
     fn stream_key_calls(&self, stream: Stream) -> u64 {
         let _ = stream;
         1
     }
     /// True while `stream` is being captured into a CUDA graph (`cuStreamIsCapturing`): an
-    /// event recorded or waited on it would become a graph node instead of a fence. The
-    /// default, for devices without graphs, is `false`.
+    /// event recorded or waited on it would become a graph node instead of a fence. Of the
+    /// legacy stream (which cannot be captured): true while it may not be used at all, because
+    /// a blocking stream (a per-thread stream among them) is being captured, which any use of
+    /// the legacy stream would invalidate. The default, for devices without graphs, is `false`.
     fn stream_capturing(&self, stream: Stream) -> Result<bool> {
         let _ = stream;
         Ok(false)

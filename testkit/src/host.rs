@@ -157,6 +157,9 @@ struct SimStream {
     /// Being captured into a CUDA graph (`begin_capture` .. `end_capture`): an event recorded
     /// or waited on here would become a graph node, so the race checker reports it.
     capturing: bool,
+    /// The capture was invalidated (as CUDA's is by a use of the legacy stream while a blocking
+    /// stream is captured, or by a device synchronise): `end_capture` fails.
+    broken: bool,
 }
 
 /// An event. Each record is a generation; a wait captures one generation and is released only
@@ -344,10 +347,21 @@ impl HostDevice {
         std::mem::take(&mut self.sh().lock().stale_handle_calls)
     }
 
-    /// Starts capturing `stream` into a graph (like `cuStreamBeginCapture`; the legacy stream
-    /// cannot be captured). Until [`Self::end_capture`], [`Device::stream_capturing`] says so,
-    /// and an event recorded or waited on the stream (which would become a graph node instead
-    /// of a fence, and break or corrupt the capture) is a race-checker violation.
+    /// Starts capturing `stream` into a graph (like `cuStreamBeginCapture` in the global mode;
+    /// the legacy stream cannot be captured). Until [`Self::end_capture`],
+    /// [`Device::stream_capturing`] says so, and an event recorded or waited on the stream
+    /// (which would become a graph node instead of a fence, and break or corrupt the capture)
+    /// is a race-checker violation. CUDA's rules for what other threads may do meanwhile, as
+    /// measured on the H200 (`notes/experiments/s23_blocking_capture_probe.py`), are kept too:
+    /// while a per-thread stream (a blocking stream) is captured, an event recorded or waited
+    /// on the legacy stream, or work queued there, fails with CUDA's code 906 and invalidates
+    /// the capture (the legacy stream would wait for the captured one), while
+    /// `stream_capturing` of the legacy stream answers true without harm (CUDA's 906 from
+    /// `cuStreamIsCapturing`) and `stream_key` refuses it, as `CudaDevice`'s does (which asks
+    /// that first, since `cuStreamGetId` of the legacy stream would invalidate the capture too);
+    /// a device synchronise through [`Device::synchronize`] during any
+    /// capture fails with 900 and invalidates it. Each of these is a violation, and
+    /// [`Self::end_capture`] then fails.
     pub fn begin_capture(&self, stream: Stream) -> Result<()> {
         let mut st = self.sh().lock();
         let idx = st.resolve(stream)?;
@@ -355,14 +369,16 @@ impl HostDevice {
             return Err(Error::Driver { call: "begin_capture", code: 900 });
         }
         st.streams[idx].capturing = true;
+        st.streams[idx].broken = false;
         Ok(())
     }
 
-    /// Ends the capture of `stream` ([`Self::begin_capture`]).
+    /// Ends the capture of `stream` ([`Self::begin_capture`]): fails with CUDA's 901 if it was
+    /// invalidated meanwhile.
     pub fn end_capture(&self, stream: Stream) -> Result<()> {
         let mut st = self.sh().lock();
         let idx = st.resolve(stream)?;
-        if !std::mem::replace(&mut st.streams[idx].capturing, false) {
+        if !std::mem::replace(&mut st.streams[idx].capturing, false) || st.streams[idx].broken {
             return Err(Error::Driver { call: "end_capture", code: 901 });
         }
         Ok(())
@@ -390,6 +406,7 @@ impl HostDevice {
         let sh = self.sh();
         let mut st = sh.lock();
         let idx = st.resolve(stream)?;
+        st.use_legacy(idx, "work queued")?;
         let end = ptr + len as u64;
         if !st.covered(ptr, end) {
             st.violations
@@ -475,6 +492,7 @@ impl State {
             rng: seed | 1,
             per_thread: false,
             capturing: false,
+            broken: false,
         });
         idx
     }
@@ -544,6 +562,36 @@ impl State {
             let seq = self.streams[idx].bump();
             self.enqueue(sh, idx, Op { seq, delay: Duration::ZERO, kind: OpKind::After { deps } });
         }
+    }
+
+    /// True while a per-thread stream (a blocking stream) is being captured: the legacy stream
+    /// may not be used (see [`HostDevice::begin_capture`]).
+    fn legacy_implicated(&self) -> bool {
+        self.streams.iter().any(|s| s.per_thread && s.capturing)
+    }
+
+    /// `what`, made while captures run that it invalidates (`blocking_only`: those of
+    /// per-thread streams; otherwise all): a violation, the captures broken, CUDA's `code`.
+    fn invalidate_captures(&mut self, what: &str, blocking_only: bool, code: u32) -> Result<()> {
+        let mut hit = false;
+        for s in self.streams.iter_mut().filter(|s| s.capturing && (s.per_thread || !blocking_only)) {
+            s.broken = true;
+            hit = true;
+        }
+        if !hit {
+            return Ok(());
+        }
+        self.violations.push(format!("{what} during a capture it invalidates"));
+        Err(Error::Driver { call: "invalidated a capture", code })
+    }
+
+    /// The legacy stream used by `what` (a record, a wait, work queued): refused, breaking the
+    /// capture, while a per-thread stream is captured.
+    fn use_legacy(&mut self, idx: usize, what: &str) -> Result<()> {
+        if idx == LEGACY && self.legacy_implicated() {
+            return self.invalidate_captures(&format!("the legacy stream used ({what})"), true, 906);
+        }
+        Ok(())
     }
 
     /// The stream a handle names for the calling thread.
@@ -794,6 +842,7 @@ impl Device for HostDevice {
         if e >= st.events.len() {
             return Err(Error::Driver { call: "record_event", code: 400 });
         }
+        st.use_legacy(idx, "an event recorded")?;
         if st.streams[idx].capturing {
             st.violations
                 .push(format!("event {e} recorded on a capturing stream ({stream:?}): a graph node"));
@@ -830,6 +879,7 @@ impl Device for HostDevice {
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.sh().lock().invalidate_captures("a device synchronise", false, 900)?;
         HostDevice::synchronize(self);
         Ok(())
     }
@@ -842,6 +892,7 @@ impl Device for HostDevice {
         if e >= st.events.len() {
             return Err(Error::Driver { call: "stream_wait_event", code: 400 });
         }
+        st.use_legacy(idx, "an event waited on")?;
         if st.streams[idx].capturing {
             st.violations
                 .push(format!("a wait on event {e} on a capturing stream ({stream:?}): a graph node"));
@@ -858,21 +909,24 @@ impl Device for HostDevice {
         Ok(())
     }
 
-    /// Refused on a stream being captured, as CUDA's (whose `cuStreamGetId` would invalidate
-    /// the capture: `CudaDevice` asks `cuStreamIsCapturing` first and refuses).
+    /// Refused on a stream being captured, and on the legacy stream while a per-thread stream
+    /// is, as `CudaDevice` refuses them (its `cuStreamGetId` would invalidate the capture, so
+    /// it asks `cuStreamIsCapturing` first).
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
         let mut st = self.sh().lock();
         let idx = st.resolve(stream)?;
-        if st.streams[idx].capturing {
+        if st.streams[idx].capturing || (idx == LEGACY && st.legacy_implicated()) {
             return Err(Error::StreamCapturing { stream: stream.as_raw() });
         }
         Ok(StreamKey((self.sh().id << 32) | st.streams[idx].key))
     }
 
+    /// Of the legacy stream: true while it may not be used because a per-thread stream is
+    /// captured (CUDA's `cuStreamIsCapturing` fails with 906 then, harmlessly).
     fn stream_capturing(&self, stream: Stream) -> Result<bool> {
         let mut st = self.sh().lock();
         let idx = st.resolve(stream)?;
-        Ok(st.streams[idx].capturing)
+        Ok(st.streams[idx].capturing || (idx == LEGACY && st.legacy_implicated()))
     }
 }
 
