@@ -38,6 +38,19 @@ use crate::fence::{EventPool, Fence, FenceSet, Legacy, LegacyAction};
 use crate::registry::Registry;
 use crate::shell::ArenaShell;
 use crate::size_class::{GRANULE, block_bytes};
+
+/// True for the refusal of a use of the legacy stream while a blocking stream is being
+/// captured (`Device::stream_capturing`): memory behind a lazy legacy fence cannot be handed
+/// to another stream then, so an allocation retries once with memory without one.
+fn legacy_refused(e: &Error) -> bool {
+    matches!(e, Error::StreamCapturing { stream } if Stream::from_raw(*stream).is_legacy())
+}
+
+/// The error of that retry: its out of memory is reported as the refusal that caused it (the
+/// memory exists, behind a legacy fence the capture forbids), any other error as it is.
+fn out_of_other(refused: Error, retried: Error) -> Error {
+    if matches!(retried, Error::OutOfMemory { .. }) { refused } else { retried }
+}
 use crate::stats::{Counters, Stats};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{Superblock, TagStash};
@@ -265,16 +278,44 @@ impl GlobalPool {
         skip_fences: bool,
     ) -> Result<u64> {
         dev.refuse_capturing(stream)?;
+        match self.alloc_from(dev, bytes, stream, key, skip_fences, false) {
+            Err(e) if legacy_refused(&e) => {
+                self.alloc_from(dev, bytes, stream, key, skip_fences, true).map_err(|o| out_of_other(e, o))
+            }
+            r => r,
+        }
+    }
+
+    /// [`GlobalPool::alloc`] from the lowest extent that fits, or, with `avoid_legacy`, from
+    /// the lowest that fits and holds no lazy legacy fence ([`GlobalPool::fit_avoiding_legacy`]).
+    fn alloc_from(
+        &self,
+        dev: &Counted<'_>,
+        bytes: usize,
+        stream: Stream,
+        key: StreamKey,
+        skip_fences: bool,
+        avoid_legacy: bool,
+    ) -> Result<u64> {
         let (addr, fences) = {
             let mut st = lock(&self.state);
-            let addr = match st.free.first_fit(bytes as u64) {
+            let fit = if avoid_legacy {
+                Self::fit_avoiding_legacy(&st, bytes as u64, None)
+            } else {
+                st.free.first_fit(bytes as u64)
+            };
+            let addr = match fit {
                 Some(a) => a,
                 None => {
                     let min = bytes
                         .checked_next_multiple_of(self.superblock)
                         .ok_or_else(|| self.oom(&st, bytes))?;
-                    self.grow(&mut st, dev, min, bytes, true, 0)?;
-                    st.free.first_fit(bytes as u64).expect("a new chunk fits the request")
+                    let base = self.grow(&mut st, dev, min, bytes, true, 0)?;
+                    if avoid_legacy {
+                        base // a new chunk is one free extent, with no fence
+                    } else {
+                        st.free.first_fit(bytes as u64).expect("a new chunk fits the request")
+                    }
                 }
             };
             let (chunk, fences) = Self::carve(&mut st, addr, addr, bytes);
@@ -529,22 +570,61 @@ impl GlobalPool {
         bytes: usize,
         requested: usize,
     ) -> Result<&Superblock> {
+        let lend =
+            |avoid_legacy| self.lend_from(dev, shell, home, key, skip_fences, bytes, requested, avoid_legacy);
+        match lend(false) {
+            Err(e) if legacy_refused(&e) => lend(true).map_err(|o| out_of_other(e, o)),
+            r => r,
+        }
+    }
+
+    /// [`GlobalPool::lend`] from the lowest extent that holds an aligned run, or, with
+    /// `avoid_legacy`, from the lowest such that holds no lazy legacy fence.
+    #[allow(clippy::too_many_arguments)] // `lend`'s own, and the one choice it retries with
+    fn lend_from(
+        &self,
+        dev: &Counted<'_>,
+        shell: *mut ArenaShell,
+        home: Stream,
+        key: StreamKey,
+        skip_fences: bool,
+        bytes: usize,
+        requested: usize,
+        avoid_legacy: bool,
+    ) -> Result<&Superblock> {
         let (s, len) = (self.superblock, bytes);
         debug_assert!(len >= s && len.is_multiple_of(s));
         let (sb, fences) = {
             let mut st = lock(&self.state);
-            let ext = match st.free.first_fit_aligned(len as u64) {
+            let fit = if avoid_legacy {
+                Self::fit_avoiding_legacy(&st, len as u64, Some(s as u64))
+            } else {
+                st.free.first_fit_aligned(len as u64)
+            };
+            let ext = match fit {
                 Some(a) => a,
                 None => {
                     self.grow(&mut st, dev, len, requested, true, 0)?;
-                    match st.free.first_fit_aligned(len as u64) {
+                    let fit = if avoid_legacy {
+                        Self::fit_avoiding_legacy(&st, len as u64, Some(s as u64))
+                    } else {
+                        st.free.first_fit_aligned(len as u64)
+                    };
+                    match fit {
                         Some(a) => a,
                         // The device returned a chunk not aligned to the superblock size.
                         None => {
-                            self.grow(&mut st, dev, len + s, requested, true, 0)?;
-                            st.free
-                                .first_fit_aligned(len as u64)
-                                .expect("a chunk of one superblock more holds an aligned run")
+                            let base = self.grow(&mut st, dev, len + s, requested, true, 0)?;
+                            debug_assert!(
+                                aligned_capacity(base, len as u64 + s as u64, s as u64) >= len as u64
+                            );
+                            if avoid_legacy {
+                                base
+                            } else {
+                                st.free
+                                    .first_fit_aligned(len as u64)
+                                    .expect("a chunk of one superblock more holds an aligned run")
+                            }
                         }
                     }
                 }
@@ -573,6 +653,21 @@ impl GlobalPool {
             return Err(e);
         }
         Ok(sb)
+    }
+
+    /// The lowest free extent with room for `len` bytes (aligned to `align`, if given) whose
+    /// fences hold no lazy legacy fence: what an allocation takes while a blocking stream is
+    /// being captured, when such a fence cannot be recorded (`legacy_refused`). A scan of the
+    /// free extents, made only then.
+    fn fit_avoiding_legacy(st: &PoolState, len: u64, align: Option<u64>) -> Option<u64> {
+        let mut found = None;
+        st.free.for_each(|ext, l, v| {
+            let room = align.map_or(l, |a| aligned_capacity(ext, l, a));
+            if found.is_none() && room >= len && !v.fences.has_lazy_legacy() {
+                found = Some(ext);
+            }
+        });
+        found
     }
 
     /// Takes a superblock back from its arena: `used` ranges stay live as pool blocks (their
