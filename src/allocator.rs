@@ -521,6 +521,11 @@ impl Inner {
             }
             return;
         }
+        self.park_arena(key, owned);
+    }
+
+    /// Parks `owned` (its stream's identity `key`) until a device synchronise (see [`Zombies`]).
+    fn park_arena(&self, key: StreamKey, owned: OwnedArena) {
         let mut z = lock(&self.zombies);
         z.arenas.push((key, owned));
         z.recount();
@@ -563,7 +568,7 @@ impl Inner {
     /// Either way what waits for a synchronise stays parked for a later one (PyTorch frees its
     /// cached blocks only when no capture is underway).
     fn may_synchronize(&self, env: &Env<'_>) -> bool {
-        !self.graphs.captures_underway() && !env.dev.stream_capturing(Stream::LEGACY).unwrap_or(true)
+        !self.graphs.captures_underway() && !env.dev.legacy_implicated()
     }
 
     /// Gives back every parked arena of a destroyed stream (see [`Zombies`]), after one device
@@ -571,9 +576,6 @@ impl Inner {
     /// bytes they held.
     #[cold]
     fn bury_zombies(&self, env: &Env<'_>) -> Result<usize> {
-        if self.graphs.captures_underway() {
-            return Ok(0);
-        }
         let z = std::mem::take(&mut *lock(&self.zombies));
         // Segments of retired graph pools wait for the same synchronise (graph_pool.rs).
         let segments = self.graphs.take_parked();
@@ -1323,13 +1325,10 @@ impl Slot {
                 if !cfg!(cuarena_mutant = "legacy_arena_never_parked")
                     && HOMES[i].is_legacy()
                     && fence.is_none()
-                    && arena.with_waiting(|a| a.held_bytes() > 0)
-                    && env.dev.stream_capturing(Stream::LEGACY).unwrap_or(true)
+                    && let Some(key) = arena.with_waiting(|a| (a.held_bytes() > 0).then_some(a.key))
+                    && env.dev.legacy_implicated()
                 {
-                    let key = arena.with_waiting(|a| a.key);
-                    let mut z = lock(&inner.zombies);
-                    z.arenas.push((key, arena));
-                    z.recount();
+                    inner.park_arena(key, arena);
                     continue;
                 }
                 if let Some(shell) = arena.exit(&env, fence) {

@@ -76,6 +76,14 @@ pub enum Error {
     Trace(String),
 }
 
+impl Error {
+    /// True for a refusal to use the legacy stream (or to synchronise) while a blocking stream
+    /// is being captured: `StreamCapturing` of the legacy stream (see its comment).
+    pub(crate) fn is_legacy_refusal(&self) -> bool {
+        matches!(self, Error::StreamCapturing { stream } if Stream::from_raw(*stream).is_legacy())
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -106,7 +114,7 @@ impl fmt::Display for Error {
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
             Error::ShutDown => write!(f, "the allocator has shut down: process exit has begun"),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
-            Error::StreamCapturing { stream } if Stream::from_raw(*stream).is_legacy() => write!(
+            e if e.is_legacy_refusal() => write!(
                 f,
                 "a blocking stream (a per-thread default stream among them) is being captured into a CUDA graph, and \
                  this needed the legacy stream (or a device synchronise), whose use would invalidate that capture: \

@@ -38,22 +38,18 @@ use crate::fence::{EventPool, Fence, FenceSet, Legacy, LegacyAction};
 use crate::registry::Registry;
 use crate::shell::ArenaShell;
 use crate::size_class::{GRANULE, block_bytes};
-
-/// True for the refusal of a use of the legacy stream while a blocking stream is being
-/// captured (`Device::stream_capturing`): memory behind a lazy legacy fence cannot be handed
-/// to another stream then, so an allocation retries once with memory without one.
-fn legacy_refused(e: &Error) -> bool {
-    matches!(e, Error::StreamCapturing { stream } if Stream::from_raw(*stream).is_legacy())
-}
-
-/// The error of that retry: its out of memory is reported as the refusal that caused it (the
-/// memory exists, behind a legacy fence the capture forbids), any other error as it is.
-fn out_of_other(refused: Error, retried: Error) -> Error {
-    if matches!(retried, Error::OutOfMemory { .. }) { refused } else { retried }
-}
 use crate::stats::{Counters, Stats};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{Superblock, TagStash};
+
+/// The error of an allocation retried avoiding lazy legacy fences, after the legacy stream was
+/// refused (`Error::is_legacy_refusal`: a blocking stream is being captured, so memory behind
+/// such a fence cannot go to another stream now): the retry's out of memory is reported as the
+/// refusal that caused it (the memory exists, behind a fence the capture forbids), any other
+/// error as it is.
+fn out_of_other(refused: Error, retried: Error) -> Error {
+    if matches!(retried, Error::OutOfMemory { .. }) { refused } else { retried }
+}
 use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering, lock};
 use std::sync::Arc;
 
@@ -279,7 +275,7 @@ impl GlobalPool {
     ) -> Result<u64> {
         dev.refuse_capturing(stream)?;
         match self.alloc_from(dev, bytes, stream, key, skip_fences, false) {
-            Err(e) if legacy_refused(&e) => {
+            Err(e) if e.is_legacy_refusal() => {
                 self.alloc_from(dev, bytes, stream, key, skip_fences, true).map_err(|o| out_of_other(e, o))
             }
             r => r,
@@ -297,25 +293,23 @@ impl GlobalPool {
         skip_fences: bool,
         avoid_legacy: bool,
     ) -> Result<u64> {
-        let (addr, fences) = {
-            let mut st = lock(&self.state);
-            let fit = if avoid_legacy {
-                Self::fit_avoiding_legacy(&st, bytes as u64, None)
+        let fit = |st: &PoolState| {
+            if avoid_legacy {
+                Self::fit_avoiding_legacy(st, bytes as u64, None)
             } else {
                 st.free.first_fit(bytes as u64)
-            };
-            let addr = match fit {
+            }
+        };
+        let (addr, fences) = {
+            let mut st = lock(&self.state);
+            let addr = match fit(&st) {
                 Some(a) => a,
                 None => {
                     let min = bytes
                         .checked_next_multiple_of(self.superblock)
                         .ok_or_else(|| self.oom(&st, bytes))?;
-                    let base = self.grow(&mut st, dev, min, bytes, true, 0)?;
-                    if avoid_legacy {
-                        base // a new chunk is one free extent, with no fence
-                    } else {
-                        st.free.first_fit(bytes as u64).expect("a new chunk fits the request")
-                    }
+                    self.grow(&mut st, dev, min, bytes, true, 0)?;
+                    fit(&st).expect("a new chunk fits the request")
                 }
             };
             let (chunk, fences) = Self::carve(&mut st, addr, addr, bytes);
@@ -573,7 +567,7 @@ impl GlobalPool {
         let lend =
             |avoid_legacy| self.lend_from(dev, shell, home, key, skip_fences, bytes, requested, avoid_legacy);
         match lend(false) {
-            Err(e) if legacy_refused(&e) => lend(true).map_err(|o| out_of_other(e, o)),
+            Err(e) if e.is_legacy_refusal() => lend(true).map_err(|o| out_of_other(e, o)),
             r => r,
         }
     }
@@ -594,37 +588,25 @@ impl GlobalPool {
     ) -> Result<&Superblock> {
         let (s, len) = (self.superblock, bytes);
         debug_assert!(len >= s && len.is_multiple_of(s));
-        let (sb, fences) = {
-            let mut st = lock(&self.state);
-            let fit = if avoid_legacy {
-                Self::fit_avoiding_legacy(&st, len as u64, Some(s as u64))
+        let fit = |st: &PoolState| {
+            if avoid_legacy {
+                Self::fit_avoiding_legacy(st, len as u64, Some(s as u64))
             } else {
                 st.free.first_fit_aligned(len as u64)
-            };
-            let ext = match fit {
+            }
+        };
+        let (sb, fences) = {
+            let mut st = lock(&self.state);
+            let ext = match fit(&st) {
                 Some(a) => a,
                 None => {
                     self.grow(&mut st, dev, len, requested, true, 0)?;
-                    let fit = if avoid_legacy {
-                        Self::fit_avoiding_legacy(&st, len as u64, Some(s as u64))
-                    } else {
-                        st.free.first_fit_aligned(len as u64)
-                    };
-                    match fit {
+                    match fit(&st) {
                         Some(a) => a,
                         // The device returned a chunk not aligned to the superblock size.
                         None => {
-                            let base = self.grow(&mut st, dev, len + s, requested, true, 0)?;
-                            debug_assert!(
-                                aligned_capacity(base, len as u64 + s as u64, s as u64) >= len as u64
-                            );
-                            if avoid_legacy {
-                                base
-                            } else {
-                                st.free
-                                    .first_fit_aligned(len as u64)
-                                    .expect("a chunk of one superblock more holds an aligned run")
-                            }
+                            self.grow(&mut st, dev, len + s, requested, true, 0)?;
+                            fit(&st).expect("a chunk of one superblock more holds an aligned run")
                         }
                     }
                 }
@@ -657,8 +639,8 @@ impl GlobalPool {
 
     /// The lowest free extent with room for `len` bytes (aligned to `align`, if given) whose
     /// fences hold no lazy legacy fence: what an allocation takes while a blocking stream is
-    /// being captured, when such a fence cannot be recorded (`legacy_refused`). A scan of the
-    /// free extents, made only then.
+    /// being captured, when such a fence cannot be recorded (`Error::is_legacy_refusal`). A
+    /// scan of the free extents, made only then.
     fn fit_avoiding_legacy(st: &PoolState, len: u64, align: Option<u64>) -> Option<u64> {
         let mut found = None;
         st.free.for_each(|ext, l, v| {
@@ -725,18 +707,18 @@ impl GlobalPool {
             .collect();
         for (base, len) in empty {
             if st.free.get(base).expect("checked").1.fences.has_lazy_legacy() {
-                // Asked before the extent is taken out: an error here must leave it in place.
-                // While a blocking stream is being captured the legacy stream may not be used
-                // (`Device::stream_capturing`): the chunk is kept for a later trim.
-                let legacy = match self.legacy(dev) {
-                    Err(Error::StreamCapturing { .. }) => continue,
-                    r => r?,
-                };
-                let (l, mut e) = st.free.remove(base).expect("checked");
-                let r = e.fences.materialize(dev, legacy);
-                st.free.insert(base, l, e);
-                match r {
-                    Err(Error::StreamCapturing { .. }) => continue,
+                // The legacy stream's identity is asked before the extent is taken out: an
+                // error there must leave it in place.
+                let materialized = self.legacy(dev).and_then(|legacy| {
+                    let (l, mut e) = st.free.remove(base).expect("checked");
+                    let r = e.fences.materialize(dev, legacy);
+                    st.free.insert(base, l, e);
+                    r
+                });
+                match materialized {
+                    // While a blocking stream is being captured the legacy stream may not be
+                    // used (`Device::stream_capturing`): the chunk is kept for a later trim.
+                    Err(e) if e.is_legacy_refusal() => continue,
                     r => r?,
                 }
             }

@@ -328,9 +328,7 @@ impl Outbox {
             Ok(f) => f,
             // The mutation `legacy_refusal_drops_frees` drops them as any other failure: the
             // `adversarial_s23::pending_remote_legacy_frees_*` tests must then fail.
-            Err(Error::StreamCapturing { .. })
-                if stream.is_legacy() && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") =>
-            {
+            Err(e) if e.is_legacy_refusal() && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") => {
                 for (dest, blocks) in dests {
                     if dest.is_null() {
                         env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy());
