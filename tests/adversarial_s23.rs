@@ -3,9 +3,9 @@
 
 mod common;
 
-use common::{Worker, host, small};
+use common::{Worker, all_back, host, small};
 use cuarena::{Allocator, DeviceAddr, Error, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use cuarena_testkit::{HostDevice, host_allocator};
 
 fn capturing(e: &Error) -> bool {
     matches!(e, Error::StreamCapturing { .. })
@@ -33,11 +33,7 @@ fn captured<R>(dev: &HostDevice, work: impl FnOnce() -> R) -> R {
 
 fn finish(a: &Allocator, dev: &HostDevice) {
     let _ = a.take_deferred_error();
-    dev.synchronize();
-    a.trim(true).unwrap();
-    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
-    assert_eq!(dev.tag_errors(), 0, "a block was reused under running work");
-    assert_all_returned(a, Some(dev), 0);
+    all_back(a, dev);
 }
 
 /// Blocks owned by worker `owner` (its per-thread arena), tagged.

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{host, small};
+use common::{all_back, host, small};
 use cuarena::{Device, Error, Stream};
 use cuarena_testkit::{assert_all_returned, host_allocator};
 
@@ -306,9 +306,7 @@ fn cross_stream_frees_during_a_per_thread_capture_leave_the_legacy_stream_alone(
         d2.destroy_stream(u)
     });
     let _ = a.take_deferred_error();
-    dev.synchronize();
-    a.trim(true).unwrap();
-    assert_all_returned(&a, Some(&dev), 0);
+    all_back(&a, &dev);
 }
 
 /// Frees to another thread and reuse of what comes back, a thread's exit with its blocks held
@@ -357,9 +355,7 @@ fn remote_frees_exits_and_own_streams_during_a_per_thread_capture() {
         d2.destroy_stream(u)
     });
     let _ = a.take_deferred_error();
-    dev.synchronize();
-    a.trim(true).unwrap();
-    assert_all_returned(&a, Some(&dev), 0);
+    all_back(&a, &dev);
 }
 
 /// Out of memory during a capture, with an idle thread's per-thread arena to reclaim (its
@@ -409,8 +405,7 @@ fn out_of_memory_and_a_blocking_trim_during_a_per_thread_capture_break_nothing()
     idle.join().unwrap();
     let _ = a.take_deferred_error();
     // After the capture everything comes back.
-    a.trim(true).unwrap();
-    assert_all_returned(&a, Some(&dev), 0);
+    all_back(&a, &dev);
 }
 
 /// Memory freed on the legacy stream before the capture (the pool keeps a lazy legacy fence)
@@ -444,10 +439,7 @@ fn legacy_frees_wanted_by_a_per_thread_stream_during_a_capture_are_avoided_not_f
     let p = a.allocate_per_thread(1 << 20).unwrap();
     dev.write_tag(p.0, 1 << 20, 0x123, Stream::PER_THREAD).unwrap();
     a.deallocate_per_thread(p, 1 << 20).unwrap();
-    dev.synchronize();
-    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
-    a.trim(true).unwrap();
-    assert_all_returned(&a, Some(&dev), 0);
+    all_back(&a, &dev);
 }
 
 /// A thread that used the legacy stream before a per-thread stream's capture exits during it:
@@ -479,8 +471,7 @@ fn a_legacy_arena_whose_thread_exits_during_a_per_thread_capture_is_parked_not_f
     dev.end_capture(Stream::PER_THREAD).expect("the capture was invalidated");
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     assert_eq!(a.take_deferred_error(), None);
-    a.trim(true).unwrap();
-    assert_all_returned(&a, Some(&dev), 0);
+    all_back(&a, &dev);
 }
 
 /// The same memory wanted during the capture on another thread's non-blocking stream, which
@@ -528,9 +519,6 @@ fn legacy_frees_wanted_by_a_user_stream_during_a_capture_are_avoided_not_fenced(
     let q = a.allocate(1 << 20, u).unwrap();
     dev.write_tag(q.0, 1 << 20, 0xdef, u).unwrap();
     a.deallocate(q, 1 << 20, u).unwrap();
-    dev.synchronize();
-    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
-    a.trim(true).unwrap();
     dev.destroy_stream(u).unwrap();
-    assert_all_returned(&a, Some(&dev), 0);
+    all_back(&a, &dev);
 }

@@ -281,6 +281,14 @@ pub fn no_violations(sim: &HostDevice) {
     assert_eq!(sim.stale_handle_calls(), 0);
 }
 
+/// The end of a test: [`no_violations`], then a blocking trim, then everything returned
+/// (`assert_all_returned`).
+pub fn all_back(a: &Allocator, sim: &HostDevice) {
+    no_violations(sim);
+    a.trim(true).unwrap();
+    cuarena_testkit::assert_all_returned(a, Some(sim), 0);
+}
+
 /// Superblocks the pool has lent now, as `(base, bytes)`.
 pub fn lent(a: &Allocator) -> Vec<(u64, usize)> {
     a.pool_used_ranges().into_iter().filter(|r| r.2).map(|r| (r.0, r.1)).collect()
