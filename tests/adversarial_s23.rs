@@ -31,6 +31,37 @@ fn captured<R>(dev: &HostDevice, work: impl FnOnce() -> R) -> R {
     r
 }
 
+/// Runs `setup` on a new thread, then captures this thread's per-thread stream while that
+/// thread exits (its slot's drop runs during the capture); returns what `setup` gave.
+fn exits_during_a_capture<R: Send + 'static>(
+    dev: &HostDevice,
+    setup: impl FnOnce() -> R + Send + 'static,
+) -> R {
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<R>();
+    let worker = std::thread::spawn(move || {
+        ready_tx.send(setup()).unwrap();
+        go_rx.recv().unwrap();
+    });
+    let r = ready_rx.recv().unwrap();
+    captured(dev, || {
+        go_tx.send(()).unwrap();
+        worker.join().unwrap();
+    });
+    r
+}
+
+/// Blocks of a live `owner` freed by `freer` on the legacy stream: they wait in `freer`'s
+/// outbox, not a full batch.
+fn legacy_frees_waiting(dev: &HostDevice, owner: &Worker, freer: &Worker, n: usize) {
+    let blocks = owned_blocks(dev, owner, n);
+    freer.run(move |a| {
+        for (p, n) in blocks {
+            a.deallocate(p, n, Stream::LEGACY).unwrap();
+        }
+    });
+}
+
 fn finish(a: &Allocator, dev: &HostDevice) {
     let _ = a.take_deferred_error();
     all_back(a, dev);
@@ -59,12 +90,7 @@ fn pending_remote_legacy_frees_flushed_during_a_capture() {
     let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
     let owner = Worker::new(&a);
     let freer = Worker::new(&a);
-    let blocks = owned_blocks(&dev, &owner, 4);
-    freer.run(move |a| {
-        for (p, n) in blocks {
-            a.deallocate(p, n, Stream::LEGACY).unwrap();
-        }
-    });
+    legacy_frees_waiting(&dev, &owner, &freer, 4);
     let r = captured(&dev, || freer.run(|a| a.flush()));
     eprintln!("flush during the capture: {r:?}");
     refused_ok(r).expect("a clear result");
@@ -82,12 +108,7 @@ fn pending_remote_legacy_frees_at_release_thread_during_a_capture() {
     let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
     let owner = Worker::new(&a);
     let freer = Worker::new(&a);
-    let blocks = owned_blocks(&dev, &owner, 4);
-    freer.run(move |a| {
-        for (p, n) in blocks {
-            a.deallocate(p, n, Stream::LEGACY).unwrap();
-        }
-    });
+    legacy_frees_waiting(&dev, &owner, &freer, 4);
     let r = captured(&dev, || freer.run(|a| refused_ok(a.release_thread())));
     r.expect("a clear result");
     owner.run(|a| a.flush()).unwrap();
@@ -103,21 +124,12 @@ fn pending_remote_legacy_frees_at_thread_exit_during_a_capture() {
     let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
     let owner = Worker::new(&a);
     let blocks = owned_blocks(&dev, &owner, 4);
-    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let a2 = a.clone();
-    let freer = std::thread::spawn(move || {
+    // The freeing thread exits with the frees pending.
+    exits_during_a_capture(&dev, move || {
         for (p, n) in blocks {
             a2.deallocate(p, n, Stream::LEGACY).unwrap();
         }
-        ready_tx.send(()).unwrap();
-        go_rx.recv().unwrap();
-        // exits with the frees pending
-    });
-    ready_rx.recv().unwrap();
-    captured(&dev, || {
-        go_tx.send(()).unwrap();
-        freer.join().unwrap();
     });
     owner.run(|a| a.flush()).unwrap();
     drop(owner);
@@ -172,10 +184,8 @@ fn pending_remote_legacy_frees_then_a_per_thread_free_during_a_capture() {
 fn kept_back_legacy_frees_and_live_legacy_blocks_at_exit_during_a_capture() {
     let dev = host(20);
     let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
-    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Vec<(DeviceAddr, usize)>>();
     let (a2, d2) = (a.clone(), dev.clone());
-    let worker = std::thread::spawn(move || {
+    let live = exits_during_a_capture(&dev, move || {
         let mut live = Vec::new();
         for i in 0..6usize {
             let n = 1024 + i * 512;
@@ -187,13 +197,7 @@ fn kept_back_legacy_frees_and_live_legacy_blocks_at_exit_during_a_capture() {
                 live.push((p, n));
             }
         }
-        ready_tx.send(live).unwrap();
-        go_rx.recv().unwrap();
-    });
-    let live = ready_rx.recv().unwrap();
-    captured(&dev, || {
-        go_tx.send(()).unwrap();
-        worker.join().unwrap();
+        live
     });
     assert_eq!(a.take_deferred_error(), None);
     for (i, &(p, n)) in live.iter().enumerate() {
@@ -208,19 +212,10 @@ fn kept_back_legacy_frees_and_live_legacy_blocks_at_exit_during_a_capture() {
 fn only_kept_back_legacy_frees_at_exit_during_a_capture() {
     let dev = host(20);
     let a = host_allocator(dev.clone(), small().build().unwrap()).unwrap();
-    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let a2 = a.clone();
-    let worker = std::thread::spawn(move || {
+    exits_during_a_capture(&dev, move || {
         let p = a2.allocate(4096, Stream::LEGACY).unwrap();
         a2.deallocate(p, 4096, Stream::LEGACY).unwrap();
-        ready_tx.send(()).unwrap();
-        go_rx.recv().unwrap();
-    });
-    ready_rx.recv().unwrap();
-    captured(&dev, || {
-        go_tx.send(()).unwrap();
-        worker.join().unwrap();
     });
     assert_eq!(a.take_deferred_error(), None);
     finish(&a, &dev);
