@@ -751,7 +751,7 @@ impl Slot {
         }
         let k = Self::ptds_key(ptds, env)?;
         let flushed = outbox.flush(env, k);
-        // A legacy batch whose event a capture refused left its frees to be parked (`flush`).
+        // A batch whose event a capture refused left its frees to be parked (`flush`).
         if let Some(p) = outbox.take_user_batches() {
             inner.park_frees(p);
         }
@@ -1020,10 +1020,11 @@ impl Slot {
         }
         let owned = self.arenas.get_mut(w).expect("the arena exists");
         let r = match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
-            Some(Err(Error::OutOfMemory { .. })) => {
+            Some(Err(e)) if e.is_out_of_room() => {
                 // Memory may be idle elsewhere: in this thread's outbox, its other arenas,
                 // other threads' arenas, and parked arenas of destroyed streams. Take it back,
-                // and try once more.
+                // and try once more. (So too after a legacy refusal: memory apart from the
+                // legacy stream's may be idle there.)
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 self.counters.bump(&self.counters.alloc_retries, 1);
                 let owned = self.arenas.get_mut(w).expect("reclaim keeps the arenas");
@@ -1031,7 +1032,7 @@ impl Slot {
                     // The pool may still hold free ranges that it cannot lend as a superblock
                     // (remnants of dissolved superblocks, smaller than one or not aligned to
                     // one): the request itself may fit there, by first fit.
-                    Some(Err(Error::OutOfMemory { .. })) => None,
+                    Some(Err(e)) if e.is_out_of_room() => None,
                     r => r,
                 }
             }
@@ -1083,7 +1084,7 @@ impl Slot {
         let env = inner.env_on(&self.counters, stream);
         // CUDA graphs: the pool refuses a stream being captured (`GlobalPool::alloc`).
         let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
-            Err(Error::OutOfMemory { .. }) => {
+            Err(e) if e.is_out_of_room() => {
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 self.counters.bump(&self.counters.alloc_retries, 1);
                 inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?

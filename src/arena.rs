@@ -1011,8 +1011,9 @@ impl Arena {
 
     /// Takes a superblock from the pool, for a request of `g` granules: a normal one for a small
     /// request, a large one ([`large_superblock_bytes`]) for a request over `small_max`. If
-    /// the pool cannot lend a large one of that size (its cap), smaller ones are asked for,
-    /// halving down to the request rounded up to whole normal superblocks. Returns the free-list
+    /// the pool cannot lend a large one of that size (its cap, or a legacy refusal: see
+    /// `Error::is_out_of_room`), smaller ones are asked for, halving down to the request
+    /// rounded up to whole normal superblocks. Returns the free-list
     /// node of the superblock's one free block.
     fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<usize> {
         // CUDA graphs: an arena does not grow for a stream being captured (see README).
@@ -1031,7 +1032,7 @@ impl Arena {
                 bytes,
                 requested,
             ) {
-                Err(Error::OutOfMemory { .. }) if bytes > least => {
+                Err(e) if e.is_out_of_room() && bytes > least => {
                     bytes = (bytes / 2).next_multiple_of(s).max(least);
                 }
                 r => break r?,

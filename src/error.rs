@@ -82,6 +82,20 @@ impl Error {
     pub(crate) fn is_legacy_refusal(&self) -> bool {
         matches!(self, Error::StreamCapturing { stream } if Stream::from_raw(*stream).is_legacy())
     }
+
+    /// True for a refusal because `stream` itself is being captured (its capture query).
+    pub(crate) fn is_capture_of(&self, stream: Stream) -> bool {
+        matches!(self, Error::StreamCapturing { stream: s } if *s == stream.as_raw())
+    }
+
+    /// True for a refusal that more room may cure: out of memory, or a legacy refusal, which
+    /// the global pool returns only when no memory apart from what waits on the legacy stream
+    /// fits under the cap (`global_pool.rs`, `out_of_other`). An allocation retries both after
+    /// the out-of-memory reclaim (its synchronises are gated on their own), and an arena's
+    /// growth with a smaller superblock.
+    pub(crate) fn is_out_of_room(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. }) || self.is_legacy_refusal()
+    }
 }
 
 impl fmt::Display for Error {

@@ -73,9 +73,10 @@ pub(crate) struct Outbox {
     /// Batches of frees on user streams, one per stream identity (at most
     /// [`MAX_USER_BATCHES`]); none is empty.
     users: Vec<UserBatch>,
-    /// Frees towards other arenas from a legacy-stream batch whose event could not be
-    /// recorded because a blocking stream was being captured (`Outbox::flush`): they leave with
-    /// the user-stream batches ([`Outbox::take_user_batches`]), to be parked.
+    /// Frees towards other arenas from a batch whose event a capture refused (`Outbox::flush`:
+    /// a legacy-stream batch while a blocking stream was being captured, or a per-thread
+    /// batch while this thread's per-thread stream was): they leave with the user-stream
+    /// batches ([`Outbox::take_user_batches`]), to be parked.
     refused: ParkedFrees,
 }
 
@@ -293,11 +294,14 @@ impl Outbox {
     /// Sends every gathered free under one fence, and returns that fence with its stream.
     /// `ptds` is the calling thread's per-thread stream identity. If no fence can be recorded,
     /// the blocks are dropped: never reused, so memory is lost but never corrupted; the error
-    /// is returned. Except on the legacy stream while a blocking stream is being captured
-    /// (`Device::stream_capturing`: the record would invalidate that capture): then the pool's
-    /// blocks take a lazy legacy fence, as when all go to the pool, and the others wait in
-    /// `refused` to be parked until a device synchronise; that is no error (no fence is
-    /// returned).
+    /// is returned. Except where a capture refused the record: on the legacy stream while a
+    /// blocking stream is being captured (`Device::stream_capturing`: the record would
+    /// invalidate that capture), or on the per-thread stream while this thread captures it
+    /// (its frees were all made before the capture began: a free on a stream being captured
+    /// is refused). Then the pool's blocks take a lazy legacy fence, as when all go to the
+    /// pool (a legacy operation recorded at their reuse follows the earlier work of every
+    /// per-thread stream too, `fence.rs`), and the others wait in `refused` to be parked until
+    /// a device synchronise; that is no error (no fence is returned).
     pub(crate) fn flush(
         &mut self,
         env: &Env<'_>,
@@ -327,8 +331,13 @@ impl Outbox {
         let fence = match key.and_then(|k| env.fence(stream, k)) {
             Ok(f) => f,
             // The mutation `legacy_refusal_drops_frees` drops them as any other failure: the
-            // `adversarial_s23::pending_remote_legacy_frees_*` tests must then fail.
-            Err(e) if e.is_legacy_refusal() && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") => {
+            // `adversarial_s23::pending_remote_legacy_frees_*` tests and
+            // `capture::remote_per_thread_frees_flushed_during_the_threads_own_capture_come_back`
+            // must then fail.
+            Err(e)
+                if (e.is_legacy_refusal() || e.is_capture_of(stream))
+                    && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") =>
+            {
                 for (dest, blocks) in dests {
                     if dest.is_null() {
                         env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy());

@@ -522,3 +522,42 @@ fn legacy_frees_wanted_by_a_user_stream_during_a_capture_are_avoided_not_fenced(
     dev.destroy_stream(u).unwrap();
     all_back(&a, &dev);
 }
+
+/// A thread's remote frees on its own per-thread stream, waiting in its outbox, sent by its
+/// `flush` and `release_thread` while it captures that stream: their event cannot be recorded
+/// there (it would become a graph node). They were dropped for good (memory kept from use until
+/// the allocator went); now the pool's blocks take a lazy legacy fence and the others are
+/// parked until a device synchronise, as a legacy batch refused by a capture is.
+#[test]
+fn remote_per_thread_frees_flushed_during_the_threads_own_capture_come_back() {
+    let dev = host(20);
+    let a = host_allocator(dev.clone(), small().no_large().build().unwrap()).unwrap();
+    // This thread's blocks, small (its per-thread arena) and over `small_max` (the pool's),
+    // freed by a worker on the worker's per-thread stream: remote frees, batched.
+    let blocks: Vec<(cuarena::DeviceAddr, usize)> = (0..96usize)
+        .map(|i| if i % 8 == 0 { (96 << 10) + i * 4096 } else { 256 + (i * 4099) % (48 << 10) })
+        .map(|n| (a.allocate_per_thread(n).unwrap(), n))
+        .collect();
+    let w = common::Worker::new(&a);
+    let d2 = dev.clone();
+    let (flushed, released) = w.run(move |a| {
+        for &(p, n) in &blocks {
+            a.deallocate_per_thread(p, n).unwrap();
+        }
+        d2.begin_capture(Stream::PER_THREAD).unwrap();
+        let flushed = a.flush();
+        let released = a.release_thread();
+        let v = d2.violations();
+        let ended = d2.end_capture(Stream::PER_THREAD);
+        assert!(v.is_empty(), "violations during the capture: {v:?}");
+        ended.expect("the capture was invalidated");
+        (flushed, released)
+    });
+    w.exit();
+    // Neither call failed: nothing was dropped.
+    flushed.unwrap();
+    released.unwrap();
+    let _ = a.take_deferred_error();
+    // The blocking trim synchronises (no capture now) and delivers the parked frees.
+    all_back(&a, &dev);
+}
