@@ -5,7 +5,7 @@
 //! - In-order traversal is strictly increasing in `key` (the extent's start address).
 //! - Heap order: a node's `prio` is not below either child's.
 //! - `max_len` is the maximum `len` in the node's subtree; `max_aligned` the maximum
-//!   [`aligned_capacity`] for the tree's alignment.
+//!   `aligned_capacity` for the tree's alignment.
 //!
 //! First fit descends to the leftmost subtree whose maximum fits, so it finds the lowest
 //! address that fits in expected O(log n) without scanning free extents.

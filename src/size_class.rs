@@ -56,7 +56,7 @@ pub fn class_ceil(g: usize) -> usize {
 }
 
 /// Size of class `idx` in granules (`idx < MAX_CLASSES`): one load from a table the compiler
-/// fills ([`class_granules_computed`]), where the arithmetic took a dozen instructions, three
+/// fills (`class_granules_computed`), where the arithmetic took a dozen instructions, three
 /// times a pair on the fast path.
 #[inline]
 pub fn class_granules(idx: usize) -> usize {

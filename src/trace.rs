@@ -33,10 +33,10 @@
 //! `on` or a later store. `cuarena trace-csv IN OUT` writes a trace as CSV.
 //!
 //! ## Recording without serialising the threads
-//! Each thread appends to its own buffer ([`ThreadLog`]) with no lock; a full buffer
+//! Each thread appends to its own buffer (`ThreadLog`) with no lock; a full buffer
 //! ([`BUFFER_RECORDS`]) is written out by its owner in a cold function under the file's lock
 //! (one lock per buffer, not per record). Thread exit writes the thread's rest. When tracing is
-//! off, the allocator's only cost is one `Relaxed` load of [`Shared::on`].
+//! off, the allocator's only cost is one `Relaxed` load of `Shared::on`.
 //!
 //! `stop` must collect the buffers of threads that are alive and may be recording this very
 //! moment, without their help. This is Dekker's protocol, as in `claim.rs`, but with full fences

@@ -185,7 +185,7 @@ impl BenchAlloc for CuarenaTraced {
 /// (`1 / a - 1 / harness` seconds a pair).
 struct Harness;
 
-/// The one address [`Harness`] hands out (256-byte aligned, never dereferenced).
+/// The one address `Harness` hands out (256-byte aligned, never dereferenced).
 pub const HARNESS_ADDR: u64 = 1 << 40;
 
 impl BenchAlloc for Harness {
@@ -208,7 +208,7 @@ impl BenchAlloc for Harness {
 /// Allocators that run only when asked for by name (`--allocators`), beside the default ones.
 pub const ON_REQUEST: &[&str] = &["cuarena+trace", "harness"];
 
-/// Whether allocator `name` can run a `touch` variant: [`Harness`] hands out no memory.
+/// Whether allocator `name` can run a `touch` variant: `Harness` hands out no memory.
 pub fn runs_touch(name: &str) -> bool {
     name != "harness"
 }

@@ -6,7 +6,7 @@
 //! (and the caller's context restored after), so it works from any thread and leaves the
 //! thread's current context as it found it; a thread with none current keeps it current
 //! ([`CudaDevice::enter`]). The queries of a user stream's handle, made on every user-stream
-//! operation, are first made without that ([`CudaDevice::query`]).
+//! operation, are first made without that (`CudaDevice::query`).
 
 use cudarc::driver::sys;
 
