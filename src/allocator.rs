@@ -1316,18 +1316,33 @@ impl Slot {
             };
             if let Some(mut arena) = slot.take() {
                 inner.arenas.fetch_sub(1, Ordering::Relaxed);
-                // The legacy arena's fence goes on the legacy stream, which may not be used
-                // while a blocking stream is being captured (`Device::stream_capturing`): an
-                // arena that holds memory is parked then, as a destroyed stream's is, and
-                // given back after the next device synchronise (`Inner::bury_zombies`). The
-                // mutation `legacy_arena_never_parked` skips this: the test
+                // An arena's exit fence goes on its stream, which a capture may forbid: the
+                // legacy stream while a blocking stream is being captured
+                // (`Device::stream_capturing`), the per-thread stream while this thread
+                // captures it. An arena that holds memory is parked then, as a destroyed
+                // stream's is, and given back after the next device synchronise
+                // (`Inner::bury_zombies`); exiting, it would lose that memory for good (its
+                // fence refused). The mutations `legacy_arena_never_parked` and
+                // `ptds_arena_never_parked` skip this: the tests
                 // `capture::a_legacy_arena_whose_thread_exits_during_a_per_thread_capture_is_parked_not_fenced`
-                // must then fail.
-                if !cfg!(cuarena_mutant = "legacy_arena_never_parked")
-                    && HOMES[i].is_legacy()
+                // and `adversarial_s24c::release_thread_during_its_own_capture_*` must then fail.
+                let home = HOMES[i];
+                let may_park = if home.is_legacy() {
+                    !cfg!(cuarena_mutant = "legacy_arena_never_parked")
+                } else {
+                    !cfg!(cuarena_mutant = "ptds_arena_never_parked")
+                };
+                let capture_forbids = || {
+                    if home.is_legacy() {
+                        env.dev.legacy_implicated()
+                    } else {
+                        env.dev.stream_capturing(home).unwrap_or(true)
+                    }
+                };
+                if may_park
                     && fence.is_none()
                     && let Some(key) = arena.with_waiting(|a| (a.held_bytes() > 0).then_some(a.key))
-                    && env.dev.legacy_implicated()
+                    && capture_forbids()
                 {
                     inner.park_arena(key, arena);
                     continue;
