@@ -1013,8 +1013,8 @@ impl Arena {
     /// request, a large one ([`large_superblock_bytes`]) for a request over `small_max`. If
     /// the pool cannot lend a large one of that size (its cap, or a legacy refusal: see
     /// `Error::is_out_of_room`), smaller ones are asked for, halving down to the request
-    /// rounded up to whole normal superblocks. Returns the free-list
-    /// node of the superblock's one free block.
+    /// rounded up to whole normal superblocks. Returns the free-list node of the superblock's
+    /// one free block.
     fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<usize> {
         // CUDA graphs: an arena does not grow for a stream being captured (see README).
         env.dev.refuse_capturing(self.home)?;

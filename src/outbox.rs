@@ -300,10 +300,10 @@ impl Outbox {
     /// (frees made before the capture began; or during it, which cuarena does not see on the
     /// per-thread stream, as it does not see the owner's own frees there (README, "CUDA
     /// graphs"): they are taken as made before it). Then the pool's blocks take a lazy legacy
-    /// fence, as when all go to the
-    /// pool (a legacy operation recorded at their reuse follows the earlier work of every
-    /// per-thread stream too, `fence.rs`), and the others wait in `refused` to be parked until
-    /// a device synchronise; that is no error (no fence is returned).
+    /// fence, as when all go to the pool (a legacy operation recorded at their reuse follows
+    /// the earlier work of every per-thread stream too, `fence.rs`), and the others wait in
+    /// `refused` to be parked until a device synchronise; that is no error (no fence is
+    /// returned).
     pub(crate) fn flush(
         &mut self,
         env: &Env<'_>,
