@@ -1667,9 +1667,16 @@ impl Allocator {
         }
     }
 
-    /// [`Allocator::allocate`] without the trace and the OOM hook.
+    /// [`Allocator::allocate`] without the trace and the OOM hook. Out of memory reports `size`
+    /// whichever path ran out (an arena's rounds the request to a class or a granule).
     #[inline]
     fn allocate_once(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        self.allocate_by_path(size, stream).map_err(|e| e.for_request(size))
+    }
+
+    /// [`Allocator::allocate_once`] before its error names the request.
+    #[inline(always)]
+    fn allocate_by_path(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
         if let Some(p) = &self.inner.passthrough {
             return self.passthrough_allocate(p, size, stream); // pass-through mode
         }
@@ -1709,15 +1716,7 @@ impl Allocator {
             Some(b) if b <= inner.pool.limit().max(inner.pool.total()) => b,
             _ => return Err(inner.oom(size)),
         };
-        with_slot(inner, |slot, inner| slot.alloc_pool(inner, bytes, stream).map(DeviceAddr)).map_err(|e| {
-            match e {
-                // The size asked for, not the pool's rounding of it.
-                Error::OutOfMemory { reserved, in_use, largest_free, limit, .. } => {
-                    Error::OutOfMemory { requested: size, reserved, in_use, largest_free, limit }
-                }
-                e => e,
-            }
-        })
+        with_slot(inner, |slot, inner| slot.alloc_pool(inner, bytes, stream).map(DeviceAddr))
     }
 
     /// A pass-through allocation. The global pool holds graph pools' segments only, under the

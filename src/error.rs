@@ -83,6 +83,17 @@ impl Error {
         matches!(self, Error::StreamCapturing { stream } if Stream::from_raw(*stream).is_legacy())
     }
 
+    /// This error as the answer to a request of `size` bytes: out of memory reports the size
+    /// asked for, not the rounding of it that the path which ran out used.
+    pub(crate) fn for_request(self, size: usize) -> Error {
+        match self {
+            Error::OutOfMemory { reserved, in_use, largest_free, limit, .. } => {
+                Error::OutOfMemory { requested: size, reserved, in_use, largest_free, limit }
+            }
+            e => e,
+        }
+    }
+
     /// True for a refusal because `stream` itself is being captured (its capture query).
     pub(crate) fn is_capture_of(&self, stream: Stream) -> bool {
         matches!(self, Error::StreamCapturing { stream: s } if *s == stream.as_raw())

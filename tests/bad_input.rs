@@ -575,3 +575,50 @@ fn a_memory_fraction_of_zero_stops_growth_and_bad_fractions_change_nothing() {
     assert_eq!(limit_of(a.allocate(257 << 20, Stream::LEGACY)), 0, "more than the device");
     settle(&a, &dev, vec![(again, 8 << 20, Stream::LEGACY)]);
 }
+
+/// Out of memory names the size the caller asked for, on every path: an arena's request is
+/// rounded to its class (small) or to the granule (large) before it reaches the pool, whose
+/// error carried that rounding (helper-26's test saw 1,886,976 for 1,886,966 on the CI host).
+#[test]
+fn out_of_memory_reports_the_size_asked_on_every_path() {
+    let dev = device(1 << 30);
+    let cap = 4 << 20;
+    let a = host_allocator(dev.clone(), config().max_bytes(cap).build().unwrap()).unwrap();
+    let user = dev.create_stream();
+    // Over the cap, not granule or class multiples: small (class-rounded), large (arena, from
+    // large superblocks) and over `large_max` (the pool), on every kind of stream.
+    for size in [SMALL_MAX - 10, (5 << 20) - 10, (5 << 20) + 3, (70 << 20) + 1] {
+        for s in [Stream::PER_THREAD, Stream::LEGACY, user] {
+            if size <= SMALL_MAX {
+                // Fill the cap first so that a small request runs out too.
+                let mut held = Vec::new();
+                let r = loop {
+                    match a.allocate(size, s) {
+                        Ok(p) => held.push(p),
+                        Err(e) => break e,
+                    }
+                };
+                for p in held {
+                    a.deallocate(p, size, s).unwrap();
+                }
+                match r {
+                    Error::OutOfMemory { requested, limit, .. } => {
+                        assert_eq!((requested, limit), (size, cap))
+                    }
+                    e => panic!("{size} on {s:?}: {e}"),
+                }
+            } else {
+                match a.allocate(size, s) {
+                    Err(Error::OutOfMemory { requested, limit, .. }) => {
+                        assert_eq!((requested, limit), (size, cap), "on {s:?}")
+                    }
+                    r => panic!("{size} on {s:?}: {r:?}"),
+                }
+            }
+        }
+    }
+    a.release_thread().unwrap();
+    dev.destroy_stream(user).unwrap();
+    a.trim(true).unwrap();
+    cuarena_testkit::assert_all_returned(&a, Some(&dev), 0);
+}
