@@ -92,6 +92,14 @@ fn owned(owner: &Worker, live: &Arc<Live>, sizes: Vec<usize>) -> Vec<(DeviceAddr
     })
 }
 
+/// Frees `blocks` on the calling thread's per-thread stream, each out of `live` first.
+fn free_per_thread(a: &Allocator, live: &Live, blocks: &[(DeviceAddr, usize)]) {
+    for &(p, n) in blocks {
+        live.remove(p);
+        a.deallocate_per_thread(p, n).unwrap();
+    }
+}
+
 /// `freer` closes a gate on its per-thread stream, uses every block there behind it (a tag
 /// at the head and the tail: in flight until the gate opens), and frees them there: remote
 /// frees, waiting in its outbox (fewer than a batch). Returns the gate.
@@ -108,10 +116,7 @@ fn used_behind_a_gate_then_freed(
         for (i, &(p, n)) in b.iter().enumerate() {
             tag(&d, p, n, tag0 + i as u32, Stream::PER_THREAD);
         }
-        for &(p, n) in &b {
-            l.remove(p);
-            a.deallocate_per_thread(p, n).unwrap();
-        }
+        free_per_thread(a, &l, &b);
         gate
     })
 }
@@ -336,10 +341,7 @@ fn release_thread_during_its_own_capture_holding_arena_memory_loses_nothing() {
                     a.deallocate(p, n, s).unwrap();
                 }
             }
-            for (p, n) in th {
-                l.remove(p);
-                a.deallocate_per_thread(p, n).unwrap();
-            }
+            free_per_thread(a, &l, &th);
             keep
         });
         let held = a.stats().arena_held_bytes;
@@ -355,12 +357,7 @@ fn release_thread_during_its_own_capture_holding_arena_memory_loses_nothing() {
             a.take_deferred_error()
         );
         let l = Arc::clone(&live);
-        t.run(move |a| {
-            for (p, n) in mine {
-                l.remove(p);
-                a.deallocate_per_thread(p, n).unwrap();
-            }
-        });
+        t.run(move |a| free_per_thread(a, &l, &mine));
         drop((owner, t));
         dev.destroy_stream(u).unwrap();
         let _ = a.take_deferred_error();
@@ -506,12 +503,7 @@ fn the_capturing_thread_itself_gets_a_legacy_refusal_and_reclaims() {
         let mut theirs = owned(&owner, &live, (0..10).map(|i| 1000 + i * 700).collect());
         theirs.extend(owned(&owner, &live, vec![512 << 10]));
         let (l, th) = (Arc::clone(&live), theirs.clone());
-        t.run(move |a| {
-            for (p, n) in th {
-                l.remove(p);
-                a.deallocate_per_thread(p, n).unwrap();
-            }
-        });
+        t.run(move |a| free_per_thread(a, &l, &th));
         // A pool block freed on the legacy stream: a lazy legacy fence on its extent.
         let p = a.allocate(MIB, Stream::LEGACY).unwrap();
         dev.write_tag(p.0, 4096, 0x11, Stream::LEGACY).unwrap();
