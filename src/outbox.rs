@@ -336,10 +336,10 @@ impl Outbox {
             // `adversarial_s23::pending_remote_legacy_frees_*` tests and
             // `capture::remote_per_thread_frees_flushed_during_the_threads_own_capture_come_back`
             // must then fail.
-            Err(e)
-                if (e.is_legacy_refusal() || e.is_capture_of(stream))
-                    && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") =>
-            {
+            // The batch's stream is the per-thread or the legacy stream (`batchable`), and a
+            // capture refuses either by its own name (the legacy stream's refusal is
+            // `is_legacy_refusal`'s).
+            Err(e) if e.is_capture_of(stream) && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") => {
                 for (dest, blocks) in dests {
                     if dest.is_null() {
                         env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy());
