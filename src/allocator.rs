@@ -725,9 +725,20 @@ impl Slot {
         Ok(k)
     }
 
-    /// The identity of `stream` as seen from this thread.
+    /// The identity of `stream` as seen from this thread: the per-thread stream's asked once per
+    /// thread, a user stream's every time (its handle may name a new stream), and the legacy
+    /// stream's once per allocator (`GlobalPool::legacy_key`: it never changes), refused, as
+    /// asking it would be, while a blocking stream is being captured (one
+    /// `cuStreamIsCapturing`, where asking is that and a `cuStreamGetId`).
     fn key_of(ptds: &mut Option<StreamKey>, env: &Env<'_>, stream: Stream) -> Result<StreamKey> {
-        if stream.is_per_thread() { Self::ptds_key(ptds, env) } else { env.dev.stream_key(stream) }
+        if stream.is_per_thread() {
+            Self::ptds_key(ptds, env)
+        } else if stream.is_legacy() {
+            env.dev.refuse_capturing(stream)?;
+            env.pool.legacy_key(&env.dev)
+        } else {
+            env.dev.stream_key(stream)
+        }
     }
 
     /// Sends the gathered remote frees, if any, and parks the user-stream batches (no call on

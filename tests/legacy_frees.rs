@@ -446,3 +446,50 @@ fn out_of_memory_takes_the_kept_back_frees_of_many_idle_threads_under_the_defaul
     }
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// The pool's blocks on the legacy stream (requests over `large_max`) ask the legacy stream's
+/// identity once per allocator, as everything else does: it never changes. Before, every pool
+/// allocation on the legacy stream asked it (on CUDA a `cuStreamIsCapturing` and a
+/// `cuStreamGetId`: two of a pool pair's three driver calls). What must stay: a capture of a
+/// blocking stream still refuses such an allocation, with nothing changed, and it succeeds
+/// after the capture.
+#[test]
+fn pool_blocks_on_the_legacy_stream_ask_its_identity_once() {
+    use cuarena_testkit::{HookedDevice, Hooks};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let sim = host(0);
+    let asked = Arc::new(AtomicU64::new(0));
+    let n = Arc::clone(&asked);
+    let key = move |sim: &HostDevice, s: Stream| {
+        if s.is_legacy() {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+        cuarena::Device::stream_key(sim, s)
+    };
+    let dev = HookedDevice::new(sim.clone(), Hooks { stream_key: Some(Box::new(key)), ..Hooks::default() });
+    let a = Allocator::new(dev, Config::builder().no_large().build().unwrap()).unwrap();
+    const PAIRS: usize = 50;
+    for i in 0..PAIRS {
+        let size = (2 << 20) + i * 4096;
+        let p = a.allocate(size, Stream::LEGACY).unwrap();
+        sim.write_tag(p.0, size, i as u32 + 1, Stream::LEGACY).unwrap();
+        a.deallocate(p, size, Stream::LEGACY).unwrap();
+    }
+    assert!(a.stats().pool_allocations >= PAIRS as u64, "served by the pool");
+    assert_eq!(asked.load(Ordering::Relaxed), 1, "the legacy stream's identity asked once");
+    // A blocking stream's capture (this thread's per-thread stream) refuses the legacy stream's
+    // pool allocation, changing nothing, and is not invalidated.
+    sim.begin_capture(Stream::PER_THREAD).unwrap();
+    let before = a.stats();
+    let e = a.allocate(2 << 20, Stream::LEGACY).unwrap_err();
+    assert!(matches!(e, Error::StreamCapturing { .. }), "{e:?}");
+    let after = a.stats();
+    assert_eq!((after.live_bytes, after.pool_in_use_bytes), (before.live_bytes, before.pool_in_use_bytes));
+    sim.end_capture(Stream::PER_THREAD).expect("the capture was not invalidated");
+    let p = a.allocate(2 << 20, Stream::LEGACY).unwrap();
+    a.deallocate(p, 2 << 20, Stream::LEGACY).unwrap();
+    sim.synchronize();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_all_returned(&a, Some(&sim), 0);
+}
