@@ -58,5 +58,7 @@ else:
     peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     paths = {}
 steady = times[20 if compiled else 10:]  # after warm-up (and the graphs' recording)
+mid = sorted(steady)[len(steady) // 2]
 print(json.dumps({"allocator": args.allocator, "losses": losses, "step_ms": 1000 * sum(steady) / len(steady),
+                  "step_ms_p50": 1000 * mid,
                   "peak_live_bytes": peak, "peak_reserved_bytes": reserved, **paths}))
