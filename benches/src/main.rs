@@ -404,6 +404,12 @@ fn local_share(p: &Point) -> String {
 
 /// `cuarena trace-csv IN OUT`.
 fn trace_csv(input: &std::path::Path, output: &std::path::Path) -> ExitCode {
+    if output.as_os_str() != "-" && same_file(input, output) {
+        return usage_error(format!(
+            "the output {} is the input trace: writing it would replace the trace with its CSV",
+            output.display()
+        ));
+    }
     let recs = match cuarena::trace::read(input) {
         Ok(r) => r,
         Err(e) => {
@@ -426,6 +432,15 @@ fn trace_csv(input: &std::path::Path, output: &std::path::Path) -> ExitCode {
             eprintln!("error: writing {}: {e}", output.display());
             ExitCode::FAILURE
         }
+    }
+}
+
+/// True if `a` and `b` name one existing file (through links or other spellings of the path).
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
+        _ => false,
     }
 }
 

@@ -28,9 +28,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::BufRead;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cuarena::config::Echo;
 use cuarena::trace::{self, Action, StreamKind};
@@ -238,7 +238,10 @@ fn rmm_time(s: &str) -> Option<u64> {
     let s = s.trim();
     if !s.contains(':') {
         let x: f64 = s.parse().ok()?;
-        return (x.is_finite() && x >= 0.0).then_some((x * 1e9) as u64);
+        // Refused past u64 nanoseconds (about 584 years), as the `H:M:S` form is: a cast would
+        // saturate, and two such times would tie and replay in the file's order.
+        let ns = x * 1e9;
+        return (x.is_finite() && x >= 0.0 && ns < u64::MAX as f64).then_some(ns as u64);
     }
     let parts: Vec<&str> = s.split([':', '.']).collect();
     if parts.len() < 3 {
@@ -464,6 +467,78 @@ impl ReplayPoint {
 
 /// The most recorded threads a replay plays (one OS thread each).
 pub const MAX_THREADS: usize = 1024;
+/// The most recorded user streams a replay plays (one stream each, made before the replay, for
+/// every allocator): a few megabytes of trace could otherwise ask for any number, and the
+/// simulated device's streams cost memory quadratic in their number (each stream's and
+/// event's clock has an entry per stream ever made).
+pub const MAX_USER_STREAMS: usize = 1024;
+
+/// Players waiting for another player's allocation: a free of a block another recorded thread
+/// allocates waits for that allocation's slot. It yields a few times, then parks here until the
+/// allocating player stores the slot and wakes it, so that hundreds of waiting players on a few
+/// cores leave the cores to the players they wait for (with yields alone, a ring of 1,024
+/// recorded threads on two cores took about a millisecond per hand-over). Waits are not in the
+/// measured latencies.
+///
+/// The protocol is a store-then-check on both sides, all `SeqCst`: the waiter registers (under
+/// the lock, then `parked`), then loads the slot; the allocator stores the slot, then loads
+/// `parked`. One of the two sees the other's write, so a waiter either sees its slot or is
+/// woken (an unpark before the park is kept by the thread's token). A player that gives up
+/// wakes every waiter ([`Waiters::wake_all`]); a park also times out after 100 ms, a backstop
+/// that costs nothing while the protocol holds.
+#[derive(Default)]
+struct Waiters {
+    parked: AtomicUsize,
+    by_slot: Mutex<HashMap<usize, std::thread::Thread>>,
+}
+
+impl Waiters {
+    /// The slot's value once it is no longer `PENDING`, or `PENDING` once `abandoned` is set.
+    fn wait(&self, slot: &AtomicU64, id: usize, abandoned: &AtomicBool) -> u64 {
+        for _ in 0..64 {
+            let p = slot.load(Ordering::Acquire);
+            if p != PENDING || abandoned.load(Ordering::Acquire) {
+                return p;
+            }
+            std::thread::yield_now();
+        }
+        lock(&self.by_slot).insert(id, std::thread::current());
+        self.parked.fetch_add(1, Ordering::SeqCst);
+        let p = loop {
+            let p = slot.load(Ordering::SeqCst);
+            if p != PENDING || abandoned.load(Ordering::SeqCst) {
+                break p;
+            }
+            std::thread::park_timeout(Duration::from_millis(100));
+        };
+        self.parked.fetch_sub(1, Ordering::SeqCst);
+        lock(&self.by_slot).remove(&id);
+        p
+    }
+
+    /// Stores `v` in slot `id` and wakes its waiter, if one is parked.
+    fn store(&self, slots: &[AtomicU64], id: usize, v: u64) {
+        slots[id].store(v, Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) > 0
+            && let Some(t) = lock(&self.by_slot).get(&id)
+        {
+            t.unpark();
+        }
+    }
+
+    /// Sets `abandoned` and wakes every parked player: one player cannot go on, and a free
+    /// waiting for an allocation it owed gives up.
+    fn abandon(&self, abandoned: &AtomicBool) {
+        abandoned.store(true, Ordering::SeqCst);
+        for t in lock(&self.by_slot).values() {
+            t.unpark();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// A replay slot: not yet allocated, failed, or the live pointer.
 const PENDING: u64 = 0;
@@ -472,6 +547,18 @@ const FAILED: u64 = u64::MAX;
 impl Bench {
     /// Plays `plan` against the allocator `name`.
     pub fn replay(&self, name: &str, plan: &Plan) -> Result<ReplayPoint> {
+        if plan.threads() > MAX_THREADS {
+            return Err(err(format!(
+                "the trace has {} threads; the replay plays each on a thread of its own, and refuses more than {MAX_THREADS}",
+                plan.threads()
+            )));
+        }
+        if plan.user_streams.len() > MAX_USER_STREAMS {
+            return Err(err(format!(
+                "the trace has {} user streams; the replay makes a stream for each, and refuses more than {MAX_USER_STREAMS}",
+                plan.user_streams.len()
+            )));
+        }
         let alloc: Arc<dyn crate::BenchAlloc> = Arc::from(self.make(name)?);
         let mut streams: HashMap<u64, Stream> = HashMap::new();
         for &s in &plan.user_streams {
@@ -482,32 +569,29 @@ impl Bench {
             StreamId::PerThread => Stream::PER_THREAD,
             StreamId::User(k) => streams[&k],
         };
-        if plan.threads() > MAX_THREADS {
-            return Err(err(format!(
-                "the trace has {} threads; the replay plays each on a thread of its own, and refuses more than {MAX_THREADS}",
-                plan.threads()
-            )));
-        }
         let slots: Vec<AtomicU64> = (0..plan.allocations).map(|_| AtomicU64::new(PENDING)).collect();
         // Set when a player cannot go on (its thread could not be made, or it panicked): a
-        // free waiting for an allocation that player owed gives up instead of spinning forever.
+        // free waiting for an allocation that player owed gives up (`Waiters::abandon`)
+        // instead of waiting forever.
         let abandoned = AtomicBool::new(false);
+        let waiters = Waiters::default();
         let t0 = Instant::now();
         let results: Vec<Option<(Vec<u64>, u64, u64)>> = std::thread::scope(|sc| {
             let mut hs = Vec::new();
             for steps in &plan.threads {
-                let (alloc, slots, stream_of, abandoned) = (&alloc, &slots, &stream_of, &abandoned);
+                let (alloc, slots, stream_of, abandoned, waiters) =
+                    (&alloc, &slots, &stream_of, &abandoned, &waiters);
                 let play = move || {
                     // If the player panics (an allocator's bug), the others must not wait for it.
-                    struct Abandon<'a>(&'a AtomicBool);
+                    struct Abandon<'a>(&'a Waiters, &'a AtomicBool);
                     impl Drop for Abandon<'_> {
                         fn drop(&mut self) {
                             if std::thread::panicking() {
-                                self.0.store(true, Ordering::Release);
+                                self.0.abandon(self.1);
                             }
                         }
                     }
-                    let _abandon = Abandon(abandoned);
+                    let _abandon = Abandon(waiters, abandoned);
                     let mut lat = Vec::with_capacity(steps.len());
                     let (mut fa, mut ff) = (0u64, 0u64);
                     for &step in steps {
@@ -523,14 +607,14 @@ impl Bench {
                                         FAILED
                                     }
                                 };
-                                slots[id].store(v, Ordering::Release);
+                                waiters.store(slots, id, v);
                             }
                             Step::Free { id, size, stream, wait } => {
-                                let mut p = slots[id].load(Ordering::Acquire);
-                                while wait && p == PENDING && !abandoned.load(Ordering::Acquire) {
-                                    std::thread::yield_now();
-                                    p = slots[id].load(Ordering::Acquire);
-                                }
+                                let p = if wait {
+                                    waiters.wait(&slots[id], id, abandoned)
+                                } else {
+                                    slots[id].load(Ordering::Acquire)
+                                };
                                 if p == FAILED || p == PENDING {
                                     continue;
                                 }
@@ -547,7 +631,7 @@ impl Bench {
                 match std::thread::Builder::new().spawn_scoped(sc, play) {
                     Ok(h) => hs.push(h),
                     Err(e) => {
-                        abandoned.store(true, Ordering::Release);
+                        waiters.abandon(abandoned);
                         eprintln!("replay: cannot start a thread for recorded thread {}: {e}", hs.len());
                         break;
                     }
