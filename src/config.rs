@@ -4,7 +4,11 @@
 //! - `superblock = 2 MiB`: the GPU's large-page size, and the granularity at which the driver
 //!   hands out big allocations. Superblocks are aligned to their size, so lending one never
 //!   splits a large page between two arenas and the owner of any small block is found from its
-//!   address with one mask and a table load.
+//!   address with one mask and a table load. The driver's chunks come 2 MiB-aligned in
+//!   practice (not promised); a larger `superblock` may find a new chunk off its alignment, and
+//!   the pool then reserves another chunk of one superblock more (`GlobalPool::lend`), so under
+//!   a cap of a few superblocks such a configuration may hold fewer superblocks than the cap
+//!   suggests.
 //! - `small_max = 1 MiB`: half a superblock. A superblock then always holds at least two of the
 //!   largest small blocks, so the tail a thread cannot use is bounded, while requests above it
 //!   are large enough (and rare enough in the workloads of `BENCHMARKS.md`) that the
