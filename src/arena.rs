@@ -238,8 +238,10 @@ pub(crate) struct Arena {
     /// over used superblocks does not scan, flush its cache and ask its stream's identity on
     /// every free, to find nothing to give back.
     may_hold_empty: bool,
-    /// `1 - f` of the return rule in 1/1024ths, so the rule is integer arithmetic.
-    dense_1024: usize,
+    /// `1 - f` of the return rule in units of 2^-20, rounded up and at least 1, so the rule is
+    /// integer arithmetic and never off: in 1/1024ths, rounded, a valid `sparse` over
+    /// `1 - 1/2048` made it 0, and the rule never gave a superblock back (helper-28).
+    dense_q20: usize,
     lists: FreeLists,
     /// Superblocks held.
     owned: Vec<*const Superblock>,
@@ -259,6 +261,10 @@ pub(crate) struct Arena {
     /// pointers it does not own.
     quarantined: Vec<FreeBlock>,
 }
+
+/// 1 in the fixed point of `Arena::dense_q20`. Granule counts times this stay far inside a
+/// `usize` (2^32 granules are a TiB).
+const DENSE_ONE: usize = 1 << 20;
 
 /// The smallest large superblock: 8 MiB.
 pub(crate) const LARGE_SUPERBLOCK_MIN: usize = 8 << 20;
@@ -335,7 +341,7 @@ impl Arena {
             keep_empty,
             lean: false,
             may_hold_empty: false,
-            dense_1024: ((1.0 - sparse) * 1024.0).round() as usize,
+            dense_q20: ((1.0 - sparse) * DENSE_ONE as f64).ceil().max(1.0) as usize,
             lists: FreeLists::default(),
             owned: Vec::new(),
             live: 0,
@@ -835,7 +841,7 @@ impl Arena {
             (self.recent, self.large_keep + self.extra)
         };
         let (a, s) = (self.held, self.granules);
-        u + self.keep_empty * s + slack < a && u * 1024 < self.dense_1024 * a
+        u + self.keep_empty * s + slack < a && u * DENSE_ONE < self.dense_q20 * a
     }
 
     /// Merges every cached block into the free lists.
