@@ -935,14 +935,17 @@ impl Arena {
         }
         self.pending.retain(|b| !b.blocks.is_empty());
         // The owner's frees on the legacy stream kept back here go as free ranges with a lazy
-        // legacy fence: no legacy action has followed them yet, and the pool records one before
-        // any reuse (`FenceSet::lazy_legacy`). `fences` would not do: it may be an event on the
+        // legacy fence under a ticket taken now (after them): the pool orders them before any
+        // reuse, behind a legacy action issued after the ticket or an event recorded on the
+        // legacy stream (`FenceSet::lazy_legacy`). `fences` would not do: it may be an event on the
         // owner's per-thread stream (thread exit), which orders nothing another thread's
         // per-thread stream did before the free.
+        let mut ticket = None;
         self.legacy_kept.take_where(|k| {
             let inside = std::ptr::eq(k.sb, sbp);
             if inside {
-                fenced.push((k.addr(sb.base), k.bytes(), FenceSet::lazy_legacy()));
+                let t = *ticket.get_or_insert_with(|| env.legacy_request());
+                fenced.push((k.addr(sb.base), k.bytes(), FenceSet::lazy_legacy(t)));
             }
             inside
         });

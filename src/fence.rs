@@ -12,8 +12,9 @@
 //! see `arena.rs`).
 //!
 //! Three kinds of free carry no event: an arena's own frees on the legacy stream, reused after
-//! a [`LegacyAction`]; pool frees on the legacy stream, whose event is recorded only at reuse
-//! (a lazy legacy fence, [`FenceSet`]); and remote frees parked from user streams, delivered
+//! a [`LegacyAction`]; pool frees on the legacy stream, ordered only at reuse, by a legacy
+//! action on the legacy stream or an event recorded there for another stream (a lazy legacy
+//! fence, [`FenceSet`]); and remote frees parked from user streams, delivered
 //! after a device synchronise (`allocator.rs`, `Zombies`).
 //!
 //! Fences are shared (`Arc`) between the blocks of one batch and the pieces of a split extent.
@@ -289,52 +290,61 @@ impl Drop for Fence {
 /// (stream, thread) pairs that freed into the extent and whose fences are not yet known done.
 ///
 /// `legacy`: some of the extent was freed on the legacy stream with no event recorded (a
-/// *lazy* fence). The legacy stream is one stream for every thread, so whoever hands the
-/// memory out again can record the event then: the record is a legacy-stream operation queued
-/// after the free, so it follows every use the free's contract covers (legacy work waits for
-/// earlier work on the per-thread streams, CUDA's implicit synchronisation), and any work
-/// queued later on a per-thread stream waits for it. Reuse therefore always records it (one
-/// event per reuse of such an extent, none per free); a stream other than the legacy stream
-/// also waits on it ([`FenceSet::order_before`]). Reuse on the legacy stream cannot skip the
-/// record: the block may next be used on a per-thread stream, which orders itself only after
-/// legacy *operations*.
+/// *lazy* fence), and this is the highest [`LegacyAction`] ticket taken after those frees (0:
+/// none). The legacy stream is one stream for every thread, so whoever hands the memory out
+/// again can order it then, with a legacy-stream operation queued after the frees: that
+/// follows every use the free's contract covers (legacy work waits for earlier work on the
+/// blocking streams, CUDA's implicit synchronisation), and any work queued later on a blocking
+/// stream waits for it ([`FenceSet::order_before`]):
+/// - reuse on the legacy stream needs a legacy action issued after the ticket, by any thread
+///   (none is issued when one already covers it: no driver call). It cannot skip the action:
+///   the block may next be used on a per-thread stream, which orders itself only after legacy
+///   *operations*;
+/// - reuse on another stream records an event on the legacy stream, and that stream waits on it
+///   (a non-blocking stream orders itself after no legacy action).
+///
+/// Tickets only grow, and an action covers every ticket taken before it, so the highest ticket
+/// of a merged set stands for all of them.
 #[derive(Default, Clone)]
 pub(crate) struct FenceSet {
     fences: Vec<Arc<Fence>>,
-    legacy: bool,
+    legacy: u64,
 }
 
-/// What a fence set needs to record a lazy legacy fence: the event pool and the legacy
-/// stream's identity.
+/// What a fence set needs to order a lazy legacy fence: the event pool, the legacy stream's
+/// identity and its actions.
 pub(crate) struct Legacy<'a> {
     pub(crate) events: &'a Arc<EventPool>,
     pub(crate) key: StreamKey,
+    pub(crate) action: &'a LegacyAction,
 }
 
 impl FenceSet {
     pub(crate) fn one(f: Option<Arc<Fence>>) -> FenceSet {
-        FenceSet { fences: f.into_iter().collect(), legacy: false }
+        FenceSet { fences: f.into_iter().collect(), legacy: 0 }
     }
 
-    /// A lazy fence for frees made on the legacy stream (see the type's comment).
-    pub(crate) fn lazy_legacy() -> FenceSet {
-        FenceSet { fences: Vec::new(), legacy: true }
+    /// A lazy fence for frees made on the legacy stream, with `ticket`, a [`LegacyAction`]
+    /// ticket taken after them (see the type's comment).
+    pub(crate) fn lazy_legacy(ticket: u64) -> FenceSet {
+        debug_assert!(ticket > 0, "tickets start at 1");
+        FenceSet { fences: Vec::new(), legacy: ticket.max(1) }
     }
 
     /// True if memory guarded by this set may be used on any stream now, with no wait and no
     /// query: no lazy legacy fence, and every fence already known complete.
     pub(crate) fn is_clear(&self) -> bool {
-        !self.legacy && self.fences.iter().all(|f| f.known_done())
+        self.legacy == 0 && self.fences.iter().all(|f| f.known_done())
     }
 
     /// True if the set holds a lazy legacy fence.
     pub(crate) fn has_lazy_legacy(&self) -> bool {
-        self.legacy
+        self.legacy != 0
     }
 
     /// Adds the fences of `other`, keeping the invariant.
     pub(crate) fn merge(&mut self, other: FenceSet) {
-        self.legacy |= other.legacy;
+        self.legacy = self.legacy.max(other.legacy);
         self.fences.retain(|f| !f.known_done());
         for f in other.fences {
             if f.known_done() {
@@ -349,8 +359,9 @@ impl FenceSet {
     }
 
     /// Orders every fence before `stream` (identity `key`); see [`Fence::order_before`]. A
-    /// lazy legacy fence is recorded now (and waited on unless `stream` is the legacy stream).
-    /// `legacy` is asked for only then.
+    /// lazy legacy fence is ordered now: on the legacy stream by a legacy action issued after
+    /// its ticket (none if one already was), on another stream by an event recorded on the
+    /// legacy stream and waited on. `legacy` is asked for only then.
     pub(crate) fn order_before<'a>(
         &self,
         dev: &Counted<'_>,
@@ -359,13 +370,20 @@ impl FenceSet {
         legacy: impl FnOnce() -> Result<Legacy<'a>>,
     ) -> Result<()> {
         self.fences.iter().try_for_each(|f| f.order_before(dev, stream, key))?;
-        if self.legacy {
-            // The record is a legacy-stream operation queued after the free: it waits for the
-            // work the free's contract covers, and any later per-thread-stream work waits for
-            // it. A stream that is not the legacy stream also waits on it.
+        if self.legacy != 0 {
             let l = legacy()?;
-            let f = Fence::record(l.events, dev, Stream::LEGACY, l.key)?;
-            if key != l.key {
+            if key == l.key {
+                // Any legacy action issued after the ticket is a legacy-stream operation queued
+                // after the frees (`LegacyAction`). The mutation `pool_legacy_no_action` skips
+                // it: `legacy_frees::a_pool_block_freed_on_the_legacy_stream_is_reused_there_behind_an_action`
+                // must then fail.
+                if !l.action.covers(self.legacy) && !cfg!(cuarena_mutant = "pool_legacy_no_action") {
+                    l.action.issue(dev)?;
+                }
+            } else {
+                // The record is a legacy-stream operation queued after the frees; a stream that
+                // is not the legacy stream also waits on it.
+                let f = Fence::record(l.events, dev, Stream::LEGACY, l.key)?;
                 f.wait_for(dev, stream, key)?;
             }
         }
@@ -375,10 +393,10 @@ impl FenceSet {
     /// Replaces a lazy legacy fence by a recorded one, so that it can be polled or waited for
     /// (trim, shutdown).
     pub(crate) fn materialize(&mut self, dev: &Counted<'_>, legacy: Legacy<'_>) -> Result<()> {
-        if self.legacy {
+        if self.legacy != 0 {
             let f = Fence::record(legacy.events, dev, Stream::LEGACY, legacy.key)?;
             self.fences.push(f);
-            self.legacy = false;
+            self.legacy = 0;
         }
         Ok(())
     }
@@ -386,7 +404,7 @@ impl FenceSet {
     /// True if every fence has completed (queries each pending one). A set with a lazy legacy
     /// fence must be [`FenceSet::materialize`]d first.
     pub(crate) fn poll_all(&self, dev: &Counted<'_>) -> Result<bool> {
-        debug_assert!(!self.legacy, "materialize a lazy fence before polling");
+        debug_assert!(self.legacy == 0, "materialize a lazy fence before polling");
         for f in &self.fences {
             if !f.poll(dev)? {
                 return Ok(false);
@@ -397,7 +415,7 @@ impl FenceSet {
 
     /// Blocks until every fence has completed (after [`FenceSet::materialize`]).
     pub(crate) fn wait_host(&self, dev: &Counted<'_>) -> Result<()> {
-        debug_assert!(!self.legacy, "materialize a lazy fence before waiting");
+        debug_assert!(self.legacy == 0, "materialize a lazy fence before waiting");
         self.wait_host_recorded(dev)
     }
 
@@ -477,7 +495,7 @@ mod tests {
         for _ in 0..100 {
             let f = Fence::record(&pool, &dev, a, ka).unwrap();
             let g = Fence::record(&pool, &dev, b, kb).unwrap();
-            set.merge(FenceSet { fences: vec![f, g], legacy: false });
+            set.merge(FenceSet { fences: vec![f, g], legacy: 0 });
         }
         assert_eq!(set.fences.len(), 2);
         let latest = Fence::record(&pool, &dev, a, ka).unwrap();

@@ -157,7 +157,7 @@ impl GlobalPool {
 
     /// What a lazy legacy fence needs to be recorded (see `FenceSet`).
     fn legacy(&self, dev: &Counted<'_>) -> Result<Legacy<'_>> {
-        Ok(Legacy { events: &self.events, key: self.legacy_key(dev)? })
+        Ok(Legacy { events: &self.events, key: self.legacy_key(dev)?, action: &self.legacy_action })
     }
 
     /// The cap on reserved bytes.

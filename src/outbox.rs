@@ -316,10 +316,11 @@ impl Outbox {
         self.count = 0;
         self.bytes = 0;
         // Frees on the legacy stream that all go to the pool need no event now: the pool keeps
-        // a lazy legacy fence, recorded only if a user stream reuses the memory (`FenceSet`).
+        // a lazy legacy fence under a ticket taken after them, ordered at reuse (`FenceSet`).
         if stream.is_legacy() && !env.skip_fences && dests.iter().all(|(d, _)| d.is_null()) {
+            let ticket = env.legacy_request();
             for (_, blocks) in dests {
-                env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy());
+                env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy(ticket));
             }
             return Ok(Some((stream, None)));
         }
@@ -340,9 +341,10 @@ impl Outbox {
             // capture refuses either by its own name (the legacy stream's refusal is
             // `is_legacy_refusal`'s).
             Err(e) if e.is_capture_of(stream) && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") => {
+                let ticket = env.legacy_request();
                 for (dest, blocks) in dests {
                     if dest.is_null() {
-                        env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy());
+                        env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy(ticket));
                     } else {
                         for fr in blocks {
                             self.refused.push(

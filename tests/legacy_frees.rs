@@ -493,3 +493,103 @@ fn pool_blocks_on_the_legacy_stream_ask_its_identity_once() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// A pool block (over `large_max`) used on thread B's per-thread stream, freed by A on the
+/// legacy stream (no event: a lazy legacy fence under a ticket), reused by A on the legacy stream
+/// and written on A's per-thread stream: the write must follow B's use, which only a legacy
+/// action issued after the free orders (A's per-thread stream waits for earlier legacy
+/// operations, which wait for B's). The reuse issues one action, and records no event: before,
+/// it recorded an event on the legacy stream at every such reuse. The mutation
+/// `pool_legacy_no_action` (no action) must fail this.
+#[test]
+fn a_pool_block_freed_on_the_legacy_stream_is_reused_there_behind_an_action() {
+    const S: usize = 2 << 20;
+    let sim = host(0);
+    let a = host_allocator(sim.clone(), Config::builder().no_large().legacy_batch_blocks(1).build().unwrap())
+        .unwrap();
+    // A legacy action now (an arena's batch of one), so that the action's event, recorded by
+    // the first action, exists before the reuse below.
+    let r = a.allocate(4096, Stream::LEGACY).unwrap();
+    a.deallocate(r, 4096, Stream::LEGACY).unwrap();
+    let p = a.allocate(S, Stream::LEGACY).unwrap();
+    let (a2, sim2) = (a.clone(), sim.clone());
+    std::thread::spawn(move || {
+        sim2.hold_and_check(p.0, S, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    a.deallocate(p, S, Stream::LEGACY).unwrap();
+    a.flush().unwrap(); // the outbox's legacy batch goes to the pool now
+    let before = a.stats();
+    let q = a.allocate(S, Stream::LEGACY).unwrap();
+    assert_eq!(q, p, "the pool's first fit hands the block out again");
+    let after = a.stats();
+    write_len_after_b(&sim, q, S, "a pool block reused on the legacy stream");
+    assert_eq!(
+        after.fences_recorded, before.fences_recorded,
+        "no event recorded for a reuse on the legacy stream"
+    );
+    assert_eq!(after.driver_calls - before.driver_calls, 2, "one capture check and one legacy action");
+    assert_eq!(after.fence_waits - before.fence_waits, 1, "the action: a wait on the legacy stream");
+    a.deallocate(q, S, Stream::LEGACY).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// Another thread's legacy action issued after a pool block's free on the legacy stream covers
+/// its ticket: the block's reuse on the legacy stream then makes no legacy action of its own,
+/// and stays ordered after the use before the free (as
+/// `a_pool_block_freed_on_the_legacy_stream_is_reused_there_behind_an_action`). A reuse on
+/// another stream still records an event on the legacy stream and waits on it (a non-blocking
+/// stream orders itself after no legacy action).
+#[test]
+fn a_pool_blocks_legacy_ticket_covered_by_another_threads_action_costs_no_call() {
+    const S: usize = 2 << 20;
+    let sim = host(0);
+    let a = host_allocator(sim.clone(), Config::builder().no_large().legacy_batch_blocks(1).build().unwrap())
+        .unwrap();
+    let p = a.allocate(S, Stream::LEGACY).unwrap();
+    let (a2, sim2) = (a.clone(), sim.clone());
+    std::thread::spawn(move || {
+        sim2.hold_and_check(p.0, S, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    a.deallocate(p, S, Stream::LEGACY).unwrap();
+    a.flush().unwrap();
+    // Thread C's own legacy free (a batch of one) issues its arena's legacy action now.
+    let a3 = a.clone();
+    std::thread::spawn(move || {
+        let r = a3.allocate(4096, Stream::LEGACY).unwrap();
+        a3.deallocate(r, 4096, Stream::LEGACY).unwrap();
+        a3.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    let before = a.stats();
+    let q = a.allocate(S, Stream::LEGACY).unwrap();
+    assert_eq!(q, p);
+    let after = a.stats();
+    assert_eq!(
+        after.driver_calls - before.driver_calls,
+        1,
+        "the capture check only: C's action covered the ticket"
+    );
+    write_len_after_b(&sim, q, S, "a pool block reused behind another thread's action");
+    a.deallocate(q, S, Stream::LEGACY).unwrap();
+    a.flush().unwrap();
+    // On a non-blocking user stream: an event on the legacy stream, and a wait on it.
+    let user = sim.create_stream();
+    let before = a.stats();
+    let u = a.allocate(S, user).unwrap();
+    assert_eq!(u, p);
+    let after = a.stats();
+    assert_eq!(after.fences_recorded - before.fences_recorded, 1, "an event on the legacy stream");
+    assert_eq!(after.fence_waits - before.fence_waits, 1, "the user stream waits on it");
+    a.deallocate(u, S, user).unwrap();
+    sim.synchronize();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_all_returned(&a, Some(&sim), 0);
+    sim.destroy_stream(user).unwrap();
+}

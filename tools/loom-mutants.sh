@@ -53,6 +53,7 @@ trace_no_wait            trace      a_stop_racing_an_owners_exit_loses_no_record
 trace_exit_unregisters_early trace  a_stop_racing_an_owners_exit_loses_no_record
 trace_alloc_flag_first   trace      an_allocation_that_takes_a_recorded_free_is_recorded
 legacy_covered_early     legacy     a_reused_legacy_free_follows_an_action_issued_after_its_use
+pool_legacy_no_action    legacy     a_reused_legacy_pool_free_follows_an_action_issued_after_its_use
 legacy_covered_unchecked legacy     a_reused_legacy_free_follows_an_action_issued_after_its_use
 legacy_read_after_call   legacy_roles an_action_queued_before_a_use_never_covers_its_ticket
 LIST

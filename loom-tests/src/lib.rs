@@ -40,6 +40,23 @@ pub mod common {
         (dev, a)
     }
 
+    /// [`setup_legacy`] (batches of one) with no large superblocks: a request over `SB / 2` is
+    /// the global pool's.
+    pub fn setup_legacy_pool() -> (Arc<ModelDevice>, Allocator) {
+        let dev = Arc::new(ModelDevice::new(SB as u64, (8 * SB) as u64));
+        let cfg = Config::builder()
+            .superblock(SB)
+            .small_max(SB / 2)
+            .no_large()
+            .chunk(SB)
+            .max_bytes(8 * SB)
+            .legacy_batch_blocks(1)
+            .build()
+            .expect("a valid model config");
+        let a = Allocator::new(dev.clone(), cfg).expect("allocator");
+        (dev, a)
+    }
+
     /// [`setup_batched`] with superblocks of `sb` bytes and room for `superblocks` of them.
     pub fn setup_sized(
         sb: usize,

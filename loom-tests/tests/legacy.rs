@@ -7,7 +7,7 @@
 
 use cuarena::Stream;
 use loom::thread;
-use loom_tests::common::{SB, assert_all_returned, model, setup_legacy};
+use loom_tests::common::{SB, assert_all_returned, model, setup_legacy, setup_legacy_pool};
 
 /// Thread A fills a superblock with two half blocks, marks a use of them (a kernel on some
 /// blocking stream, as far as the model device knows), and frees them on the legacy stream in a
@@ -43,6 +43,41 @@ fn a_reused_legacy_free_follows_an_action_issued_after_its_use() {
         }
         c.join().unwrap();
         a.deallocate(r, q, Stream::LEGACY).unwrap();
+        a.flush().unwrap();
+        assert_all_returned(&a);
+    });
+}
+
+/// The same rule for a block of the global pool (`FenceSet`'s lazy legacy fence): thread A marks
+/// a use of its pool block and frees it on the legacy stream (no event: a ticket taken at the
+/// outbox's flush), while thread C's own legacy free issues its arena's action, which may or may
+/// not cover A's ticket. When A gets the block back on the legacy stream, the model device must
+/// have seen a legacy action issued after A's marked use: C's, if it covered the ticket, or A's
+/// own at the reuse. The mutation `pool_legacy_no_action` (no action at the reuse) must fail
+/// this.
+#[test]
+fn a_reused_legacy_pool_free_follows_an_action_issued_after_its_use() {
+    model(|| {
+        let (dev, a) = setup_legacy_pool();
+        let p = a.allocate(SB, Stream::LEGACY).unwrap();
+        let a2 = a.clone();
+        let c = thread::spawn(move || {
+            let q = a2.allocate(SB / 4, Stream::LEGACY).unwrap();
+            a2.deallocate(q, SB / 4, Stream::LEGACY).unwrap(); // a batch of one: C's action
+            a2.release_thread().unwrap();
+        });
+        let mark = dev.mark_legacy_use();
+        a.deallocate(p, SB, Stream::LEGACY).unwrap();
+        a.flush().unwrap();
+        let r = a.allocate(SB, Stream::LEGACY).unwrap();
+        if r == p {
+            assert!(
+                dev.legacy_covered() >= mark,
+                "a legacy pool free was reused before any legacy action followed its use"
+            );
+        }
+        c.join().unwrap();
+        a.deallocate(r, SB, Stream::LEGACY).unwrap();
         a.flush().unwrap();
         assert_all_returned(&a);
     });
