@@ -192,6 +192,9 @@ struct Region {
 
 struct State {
     shutdown: bool,
+    /// Some stream has queued work and no worker: its spawn failed (`State::enqueue`), and
+    /// waits try again (`Shared::wait`).
+    orphaned: bool,
     regions: BTreeMap<u64, Region>,
     reserved: usize,
     streams: Vec<SimStream>,
@@ -226,6 +229,7 @@ impl HostDevice {
     pub fn new(cfg: HostConfig) -> HostDevice {
         let mut st = State {
             shutdown: false,
+            orphaned: false,
             regions: BTreeMap::new(),
             reserved: 0,
             streams: Vec::new(),
@@ -466,8 +470,21 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn wait<'a>(&self, g: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-        self.cv.wait(g).unwrap_or_else(|p| p.into_inner())
+    /// Waits for a change of the device's state. While a stream is left with queued work and no
+    /// worker (its spawn failed: [`State::enqueue`]), one is tried again every 20 ms.
+    fn wait<'a>(self: &Arc<Self>, g: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        if !g.orphaned {
+            return self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        let (mut g, _) =
+            self.cv.wait_timeout(g, Duration::from_millis(20)).unwrap_or_else(|p| p.into_inner());
+        g.orphaned = false;
+        for idx in 0..g.streams.len() {
+            if g.ensure_worker(self, idx).is_err() {
+                g.orphaned = true;
+            }
+        }
+        g
     }
 }
 
@@ -629,17 +646,31 @@ impl State {
     }
 
     fn enqueue(&mut self, sh: &Arc<Shared>, idx: usize, op: Op) {
-        let s = &mut self.streams[idx];
-        s.queue.push_back(op);
-        if !s.worker {
-            s.worker = true;
-            let sh = Arc::clone(sh);
-            std::thread::Builder::new()
-                .name(format!("cuarena-sim-stream-{idx}"))
-                .spawn(move || worker(sh, idx))
-                .expect("spawning a simulated stream worker");
-        }
+        self.streams[idx].queue.push_back(op);
+        let spawned = self.ensure_worker(sh, idx);
+        self.orphaned |= spawned.is_err();
         sh.cv.notify_all();
+        if let Err(e) = spawned {
+            // The op stays queued, and the stream without a worker: the next enqueue, and every
+            // wait for the device (`Shared::wait`), try again, so queued work is never left
+            // with none to run it (a replay of 1,024 threads under a memory cap hung in the
+            // allocator's final synchronise, helper-31).
+            panic!("spawning a simulated stream worker: {e}");
+        }
+    }
+
+    /// Starts a worker for stream `idx` if it has queued work and none.
+    fn ensure_worker(&mut self, sh: &Arc<Shared>, idx: usize) -> std::io::Result<()> {
+        let s = &mut self.streams[idx];
+        if s.worker || s.queue.is_empty() {
+            return Ok(());
+        }
+        let sh = Arc::clone(sh);
+        std::thread::Builder::new()
+            .name(format!("cuarena-sim-stream-{idx}"))
+            .spawn(move || worker(sh, idx))?;
+        s.worker = true;
+        Ok(())
     }
 
     fn event_done(&self, e: usize) -> bool {
