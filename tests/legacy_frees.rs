@@ -494,6 +494,23 @@ fn pool_blocks_on_the_legacy_stream_ask_its_identity_once() {
     assert_all_returned(&a, Some(&sim), 0);
 }
 
+/// A pool block of 2 MiB used on thread B's per-thread stream (a long write of tag 7), then
+/// freed by A on the legacy stream and sent to the pool (`flush`).
+fn pool_block_used_by_b_then_freed_on_legacy(a: &Allocator, sim: &HostDevice) -> cuarena::DeviceAddr {
+    const S: usize = 2 << 20;
+    let p = a.allocate(S, Stream::LEGACY).unwrap();
+    let (a2, sim2) = (a.clone(), sim.clone());
+    std::thread::spawn(move || {
+        sim2.hold_and_check(p.0, S, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    a.deallocate(p, S, Stream::LEGACY).unwrap();
+    a.flush().unwrap(); // the outbox's legacy batch goes to the pool now
+    p
+}
+
 /// A pool block (over `large_max`) used on thread B's per-thread stream, freed by A on the
 /// legacy stream (no event: a lazy legacy fence under a ticket), reused by A on the legacy stream
 /// and written on A's per-thread stream: the write must follow B's use, which only a legacy
@@ -511,16 +528,7 @@ fn a_pool_block_freed_on_the_legacy_stream_is_reused_there_behind_an_action() {
     // the first action, exists before the reuse below.
     let r = a.allocate(4096, Stream::LEGACY).unwrap();
     a.deallocate(r, 4096, Stream::LEGACY).unwrap();
-    let p = a.allocate(S, Stream::LEGACY).unwrap();
-    let (a2, sim2) = (a.clone(), sim.clone());
-    std::thread::spawn(move || {
-        sim2.hold_and_check(p.0, S, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
-        a2.release_thread().unwrap();
-    })
-    .join()
-    .unwrap();
-    a.deallocate(p, S, Stream::LEGACY).unwrap();
-    a.flush().unwrap(); // the outbox's legacy batch goes to the pool now
+    let p = pool_block_used_by_b_then_freed_on_legacy(&a, &sim);
     let before = a.stats();
     let q = a.allocate(S, Stream::LEGACY).unwrap();
     assert_eq!(q, p, "the pool's first fit hands the block out again");
@@ -548,16 +556,7 @@ fn a_pool_blocks_legacy_ticket_covered_by_another_threads_action_costs_no_call()
     let sim = host(0);
     let a = host_allocator(sim.clone(), Config::builder().no_large().legacy_batch_blocks(1).build().unwrap())
         .unwrap();
-    let p = a.allocate(S, Stream::LEGACY).unwrap();
-    let (a2, sim2) = (a.clone(), sim.clone());
-    std::thread::spawn(move || {
-        sim2.hold_and_check(p.0, S, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
-        a2.release_thread().unwrap();
-    })
-    .join()
-    .unwrap();
-    a.deallocate(p, S, Stream::LEGACY).unwrap();
-    a.flush().unwrap();
+    let p = pool_block_used_by_b_then_freed_on_legacy(&a, &sim);
     // Thread C's own legacy free (a batch of one) issues its arena's legacy action now.
     let a3 = a.clone();
     std::thread::spawn(move || {
