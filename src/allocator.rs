@@ -1343,17 +1343,12 @@ impl Slot {
                 } else {
                     !cfg!(cuarena_mutant = "ptds_arena_never_parked")
                 };
-                let capture_forbids = || {
-                    if home.is_legacy() {
-                        env.dev.legacy_implicated()
-                    } else {
-                        env.dev.stream_capturing(home).unwrap_or(true)
-                    }
-                };
+                // `stream_capturing` of the legacy stream answers for a blocking stream's
+                // capture; an unanswered query parks too.
                 if may_park
                     && fence.is_none()
                     && let Some(key) = arena.with_waiting(|a| (a.held_bytes() > 0).then_some(a.key))
-                    && capture_forbids()
+                    && env.dev.stream_capturing(home).unwrap_or(true)
                 {
                     inner.park_arena(key, arena);
                     continue;
