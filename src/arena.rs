@@ -940,12 +940,12 @@ impl Arena {
         // legacy stream (`FenceSet::lazy_legacy`). `fences` would not do: it may be an event on the
         // owner's per-thread stream (thread exit), which orders nothing another thread's
         // per-thread stream did before the free.
-        let mut ticket = None;
+        let mut lazy = None;
         self.legacy_kept.take_where(|k| {
             let inside = std::ptr::eq(k.sb, sbp);
             if inside {
-                let t = *ticket.get_or_insert_with(|| env.legacy_request());
-                fenced.push((k.addr(sb.base), k.bytes(), FenceSet::lazy_legacy(t)));
+                let f = lazy.get_or_insert_with(|| env.lazy_legacy_fence()).clone();
+                fenced.push((k.addr(sb.base), k.bytes(), f));
             }
             inside
         });

@@ -2,7 +2,7 @@
 
 use crate::device::counted::Counted;
 use crate::error::{Error, Result};
-use crate::fence::Fence;
+use crate::fence::{Fence, FenceSet};
 use crate::global_pool::{GlobalPool, Origin};
 use crate::stream::{Stream, StreamKey};
 use crate::sync::{Mutex, lock};
@@ -56,6 +56,12 @@ impl Env<'_> {
     /// frees").
     pub(crate) fn legacy_request(&self) -> u64 {
         self.pool.legacy_action.request()
+    }
+
+    /// A lazy legacy fence for the calling thread's frees on the legacy stream so far, under a
+    /// ticket taken now, after them (`FenceSet`).
+    pub(crate) fn lazy_legacy_fence(&self) -> FenceSet {
+        FenceSet::lazy_legacy(self.legacy_request())
     }
 
     /// True if a legacy action issued after ticket `t` (by any thread) has been queued. With

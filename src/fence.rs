@@ -327,8 +327,8 @@ impl FenceSet {
     /// A lazy fence for frees made on the legacy stream, with `ticket`, a [`LegacyAction`]
     /// ticket taken after them (see the type's comment).
     pub(crate) fn lazy_legacy(ticket: u64) -> FenceSet {
-        debug_assert!(ticket > 0, "tickets start at 1");
-        FenceSet { fences: Vec::new(), legacy: ticket.max(1) }
+        debug_assert!(ticket > 0, "tickets start at 1 (0 is no lazy fence)");
+        FenceSet { fences: Vec::new(), legacy: ticket }
     }
 
     /// True if memory guarded by this set may be used on any stream now, with no wait and no

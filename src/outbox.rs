@@ -300,8 +300,8 @@ impl Outbox {
     /// (frees made before the capture began; or during it, which cuarena does not see on the
     /// per-thread stream, as it does not see the owner's own frees there (README, "CUDA
     /// graphs"): they are taken as made before it). Then the pool's blocks take a lazy legacy
-    /// fence, as when all go to the pool (a legacy operation recorded at their reuse follows
-    /// the earlier work of every per-thread stream too, `fence.rs`), and the others wait in
+    /// fence, as when all go to the pool (a legacy operation at their reuse follows the earlier
+    /// work of every per-thread stream too, `fence.rs`), and the others wait in
     /// `refused` to be parked until a device synchronise; that is no error (no fence is
     /// returned).
     pub(crate) fn flush(
@@ -318,9 +318,9 @@ impl Outbox {
         // Frees on the legacy stream that all go to the pool need no event now: the pool keeps
         // a lazy legacy fence under a ticket taken after them, ordered at reuse (`FenceSet`).
         if stream.is_legacy() && !env.skip_fences && dests.iter().all(|(d, _)| d.is_null()) {
-            let ticket = env.legacy_request();
+            let lazy = env.lazy_legacy_fence();
             for (_, blocks) in dests {
-                env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy(ticket));
+                env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), lazy.clone());
             }
             return Ok(Some((stream, None)));
         }
@@ -341,10 +341,10 @@ impl Outbox {
             // capture refuses either by its own name (the legacy stream's refusal is
             // `is_legacy_refusal`'s).
             Err(e) if e.is_capture_of(stream) && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") => {
-                let ticket = env.legacy_request();
+                let lazy = env.lazy_legacy_fence();
                 for (dest, blocks) in dests {
                     if dest.is_null() {
-                        env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), FenceSet::lazy_legacy(ticket));
+                        env.pool.finish_frees(blocks.iter().map(|fr| fr.ptr), lazy.clone());
                     } else {
                         for fr in blocks {
                             self.refused.push(
