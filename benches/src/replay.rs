@@ -483,21 +483,25 @@ pub const MAX_USER_STREAMS: usize = 1024;
 /// The protocol is a store-then-check on both sides, all `SeqCst`: the waiter registers (under
 /// the lock, then `parked`), then loads the slot; the allocator stores the slot, then loads
 /// `parked`. One of the two sees the other's write, so a waiter either sees its slot or is
-/// woken (an unpark before the park is kept by the thread's token). A player that gives up
-/// wakes every waiter ([`Waiters::wake_all`]); a park also times out after 100 ms, a backstop
-/// that costs nothing while the protocol holds.
+/// woken (an unpark before the park is kept by the thread's token). A player that cannot go
+/// on (its thread could not be made, or it panicked) gives up and wakes every waiter
+/// ([`Waiters::abandon`]): a free waiting for an allocation that player owed gives up too
+/// instead of waiting forever. A park also times out after 100 ms, a backstop that costs
+/// nothing while the protocol holds.
 #[derive(Default)]
 struct Waiters {
     parked: AtomicUsize,
     by_slot: Mutex<HashMap<usize, std::thread::Thread>>,
+    /// Set by [`Waiters::abandon`].
+    abandoned: AtomicBool,
 }
 
 impl Waiters {
-    /// The slot's value once it is no longer `PENDING`, or `PENDING` once `abandoned` is set.
-    fn wait(&self, slot: &AtomicU64, id: usize, abandoned: &AtomicBool) -> u64 {
+    /// The slot's value once it is no longer `PENDING`, or `PENDING` once a player gave up.
+    fn wait(&self, slot: &AtomicU64, id: usize) -> u64 {
         for _ in 0..64 {
             let p = slot.load(Ordering::Acquire);
-            if p != PENDING || abandoned.load(Ordering::Acquire) {
+            if p != PENDING || self.abandoned.load(Ordering::Acquire) {
                 return p;
             }
             std::thread::yield_now();
@@ -506,7 +510,7 @@ impl Waiters {
         self.parked.fetch_add(1, Ordering::SeqCst);
         let p = loop {
             let p = slot.load(Ordering::SeqCst);
-            if p != PENDING || abandoned.load(Ordering::SeqCst) {
+            if p != PENDING || self.abandoned.load(Ordering::SeqCst) {
                 break p;
             }
             std::thread::park_timeout(Duration::from_millis(100));
@@ -526,10 +530,9 @@ impl Waiters {
         }
     }
 
-    /// Sets `abandoned` and wakes every parked player: one player cannot go on, and a free
-    /// waiting for an allocation it owed gives up.
-    fn abandon(&self, abandoned: &AtomicBool) {
-        abandoned.store(true, Ordering::SeqCst);
+    /// One player cannot go on: every wait ends, at once or when its park is woken.
+    fn abandon(&self) {
+        self.abandoned.store(true, Ordering::SeqCst);
         for t in lock(&self.by_slot).values() {
             t.unpark();
         }
@@ -570,28 +573,23 @@ impl Bench {
             StreamId::User(k) => streams[&k],
         };
         let slots: Vec<AtomicU64> = (0..plan.allocations).map(|_| AtomicU64::new(PENDING)).collect();
-        // Set when a player cannot go on (its thread could not be made, or it panicked): a
-        // free waiting for an allocation that player owed gives up (`Waiters::abandon`)
-        // instead of waiting forever.
-        let abandoned = AtomicBool::new(false);
         let waiters = Waiters::default();
         let t0 = Instant::now();
         let results: Vec<Option<(Vec<u64>, u64, u64)>> = std::thread::scope(|sc| {
             let mut hs = Vec::new();
             for steps in &plan.threads {
-                let (alloc, slots, stream_of, abandoned, waiters) =
-                    (&alloc, &slots, &stream_of, &abandoned, &waiters);
+                let (alloc, slots, stream_of, waiters) = (&alloc, &slots, &stream_of, &waiters);
                 let play = move || {
                     // If the player panics (an allocator's bug), the others must not wait for it.
-                    struct Abandon<'a>(&'a Waiters, &'a AtomicBool);
+                    struct Abandon<'a>(&'a Waiters);
                     impl Drop for Abandon<'_> {
                         fn drop(&mut self) {
                             if std::thread::panicking() {
-                                self.0.abandon(self.1);
+                                self.0.abandon();
                             }
                         }
                     }
-                    let _abandon = Abandon(waiters, abandoned);
+                    let _abandon = Abandon(waiters);
                     let mut lat = Vec::with_capacity(steps.len());
                     let (mut fa, mut ff) = (0u64, 0u64);
                     for &step in steps {
@@ -611,7 +609,7 @@ impl Bench {
                             }
                             Step::Free { id, size, stream, wait } => {
                                 let p = if wait {
-                                    waiters.wait(&slots[id], id, abandoned)
+                                    waiters.wait(&slots[id], id)
                                 } else {
                                     slots[id].load(Ordering::Acquire)
                                 };
@@ -631,7 +629,7 @@ impl Bench {
                 match std::thread::Builder::new().spawn_scoped(sc, play) {
                     Ok(h) => hs.push(h),
                     Err(e) => {
-                        waiters.abandon(abandoned);
+                        waiters.abandon();
                         eprintln!("replay: cannot start a thread for recorded thread {}: {e}", hs.len());
                         break;
                     }
@@ -642,7 +640,7 @@ impl Bench {
             r.resize(plan.threads().max(started), None);
             r
         });
-        if abandoned.load(Ordering::Acquire) || results.iter().any(Option::is_none) {
+        if waiters.abandoned.load(Ordering::Acquire) || results.iter().any(Option::is_none) {
             return Err(err(
                 "the replay did not finish: a thread could not be started, or a player panicked (see above)",
             ));
