@@ -32,13 +32,7 @@ fn a_legacy_free_reused_on_a_per_thread_stream_follows_its_use_on_another() {
         let p = a.allocate(64 << 10, Stream::LEGACY).unwrap();
         // Blocks to fill the batch with (freed on the legacy stream after `p`).
         let fill: Vec<_> = (1..batch).map(|_| a.allocate(64 << 10, Stream::LEGACY).unwrap()).collect();
-        let (a2, sim2) = (a.clone(), sim.clone());
-        std::thread::spawn(move || {
-            sim2.hold_and_check(p.0, 64 << 10, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
-            a2.release_thread().unwrap();
-        })
-        .join()
-        .unwrap();
+        use_on_b(&a, &sim, p, 64 << 10);
         a.deallocate(p, 64 << 10, Stream::LEGACY).unwrap();
         for q in &fill {
             a.deallocate(*q, 64 << 10, Stream::LEGACY).unwrap();
@@ -69,13 +63,7 @@ fn released_legacy_frees_of_a_cached_class_are_reused_in_order_and_refused_twice
         let a = allocator(&sim, batch);
         let p = a.allocate(S, Stream::LEGACY).unwrap();
         let fill: Vec<_> = (1..batch).map(|_| a.allocate(S, Stream::LEGACY).unwrap()).collect();
-        let (a2, sim2) = (a.clone(), sim.clone());
-        std::thread::spawn(move || {
-            sim2.hold_and_check(p.0, S, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
-            a2.release_thread().unwrap();
-        })
-        .join()
-        .unwrap();
+        use_on_b(&a, &sim, p, S);
         a.deallocate(p, S, Stream::LEGACY).unwrap();
         for q in &fill {
             a.deallocate(*q, S, Stream::LEGACY).unwrap();
@@ -98,6 +86,18 @@ fn released_legacy_frees_of_a_cached_class_are_reused_in_order_and_refused_twice
         }
         assert_all_returned(&a, Some(&sim), batch as u64);
     }
+}
+
+/// Thread B's use of `p` (`len` bytes): a long write of tag 7 on its per-thread stream, checked
+/// at its end; B then releases its arenas and ends.
+fn use_on_b(a: &Allocator, sim: &HostDevice, p: cuarena::DeviceAddr, len: usize) {
+    let (a2, sim2) = (a.clone(), sim.clone());
+    std::thread::spawn(move || {
+        sim2.hold_and_check(p.0, len, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
 }
 
 /// Writes the reused block `p` on the calling thread's per-thread stream and checks that the
@@ -124,13 +124,7 @@ fn used_on_another_per_thread_stream(
 ) -> (Allocator, Vec<cuarena::DeviceAddr>) {
     let a = allocator(sim, batch);
     let ps: Vec<_> = (0..4).map(|_| a.allocate(64 << 10, Stream::LEGACY).unwrap()).collect();
-    let (a2, sim2, p) = (a.clone(), sim.clone(), ps[0]);
-    std::thread::spawn(move || {
-        sim2.hold_and_check(p.0, 64 << 10, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
-        a2.release_thread().unwrap();
-    })
-    .join()
-    .unwrap();
+    use_on_b(&a, sim, ps[0], 64 << 10);
     (a, ps)
 }
 
@@ -499,13 +493,7 @@ fn pool_blocks_on_the_legacy_stream_ask_its_identity_once() {
 fn pool_block_used_by_b_then_freed_on_legacy(a: &Allocator, sim: &HostDevice) -> cuarena::DeviceAddr {
     const S: usize = 2 << 20;
     let p = a.allocate(S, Stream::LEGACY).unwrap();
-    let (a2, sim2) = (a.clone(), sim.clone());
-    std::thread::spawn(move || {
-        sim2.hold_and_check(p.0, S, 7, Duration::from_millis(30), Stream::PER_THREAD).unwrap();
-        a2.release_thread().unwrap();
-    })
-    .join()
-    .unwrap();
+    use_on_b(a, sim, p, S);
     a.deallocate(p, S, Stream::LEGACY).unwrap();
     a.flush().unwrap(); // the outbox's legacy batch goes to the pool now
     p
