@@ -1175,7 +1175,8 @@ impl Slot {
             }
         }
         let Some(bytes) = bytes else {
-            return Err(invalid(InvalidFree::UnknownPointer));
+            // Null with size 0 never comes here (`deallocate_rest`).
+            return Err(invalid(if size == 0 { InvalidFree::ZeroSize } else { InvalidFree::UnknownPointer }));
         };
         let env = inner.env_on(&self.counters, stream);
         if Outbox::batchable(stream) {

@@ -28,6 +28,9 @@ pub enum InvalidFree {
     DoubleFree,
     /// The size given to the free does not match the size the block was allocated with.
     SizeMismatch { allocated: usize, given: usize },
+    /// Size 0 with a non-null pointer: no block has size 0 (an allocation of 0 bytes gives
+    /// null), so the free names no block, whatever the pointer.
+    ZeroSize,
 }
 
 /// Every error cuarena returns.
@@ -130,6 +133,10 @@ impl fmt::Display for Error {
                 InvalidFree::SizeMismatch { allocated, given } => write!(
                     f,
                     "invalid free of {ptr:#x}: size {given} B does not match the allocation ({allocated} B after rounding)"
+                ),
+                InvalidFree::ZeroSize => write!(
+                    f,
+                    "invalid free of {ptr:#x}: size 0 with a non-null pointer (a free takes the size the block was allocated with)"
                 ),
             },
             Error::NoDriver => write!(f, "no CUDA driver: libcuda could not be loaded"),

@@ -180,7 +180,10 @@ impl Passthrough {
 
     /// The size `ptr` was allocated with, if freeing it with `size` is valid.
     fn check_free(&self, st: &State, ptr: u64, size: usize) -> Result<usize, InvalidFree> {
-        let given = if size == 0 || ptr == 0 { None } else { block_bytes(size, self.small_max) };
+        if size == 0 && ptr != 0 {
+            return Err(InvalidFree::ZeroSize);
+        }
+        let given = if ptr == 0 { None } else { block_bytes(size, self.small_max) };
         let Some(given) = given else { return Err(InvalidFree::UnknownPointer) };
         match st.live.get(&ptr) {
             Some(&allocated) => {

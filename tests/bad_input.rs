@@ -97,14 +97,29 @@ fn size_zero_gives_null_and_null_frees_with_size_zero() {
     settle(&a, &dev, two_blocks(&a));
 }
 
+/// Size 0 with a live block's pointer names no block: refused as such (not as an unknown
+/// pointer), on every stream, for the caller's own arena block, another thread's, a pool
+/// block and a pointer that is no block at all; the blocks stay live.
 #[test]
 fn a_free_of_a_live_block_with_size_zero_is_refused() {
     let (dev, a) = setup();
-    let live = two_blocks(&a);
-    for &(p, _, s) in &live {
-        assert_eq!(reason(a.deallocate(p, 0, s)), InvalidFree::UnknownPointer);
+    let user = dev.create_stream();
+    let mut live = two_blocks(&a);
+    let a2 = a.clone();
+    live.push(std::thread::spawn(move || (a2.allocate_per_thread(3000).unwrap(), 3000, Stream::PER_THREAD)).join().unwrap());
+    live.push((a.allocate(5000, user).unwrap(), 5000, user));
+    let mut refused = 0;
+    for &(p, _, _) in &live {
+        for s in [Stream::PER_THREAD, Stream::LEGACY, user] {
+            assert_eq!(reason(a.deallocate(p, 0, s)), InvalidFree::ZeroSize);
+            refused += 1;
+        }
+        let e = a.deallocate(p, 0, Stream::LEGACY).unwrap_err();
+        assert!(e.to_string().contains("size 0"), "{e}");
+        refused += 1;
     }
-    assert_eq!(a.stats().invalid_frees, 2);
+    assert_eq!(reason(a.deallocate(DeviceAddr(0xdead_0000), 0, Stream::LEGACY)), InvalidFree::ZeroSize);
+    assert_eq!(a.stats().invalid_frees, refused + 1);
     settle(&a, &dev, live);
 }
 

@@ -187,7 +187,7 @@ fn bad_requests_are_refused_and_lose_nothing() {
     );
     assert_eq!(reason(a.deallocate(DeviceAddr(u64::MAX), 4096, Stream::LEGACY)), InvalidFree::UnknownPointer);
     assert_eq!(reason(a.deallocate(DeviceAddr::NULL, 8, Stream::LEGACY)), InvalidFree::UnknownPointer);
-    assert_eq!(reason(a.deallocate(small, 0, Stream::LEGACY)), InvalidFree::UnknownPointer);
+    assert_eq!(reason(a.deallocate(small, 0, Stream::LEGACY)), InvalidFree::ZeroSize);
     assert_eq!(reason(a.deallocate(large, usize::MAX, Stream::LEGACY)), InvalidFree::UnknownPointer);
     let gone = dev.create_stream();
     dev.destroy_stream(gone).unwrap();
