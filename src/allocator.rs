@@ -9,7 +9,10 @@
 //!   stream's identities are asked once per thread.
 //! - `size <= large_max` on a user stream: the calling thread's arena for that stream, found
 //!   by the stream's identity (one `cuStreamGetId` per allocation, never the handle; see
-//!   [`Arenas`]), made on first use; a thread keeps at most [`MAX_USER_ARENAS`] of them.
+//!   [`Arenas`]), made on first use; a thread keeps at most [`MAX_USER_ARENAS`] of them. With
+//!   no room for another (`Slot::new_user_arena`, "Making room"), the pool serves the stream;
+//!   past [`LEAN_AFTER_USER_ARENAS`] user arenas they are lean and the pool serves their
+//!   requests over `small_max` (`arena.rs`, "Lean arenas").
 //! - `size > large_max`: the global pool. So is an arena's request while a reclaimer holds the
 //!   arena, or when it still finds no superblock after the out-of-memory reclaim and retry
 //!   below (the pool's first fit may find room for the request where it has none for a

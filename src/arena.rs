@@ -150,7 +150,8 @@
 //! **Lean arenas** ([`Arena::set_lean`]): a thread that serves more than `LEAN_AFTER_USER_ARENAS`
 //! user streams (`allocator.rs`) multiplies whatever each arena keeps by the streams it cycles
 //! through, and a user arena's memory can leave it only inside a call on its stream. So its user
-//! arenas keep no slack: no `K`, `f`, `L` or `E`. After every own free, while the free granules
+//! arenas keep no slack: no `K`, `f`, `L` or `E`, and they borrow no large superblock (the
+//! pool serves their requests over `small_max`: `Slot::alloc_slow_in`). After every own free, while the free granules
 //! (`a - u`) come to a normal superblock or more, the rule gives back an empty superblock, if
 //! there is one (it fires only while one may be, `may_hold_empty`, so an arena whose free
 //! space lies in used superblocks pays nothing per free for it); it dissolves none (each of a
@@ -721,8 +722,9 @@ impl Arena {
     #[cold]
     #[inline(never)]
     fn settle_legacy(&mut self, env: &Env<'_>, t: u64) {
-        // The mutation `legacy_covered_unchecked` takes the sealed batch as covered: the test
-        // `a_sealed_batch_waits_for_an_action_issued_after_it` must then fail.
+        // The mutation `legacy_covered_unchecked` takes the published half as covered: the
+        // test `legacy_frees::a_published_half_waits_for_an_action_issued_after_it` must then
+        // fail.
         if !(cfg!(cuarena_mutant = "legacy_covered_unchecked") || env.legacy_covers(t)) {
             self.release_legacy(env);
             return;

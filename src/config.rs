@@ -15,7 +15,7 @@
 //!   global pool's lock is not hot.
 //! - `large_max = 64 MiB`: requests in `small_max < size <= large_max` on a stream with an arena
 //!   are served by that arena too, from *large superblocks* it borrows from the pool (see
-//!   `arena.rs`). 64 MiB is the largest size the arena's size classes reach
+//!   `arena.rs`; a lean user arena borrows none, and the pool serves it). 64 MiB is the largest size the arena's size classes reach
 //!   ([`MAX_CLASSED_GRANULES`]); above it, the global pool serves. `large_max=off`
 //!   ([`ConfigBuilder::no_large`]) turns large superblocks off: every request over `small_max`
 //!   goes to the pool (a lock and an event a free, and no memory kept per thread for large
@@ -47,7 +47,7 @@
 //!   legacy stream are kept back until this many, then made reusable by a *legacy action*
 //!   (`arena.rs`): the thread's own, or, for the first half of them, published under a
 //!   ticket, another thread's issued since (`legacy_kept.rs`). Each action is queued on the one legacy stream that all threads share, and
-//!   with 16 threads the actions serialise in the driver: at the remote-batch size (64 blocks,
+//!   with 16 threads the actions serialise in the driver: at the remote-batch size of the time (64 blocks,
 //!   4 MiB), legacy churn made 14,800 actions per 10^6 operations and reached 29–30 M pairs/s
 //!   on 16 threads, and large blocks (1–64 MiB, each free a batch) 1.2 M; at 256 blocks and
 //!   64 MiB, 2,950 and 96,000 actions per 10^6 operations, 52–59 M and 4.6 M pairs/s (H200,

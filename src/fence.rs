@@ -70,8 +70,10 @@ impl Drop for EventPool {
 /// does so for a wait on an event completed long before (`notes/experiments/
 /// legacy_wait_is_an_action.py`: 20 of 20 trials ordered, as an event record, 0 without). So it
 /// orders what an event record on the legacy stream orders for the legacy and the per-thread
-/// streams, at the cost of a wait, which scales with threads where a record does not (about
-/// 35 ns against 4.6 µs on 16 threads at once). It orders nothing for a non-blocking stream.
+/// streams, at the cost of a wait. On the legacy stream a wait serialises across threads as a
+/// record there does (183 ns alone, 19.0 µs when 16 threads issue one at once, against an
+/// event record's 270 ns and 21.8 µs: `BENCHMARKS.md`, eleventh measurement), so actions are
+/// batched and shared (below). It orders nothing for a non-blocking stream.
 ///
 /// ## One action for every thread's kept-back frees
 /// An action orders *all* earlier work of every blocking stream before all later work, so one

@@ -3,7 +3,8 @@
 //!
 //! It serves requests over `large_max` (and, by first fit too, an arena's request while a
 //! reclaimer holds the arena, or that still finds no superblock after an out-of-memory reclaim
-//! and retry: `allocator.rs`), lends superblocks to arenas (normal ones, and large ones of
+//! and retry, a user stream's request when its thread has no room for another arena, and a
+//! lean user arena's requests over `small_max`: `allocator.rs`), lends superblocks to arenas (normal ones, and large ones of
 //! several normal superblocks' size, aligned to the normal size) and takes them back.
 //!
 //! ## State and invariants (under `state`'s lock)

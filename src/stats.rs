@@ -426,10 +426,11 @@ pub struct Stats {
     pub allocations: u64,
     /// Successful deallocations (remote ones counted when handed off).
     pub deallocations: u64,
-    /// Frees of small blocks owned by another thread's arena.
+    /// Frees of arena blocks (up to `large_max`) owned by another thread's arena.
     pub cross_thread_frees: u64,
-    /// Frees of a thread's own small blocks that went the batched, fenced way: on a stream other
-    /// than the arena's, or on the legacy stream (see `arena_index` in `allocator.rs`).
+    /// Frees of a thread's own arena blocks (up to `large_max`) on a stream other than the
+    /// arena's, sent the batched, fenced way. The legacy arena's own frees on the legacy stream
+    /// are kept back in it (`Arena::free_legacy`) and not counted here.
     pub cross_stream_frees: u64,
     /// CUDA events recorded as fences.
     pub fences_recorded: u64,
@@ -439,7 +440,10 @@ pub struct Stats {
     pub fence_polls: u64,
     /// Driver calls of every kind.
     pub driver_calls: u64,
-    /// Host-blocking synchronisations (only `trim(blocking)` and shutdown make them).
+    /// Host-blocking waits: device synchronises (the out-of-memory reclaim of user-stream or
+    /// parked memory, a thread exit past the parked bound, `trim(true)`, the allocator's drop,
+    /// out of memory in pass-through mode) and host waits on events (`trim(true)`, a graph
+    /// pool's restore). None on any allocation or free that does not run out of memory.
     pub host_syncs: u64,
     /// Frees refused as invalid (including remote ones found invalid by their owner).
     pub invalid_frees: u64,
@@ -451,16 +455,18 @@ pub struct Stats {
     pub superblocks_dissolved: u64,
     /// Bytes of superblocks held by arenas now.
     pub arena_held_bytes: u64,
-    /// Arenas alive now (a thread has one per stream it allocates small blocks on: its
-    /// per-thread stream and the legacy stream).
+    /// Arenas alive now (a thread has one per stream it allocates on through an arena: its
+    /// per-thread stream, the legacy stream and up to 16 user streams; parked arenas are not
+    /// counted).
     pub arenas: u64,
     /// Allocations served by a thread's arena (requests up to `large_max`, on any stream): the
     /// path with no lock (and no CUDA call on the per-thread and legacy streams; one identity
     /// lookup on a user stream). `allocations - pool_allocations`.
     pub arena_allocations: u64,
     /// Allocations served by the global pool (requests over `large_max`, those made while a
-    /// reclaimer briefly holds the thread's arena, and those for which the arena could not
-    /// grow even after an out-of-memory reclaim).
+    /// reclaimer briefly holds the thread's arena, those for which the arena could not grow
+    /// even after an out-of-memory reclaim, a user stream's when its thread has no room for
+    /// another arena, and requests over `small_max` on a lean user arena: `allocator.rs`).
     pub pool_allocations: u64,
     /// Of `arena_allocations`, those over `small_max`: large blocks served by an arena from its
     /// large superblocks.

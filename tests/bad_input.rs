@@ -106,7 +106,11 @@ fn a_free_of_a_live_block_with_size_zero_is_refused() {
     let user = dev.create_stream();
     let mut live = two_blocks(&a);
     let a2 = a.clone();
-    live.push(std::thread::spawn(move || (a2.allocate_per_thread(3000).unwrap(), 3000, Stream::PER_THREAD)).join().unwrap());
+    live.push(
+        std::thread::spawn(move || (a2.allocate_per_thread(3000).unwrap(), 3000, Stream::PER_THREAD))
+            .join()
+            .unwrap(),
+    );
     live.push((a.allocate(5000, user).unwrap(), 5000, user));
     let mut refused = 0;
     for &(p, _, _) in &live {
