@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after tools/gpu-bundle.sh built gpu-bundle/:
 #   bash tools/gpu-demos.sh [OUTDIR]
+# The bundle must hold the test binaries it runs (the device tool carries at most 64 MiB, so bundle
+# just these): GPU_BUNDLE_TESTS="gpu ffi host gpu_capture capture stats oom_hook" bash tools/gpu-bundle.sh
 # The GPU tests (required), the C ABI tests with the GPU-only ones, the pip-installed Python
 # package, PyTorch training (native vs cuarena), PyTorch threaded inference, CuPy, CuPy on a
 # non-blocking stream, out of memory under PyTorch and CuPy, and the C programs. Prints a summary; writes logs to OUTDIR (default /tmp/cuarena-demos).
