@@ -104,16 +104,36 @@
 //! has just recorded), the out-of-memory path, which does not wait for those fences, may find
 //! none and return out-of-memory where `trim(true)` and a retry would succeed.
 
-//! ## Superblock return rule (Hoard's emptiness rule, with learnt slack)
-//! With `u` the granules in used or remote-pending blocks, `a` the granules of the superblocks held,
-//! `S` a superblock, `K = keep_empty` and `f = sparse`: after every free, while
-//! `u < a - K·S` and `u < (1 - f)·a`, the emptiest superblock goes back to the pool
-//! (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks;
+//! ## Superblock return rule (Hoard's emptiness rule, on the recent peak, with learnt slack)
+//! With `û` the recent peak of the granules in used or remote-pending blocks (below), `a` the
+//! granules of the superblocks held, `S` a superblock, `K = keep_empty` and `f = sparse`: after
+//! every free, while `û < a - K·S` and `û < (1 - f)·a`, the emptiest superblock goes back to the
+//! pool (merely "taken back" if empty; "dissolved" if not, its live blocks becoming pool blocks;
 //! cached blocks count as free and are merged first).
-//! Such a superblock exists by pigeonhole. Hence after every free
-//! `a <= max(u + K·S, u / (1 - f))`: **memory stranded in an arena is at most
-//! `max(K·S, f/(1-f)·u)`**: at the defaults (`K = 2`, `f = 0.6`) two superblocks or 1.5 times
-//! its live bytes, whichever is larger (see `config.rs` for why `f` is not Hoard's 1/4).
+//! Such a superblock exists by pigeonhole (the live granules `u <= û`). Hence after every free
+//! `a <= max(û + K·S, û / (1 - f))`: **memory stranded in an arena is at most
+//! `max(K·S, f/(1-f)·û)` beyond its recent peak**: at the defaults (`K = 2`, `f = 0.6`) two
+//! superblocks or 1.5 times that peak, whichever is larger (see `config.rs` for why `f` is not
+//! Hoard's 1/4).
+//!
+//! **The recent peak `û`** is the live granules' running maximum as the rule sees them: at each
+//! call of the rule (one per own free of a block of the arena, more inside a give-back; none
+//! for the owner's free of a block a dissolved superblock left in the pool) it becomes `u` if
+//! `u` is above it, else it decays by 2^-10 of itself, at least a granule
+//! ([`RECENT_DECAY_SHIFT`]), or, where `u` is below an eighth of it, halves; and it is 0 while
+//! the arena holds no live block. So an arena its thread empties gives back all but `K·S` at
+//! that free; one drained to below an eighth of its peak (its last blocks kept back on the
+//! legacy stream, or freed by another thread and still on their way, which count in `u`) is
+//! within the bound on its live bytes after a few more own frees (`log2(û/u)`); and in one
+//! whose live bytes fall to `u` and stay there, above an eighth of the peak, `û` halves every
+//! 710 calls until it meets `u` (at most three halvings). A swing deeper than eightfold is
+//! taken for a drain. Measured on the live count itself, the rule
+//! followed every swing of a working set: the churn workload's live bytes swing twofold over
+//! about 17,000 pairs, and each swing gave superblocks back at its low and borrowed them again
+//! on the way up (a capture check and an event each, the block cache merged into the lists
+//! each time, the pool's lock twice): about 100 driver calls per 10^6 operations on one thread
+//! and 140 on 16, against 16 and 25 on `û`, and 9% more pairs a second on 16 threads, for
+//! reserved ÷ peak live 3-4% higher (H200, `BENCHMARKS.md`, twenty-second measurement).
 //! "Every free" is every free the owner makes (its fast path, and its frees on the legacy
 //! stream, which count in `u` while kept back): other threads' frees count in `u` until their
 //! batch completes, and a completion, or a release of kept-back legacy frees, at the owner's
@@ -179,7 +199,7 @@ use crate::fence::{Fence, FenceSet};
 use crate::free_lists::{FreeBlock, FreeLists};
 use crate::legacy_kept::{Kept, LegacyKept, Next};
 use crate::shell::{ArenaShell, Batch};
-use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
+use crate::size_class::{GRANULE_SHIFT, block_bytes, class_ceil, class_floor, class_granules, granules_for};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{FREE, IN_TRANSIT, PENDING, SbLocal, Superblock, USED};
 use crate::sync::Ordering;
@@ -213,7 +233,9 @@ pub(crate) struct Arena {
     /// `L` of the return rule: [`LARGE_SUPERBLOCK_MAX`] in granules while a large superblock
     /// is held, else 0.
     large_keep: usize,
-    /// The recent peak of `live` (see `over_held`), kept while large superblocks are held.
+    /// The recent peak of `live` (`û` of the return rule, see `over_held`): decays by 2^-10 of
+    /// itself, at least a granule, per call of the rule (2^-8 while large superblocks are
+    /// held); 0 while `live` is, without large superblocks.
     recent: usize,
     /// `E` of the return rule, in granules: slack learnt from give-backs the arena regretted
     /// (borrowed again within [`REGRET_WINDOW`] calls of the rule), at most [`EXTRA_MAX`]; 0
@@ -303,6 +325,12 @@ const REGRET_WINDOW: u32 = 8192;
 /// (an event record and the pool's lock each time: 8,000 driver calls per 10^6 operations).
 /// With `E` that fell to 11-13 (host device, 2026-12-01).
 const EXTRA_MAX: usize = (3 * LARGE_SUPERBLOCK_MAX) >> GRANULE_SHIFT;
+
+/// `û` of the return rule, the recent peak of live granules, decays by 2^-this of itself per
+/// call of the rule while no large superblock is held (about one call per own free). At 8,
+/// the large superblocks' shift, the churn workload's swings (about 17,000 pairs each) still
+/// cost 75 driver calls per 10^6 operations, against 15 at 10 (host device, 2026-12-04).
+pub(crate) const RECENT_DECAY_SHIFT: u32 = 10;
 
 /// After an identity query of a user arena's handle fails, the return-rule frees that pass
 /// before it is asked again (`Arena::home_retry`): a driver that keeps failing costs one call
@@ -825,7 +853,22 @@ impl Arena {
             return maybe && self.live + self.granules <= self.held;
         }
         let (u, slack) = if self.large_held == 0 {
-            (self.live, 0)
+            // `û`: the recent peak of `live`, so that a working set that swings keeps its
+            // superblocks through the swing; 0 with nothing live, so that an emptied arena
+            // gives back at once, and halving below an eighth of it, so that a drain whose last
+            // blocks are kept back or in flight (which count in `live`) gives back within a few
+            // frees. The mutation `rule_on_live` uses `live` itself: the test
+            // `return_rule::a_swinging_working_set_keeps_its_superblocks` must then fail.
+            self.recent = if self.live == 0 || cfg!(cuarena_mutant = "rule_on_live") {
+                self.live
+            } else if self.live < self.recent >> 3 {
+                // A drain, not a swing: halved at every call (see "The recent peak" above).
+                self.live.max(self.recent >> 1)
+            } else {
+                // `recent` may be below `live` (allocations do not update it): saturating.
+                self.live.max(self.recent.saturating_sub((self.recent >> RECENT_DECAY_SHIFT).max(1)))
+            };
+            (self.recent, 0)
         } else {
             // With large superblocks, `u` is the recent peak of `live`: it decays by 1/256 per
             // call (one per free), so a working set that swings (a few large blocks freed and
@@ -1032,7 +1075,12 @@ impl Arena {
         let s = self.granules << GRANULE_SHIFT;
         let requested = g << GRANULE_SHIFT;
         let least = requested.next_multiple_of(s);
-        let mut bytes = if requested <= env.small_max { s } else { large_superblock_bytes(requested, s) };
+        // A small request comes here rounded up to its class, which may lie above `small_max`
+        // where `small_max` is not a class size: it is small if its class is at most
+        // `small_max`'s. (Comparing the rounded size itself with `small_max` sent such requests
+        // to large superblocks: 8 MiB borrowed for a 100 KiB block at `small_max = 100KiB`.)
+        let small = granules_for(env.small_max).is_some_and(|m| g <= class_granules(class_ceil(m)));
+        let mut bytes = if small { s } else { large_superblock_bytes(requested, s) };
         let sb = loop {
             match env.pool.lend(
                 &env.dev,

@@ -27,8 +27,8 @@
 //!   superblocks and keep driver calls rare, small next to a GPU shared with other processes.
 //! - `max = 100%`: the cap is the device's memory; nothing is reserved up front.
 //! - `keep_empty = 2`, `sparse = 0.6`: the superblock return rule (see `arena.rs`): an arena
-//!   holds at most `max(u + 2·S, u / 0.4)` for `u` bytes live in it (more while it holds large
-//!   superblocks: `arena.rs`). Hoard's `f = 1/4` suits
+//!   holds at most `max(û + 2·S, û / 0.4)` for `û` the recent peak of the bytes live in it
+//!   (more while it holds large superblocks: `arena.rs`). Hoard's `f = 1/4` suits
 //!   its one-size superblocks; with blocks of every size up to half a superblock, fragmentation
 //!   alone often leaves a quarter of a thread's superblocks free, and `f = 1/4` then gives back
 //!   and takes again a superblock every few frees: on the churn workload 1.2 M pairs/s, 4·10^4

@@ -375,18 +375,18 @@ fn rule_config(sparse: f64, keep: usize) -> cuarena::ConfigBuilder {
         .sparse_fraction(sparse)
 }
 
-/// The bound `arena.rs` states, in bytes: the arena holds at most its live blocks plus
-/// `max(K·S, f/(1-f)·u)` (its live blocks are at most the thread's).
-fn assert_bound(a: &Allocator, sparse: f64, keep: usize, what: &str) {
-    let s = a.stats();
-    let (held, u) = (s.arena_held_bytes as f64, s.live_bytes as f64);
-    let bound = u + (keep as f64 * SB as f64).max(sparse / (1.0 - sparse) * u);
-    assert!(held <= bound * (1.0 + 1e-9), "{what}: held {held} > bound {bound} (live {u})");
+/// The bound `arena.rs` states, in bytes: the arena holds at most its recent peak of live
+/// bytes `û` plus `max(K·S, f/(1-f)·û)` (`peak` bounds `û` from above: `common::RecentPeak`;
+/// the arena's live blocks are the thread's).
+fn assert_bound(a: &Allocator, peak: &RecentPeak, sparse: f64, keep: usize, what: &str) {
+    let held = a.stats().arena_held_bytes as f64;
+    let bound = peak.bound(keep, SB, sparse);
+    assert!(held <= bound * (1.0 + 1e-9), "{what}: held {held} > bound {bound} (recent peak {})", peak.0);
 }
 
 /// For every `sparse` and `keep_empty` 0..=3: 64 superblocks of 16 KiB blocks, then one block
 /// in 16 freed, then 15 in 16 (one left per superblock), then all. After each phase the stated
-/// bound holds; emptied, the arena keeps at most `K` superblocks for every `sparse` (before the
+/// bound (on the recent peak of live bytes) holds; emptied, the arena keeps at most `K` superblocks for every `sparse` (before the
 /// fix, a `sparse` over 1 - 1/2048 kept all 64); one live block per superblock (u = a/16) is
 /// kept, not dissolved, where `1 - sparse` is under 1/16, and dissolved down to the bound
 /// where it is over.
@@ -401,21 +401,26 @@ fn the_return_rule_keeps_its_bound_for_every_sparse_and_keep_empty() {
             let blocks: Vec<DeviceAddr> = (0..64 * PER_SB).map(|_| a.allocate(BLOCK, s).unwrap()).collect();
             assert_eq!(a.stats().arena_held_bytes as usize, 64 * SB, "{what}: packed");
             let mut live = vec![true; blocks.len()];
+            let peak = std::cell::RefCell::new(RecentPeak(a.stats().live_bytes));
             let free = |i: usize, live: &mut Vec<bool>| {
+                let reached = in_arena(&a, blocks[i]);
                 a.deallocate(blocks[i], BLOCK, s).unwrap();
                 live[i] = false;
+                if reached {
+                    peak.borrow_mut().after_free(a.stats().live_bytes);
+                }
             };
             for i in (0..blocks.len()).step_by(PER_SB) {
                 free(i, &mut live);
             }
-            assert_bound(&a, sparse, keep, &format!("{what}, 1/16 freed"));
+            assert_bound(&a, &peak.borrow(), sparse, keep, &format!("{what}, 1/16 freed"));
             let dissolved0 = a.stats().superblocks_dissolved;
             for i in 0..blocks.len() {
                 if live[i] && i % PER_SB != PER_SB - 1 {
                     free(i, &mut live);
                 }
             }
-            assert_bound(&a, sparse, keep, &format!("{what}, 15/16 freed"));
+            assert_bound(&a, &peak.borrow(), sparse, keep, &format!("{what}, 15/16 freed"));
             let st = a.stats();
             if (1.0 - sparse) < 1.0 / PER_SB as f64 * 0.99 {
                 assert_eq!(st.superblocks_dissolved, dissolved0, "{what}: a sparse arena dissolved");

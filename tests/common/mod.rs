@@ -30,6 +30,38 @@ pub fn small() -> cuarena::ConfigBuilder {
     Config::builder().small_max(64 << 10).superblock(256 << 10).chunk(1 << 20)
 }
 
+/// An upper bound of the return rule's recent peak `û` (`arena.rs`, "The recent peak"), in
+/// bytes, for an arena without large superblocks whose owner alone frees, on the per-thread
+/// stream: start it at the live bytes' peak before the first free and call
+/// [`RecentPeak::after_free`] after each own free of a block of the arena's superblocks (not
+/// of one a dissolved superblock left in the pool: [`in_arena`] before the free tells), each a
+/// call of the rule. It decays only by 2^-10 a call; the arena's `û` decays at least as much at
+/// each call (it halves below an eighth, and decays again at each call inside a give-back), and
+/// this step is monotone, so the arena's `û` is never above this one. `bound` is then the
+/// rule's bound on what the arena holds: `max(û + K·S, û / (1 - f))`.
+pub struct RecentPeak(pub u64);
+
+impl RecentPeak {
+    /// Granules: the rule counts in them.
+    const G: u64 = 256;
+
+    pub fn after_free(&mut self, live_bytes: u64) {
+        let (u, r) = (live_bytes / Self::G, self.0 / Self::G);
+        let r = if u == 0 { 0 } else { u.max(r.saturating_sub((r >> 10).max(1))) };
+        self.0 = r * Self::G;
+    }
+
+    pub fn bound(&self, keep_empty: usize, superblock: usize, sparse: f64) -> f64 {
+        let r = self.0 as f64;
+        (r + (keep_empty * superblock) as f64).max(r / (1.0 - sparse))
+    }
+}
+
+/// True if `p` lies in a superblock lent to an arena (see [`RecentPeak`]).
+pub fn in_arena(a: &Allocator, p: DeviceAddr) -> bool {
+    lent(a).iter().any(|&(b, l)| (b..b + l as u64).contains(&p.0))
+}
+
 pub fn rng(x: &mut u64) -> u64 {
     *x ^= *x << 13;
     *x ^= *x >> 7;
