@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuarena::{Allocator, Config, DeviceAddr, Stream};
-use cuarena_testkit::{HostConfig, HostDevice};
 
 mod common;
 use common::*;
@@ -33,15 +32,6 @@ fn held(a: &Allocator) -> usize {
 /// The return rule's bound on what an arena holds for `u` live bytes: `max(u + K·S, u/(1-f))`.
 fn rule_bound(u: usize, k: usize, s: usize, f: f64) -> f64 {
     ((u + k * s) as f64).max(u as f64 / (1.0 - f))
-}
-
-fn zero_delay(capacity: usize) -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity,
-        min_delay: std::time::Duration::ZERO,
-        max_delay: std::time::Duration::ZERO,
-        ..HostConfig::default()
-    })
 }
 
 /// A size in 1 ..= `max` bytes, most of them small.

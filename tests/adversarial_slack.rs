@@ -18,15 +18,6 @@ const K: usize = 2;
 const L: usize = 128 * MIB;
 const EXTRA_MAX: usize = 384 * MIB;
 
-fn zero_delay(capacity: usize) -> HostDevice {
-    HostDevice::new(HostConfig {
-        capacity,
-        min_delay: std::time::Duration::ZERO,
-        max_delay: std::time::Duration::ZERO,
-        ..HostConfig::default()
-    })
-}
-
 /// Learns slack on this thread's arena for `s` (5,000 pairs of the large churn), then frees
 /// every block. Returns the bytes the arena's holdings peaked at during the churn (sampled).
 fn learn_slack(a: &Allocator, live: &Live, seed: u64, s: Stream) -> u64 {

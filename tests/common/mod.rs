@@ -62,6 +62,16 @@ pub fn in_arena(a: &Allocator, p: DeviceAddr) -> bool {
     lent(a).iter().any(|&(b, l)| (b..b + l as u64).contains(&p.0))
 }
 
+/// A simulated device of `capacity` bytes whose work completes at once.
+pub fn zero_delay(capacity: usize) -> HostDevice {
+    HostDevice::new(HostConfig {
+        capacity,
+        min_delay: Duration::ZERO,
+        max_delay: Duration::ZERO,
+        ..HostConfig::default()
+    })
+}
+
 pub fn rng(x: &mut u64) -> u64 {
     *x ^= *x << 13;
     *x ^= *x >> 7;
