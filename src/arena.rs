@@ -157,8 +157,9 @@
 //! u / a`), but the rule gives back a large superblock only when it is empty (dissolving one
 //! would scatter its large blocks over a range the pool could otherwise lend whole); while an
 //! arena holds any large superblock, the rule keeps `L = 128 MiB` more ([`LARGE_SUPERBLOCK_MAX`]),
-//! and `u` is the recent peak of live granules `û` (decaying by 1/256 per free), so a working
-//! set that swings does not return and borrow a superblock on every swing. Hence, after every
+//! and `û`, the recent peak of live granules, decays by 1/256 per call (faster than without
+//! large superblocks, and with neither the halving below an eighth nor the reset to 0), so a
+//! working set that swings does not return and borrow a superblock on every swing. Hence, after every
 //! free, `a <= max(û + K·S + L + E, û / (1 - f)) + N`, where `N` is the large superblocks that
 //! hold a live block but are not given back for it: **an arena holding large superblocks
 //! strands at most `max(K·S + L + E, f/(1-f)·û)` beyond its recent peak (at most
