@@ -1033,7 +1033,7 @@ impl Slot {
             return self.alloc_pool_keyed(inner, g * GRANULE, home, key);
         }
         let owned = self.arenas.get_mut(w).expect("the arena exists");
-        let r = match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
+        let r = match owned.with(|arena| arena.alloc_slow(&env, class, g, large)) {
             Some(Err(e)) if e.is_out_of_room() => {
                 // Memory may be idle elsewhere: in this thread's outbox, its other arenas,
                 // other threads' arenas, and parked arenas of destroyed streams. Take it back,
@@ -1042,7 +1042,7 @@ impl Slot {
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 self.counters.bump(&self.counters.alloc_retries, 1);
                 let owned = self.arenas.get_mut(w).expect("reclaim keeps the arenas");
-                match owned.with(|arena| arena.alloc_slow(&env, class, g)) {
+                match owned.with(|arena| arena.alloc_slow(&env, class, g, large)) {
                     // The pool may still hold free ranges that it cannot lend as a superblock
                     // (remnants of dissolved superblocks, smaller than one or not aligned to
                     // one): the request itself may fit there, by first fit.

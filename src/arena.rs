@@ -200,7 +200,7 @@ use crate::fence::{Fence, FenceSet};
 use crate::free_lists::{FreeBlock, FreeLists};
 use crate::legacy_kept::{Kept, LegacyKept, Next};
 use crate::shell::{ArenaShell, Batch};
-use crate::size_class::{GRANULE_SHIFT, block_bytes, class_ceil, class_floor, class_granules, granules_for};
+use crate::size_class::{GRANULE_SHIFT, block_bytes, class_floor, class_granules};
 use crate::stream::{Stream, StreamKey};
 use crate::superblock::{FREE, IN_TRANSIT, PENDING, SbLocal, Superblock, USED};
 use crate::sync::Ordering;
@@ -1065,23 +1065,20 @@ impl Arena {
     }
 
     /// Takes a superblock from the pool, for a request of `g` granules: a normal one for a small
-    /// request, a large one ([`large_superblock_bytes`]) for a request over `small_max`. If
+    /// request, a large one ([`large_superblock_bytes`]) for a `large` one (over `small_max`,
+    /// as the allocator decided: a small request's `g` is its class's, which may lie above a
+    /// `small_max` that is not a class size, so `g` alone cannot tell). If
     /// the pool cannot lend a large one of that size (its cap, or a legacy refusal: see
     /// `Error::is_out_of_room`), smaller ones are asked for, halving down to the request
     /// rounded up to whole normal superblocks. Returns the free-list node of the superblock's
     /// one free block.
-    fn grow(&mut self, env: &Env<'_>, g: usize) -> Result<usize> {
+    fn grow(&mut self, env: &Env<'_>, g: usize, large: bool) -> Result<usize> {
         // CUDA graphs: an arena does not grow for a stream being captured (see README).
         env.dev.refuse_capturing(self.home)?;
         let s = self.granules << GRANULE_SHIFT;
         let requested = g << GRANULE_SHIFT;
         let least = requested.next_multiple_of(s);
-        // A small request comes here rounded up to its class, which may lie above `small_max`
-        // where `small_max` is not a class size: it is small if its class is at most
-        // `small_max`'s. (Comparing the rounded size itself with `small_max` sent such requests
-        // to large superblocks: 8 MiB borrowed for a 100 KiB block at `small_max = 100KiB`.)
-        let small = granules_for(env.small_max).is_some_and(|m| g <= class_granules(class_ceil(m)));
-        let mut bytes = if small { s } else { large_superblock_bytes(requested, s) };
+        let mut bytes = if large { large_superblock_bytes(requested, s) } else { s };
         let sb = loop {
             match env.pool.lend(
                 &env.dev,
@@ -1232,8 +1229,8 @@ impl Arena {
     /// then released the kept-back frees all the same, a quarter of a churn pair's
     /// instructions); cached blocks merged; then pending batches, oldest first, each made safe
     /// for the home stream by one `cuStreamWaitEvent` (no event query, no host block); only
-    /// then a new superblock.
-    pub(crate) fn alloc_slow(&mut self, env: &Env<'_>, class: usize, g: usize) -> Result<u64> {
+    /// then a new superblock (a large one for a `large` request: see [`Arena::grow`]).
+    pub(crate) fn alloc_slow(&mut self, env: &Env<'_>, class: usize, g: usize, large: bool) -> Result<u64> {
         self.drain(env);
         self.release_quarantine();
         // No return rule here, where the arena needs memory: applied after the batches that
@@ -1284,7 +1281,7 @@ impl Arena {
         // its end; only one of exactly the request's size is quarantined, and then another is
         // taken.)
         loop {
-            let id = self.grow(env, g)?;
+            let id = self.grow(env, g, large)?;
             let b = self.lists.remove(id);
             if let Some(p) = self.carve(b, g) {
                 return Ok(p);
