@@ -15,8 +15,8 @@
 //!   global pool's lock is not hot.
 //! - `large_max = 64 MiB`: requests in `small_max < size <= large_max` on a stream with an arena
 //!   are served by that arena too, from *large superblocks* it borrows from the pool (see
-//!   `arena.rs`; a lean user arena borrows none, and the pool serves it). 64 MiB is the largest size the arena's size classes reach
-//!   ([`MAX_CLASSED_GRANULES`]); above it, the global pool serves. `large_max=off`
+//!   `arena.rs`; a lean user arena borrows none, and the pool serves it). 64 MiB is the
+//!   largest size the arena's size classes reach ([`MAX_CLASSED_GRANULES`]); above it, the global pool serves. `large_max=off`
 //!   ([`ConfigBuilder::no_large`]) turns large superblocks off: every request over `small_max`
 //!   goes to the pool (a lock and an event a free, and no memory kept per thread for large
 //!   blocks). The Python glue for PyTorch and CuPy gives it as a default: its large superblocks

@@ -386,10 +386,10 @@ fn assert_bound(a: &Allocator, peak: &RecentPeak, sparse: f64, keep: usize, what
 
 /// For every `sparse` and `keep_empty` 0..=3: 64 superblocks of 16 KiB blocks, then one block
 /// in 16 freed, then 15 in 16 (one left per superblock), then all. After each phase the stated
-/// bound (on the recent peak of live bytes) holds; emptied, the arena keeps at most `K` superblocks for every `sparse` (before the
-/// fix, a `sparse` over 1 - 1/2048 kept all 64); one live block per superblock (u = a/16) is
-/// kept, not dissolved, where `1 - sparse` is under 1/16, and dissolved down to the bound
-/// where it is over.
+/// bound (on the recent peak of live bytes) holds; emptied, the arena keeps at most `K`
+/// superblocks for every `sparse` (before the fix, a `sparse` over 1 - 1/2048 kept all 64);
+/// one live block per superblock (u = a/16) is kept, not dissolved, where `1 - sparse` is
+/// under 1/16, and dissolved down to the bound where it is over.
 #[test]
 fn the_return_rule_keeps_its_bound_for_every_sparse_and_keep_empty() {
     for &sparse in &SPARSES {
