@@ -173,9 +173,10 @@
 //! through, and a user arena's memory can leave it only inside a call on its stream. So its user
 //! arenas keep no slack: no `K`, `f`, `L` or `E`, and they borrow no large superblock (the
 //! pool serves their requests over `small_max`: `Slot::alloc_slow_in`). After every own free,
-//! while the free granules (`a - u`) come to a normal superblock or more, the rule gives back an empty superblock, if
-//! there is one (it fires only while one may be, `may_hold_empty`, so an arena whose free
-//! space lies in used superblocks pays nothing per free for it); it dissolves none (each of a
+//! while the free granules (`a - u`) come to a normal superblock or more, the rule gives back
+//! an empty superblock, if there is one (it fires only while one may be, `may_hold_empty`, so
+//! an arena whose free space lies in used superblocks pays nothing per free for it); it
+//! dissolves none (each of a
 //! dissolved superblock's blocks would then be freed the pool's way, with an event). An arena
 //! then gives back every superblock its own frees empty, within the call that empties it
 //! (under one event on its stream), and one given up later holds only superblocks with live
