@@ -176,14 +176,14 @@
 //! while the free granules (`a - u`) come to a normal superblock or more, the rule gives back
 //! an empty superblock, if there is one (it fires only while one may be, `may_hold_empty`, so
 //! an arena whose free space lies in used superblocks pays nothing per free for it); it
-//! dissolves none (each of a
-//! dissolved superblock's blocks would then be freed the pool's way, with an event). An arena
-//! then gives back every superblock its own frees empty, within the call that empties it
-//! (under one event on its stream), and one given up later holds only superblocks with live
-//! blocks: **a lean arena strands no empty superblock after its next own free; what it holds
-//! beyond its live blocks is their superblocks' free space**. An arena made lean when its thread
-//! takes its fifth user stream keeps what it held until its own next free on its stream (only a
-//! call there may give memory back); if none comes, it is parked with it at thread exit.
+//! dissolves none (each of a dissolved superblock's blocks would then be freed the pool's way,
+//! with an event). An arena then gives back every superblock its own frees empty, within the
+//! call that empties it (under one event on its stream), and one given up later holds only
+//! superblocks with live blocks: **a lean arena strands no empty superblock after its next own
+//! free; what it holds beyond its live blocks is their superblocks' free space**. An arena made
+//! lean when its thread takes its fifth user stream keeps what it held until its own next free
+//! on its stream (only a call there may give memory back); if none comes, it is parked with it
+//! at thread exit.
 //!
 //! ## Thread exit
 //! [`Arena::exit`] gives every superblock back (dissolving those with live blocks) under one
