@@ -58,6 +58,24 @@ use cuarena_testkit::cuda_kernels::CudaKernels;
 use cuarena_testkit::{HostConfig, HostDevice};
 
 pub mod replay;
+mod waiters;
+
+/// The primitives of `waiters.rs`, `std`'s: the loom model `loom-tests/tests/replay_waiters.rs`
+/// includes that file with loom's in their place (one file, two sets of primitives, without a
+/// dependency of the benchmark on loom). A park times out after 100 ms here, a backstop;
+/// the model parks without one.
+mod waiter_sync {
+    pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+    pub(crate) use std::sync::{Mutex, MutexGuard};
+    pub(crate) use std::thread::{Thread, current, yield_now};
+
+    /// Yields before a waiter parks.
+    pub(crate) const SPINS: usize = 64;
+
+    pub(crate) fn park() {
+        std::thread::park_timeout(std::time::Duration::from_millis(100));
+    }
+}
 
 /// Cumulative figures an allocator reports about itself.
 #[derive(Clone, Copy, Debug, Default)]

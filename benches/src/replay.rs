@@ -28,15 +28,16 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::BufRead;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use cuarena::config::Echo;
 use cuarena::trace::{self, Action, StreamKind};
 use cuarena::{Error, Result, Stream};
 
 use crate::Bench;
+use crate::waiters::{PENDING, Waiters};
 
 /// A trace's file format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -473,78 +474,7 @@ pub const MAX_THREADS: usize = 1024;
 /// event's clock has an entry per stream ever made).
 pub const MAX_USER_STREAMS: usize = 1024;
 
-/// Players waiting for another player's allocation: a free of a block another recorded thread
-/// allocates waits for that allocation's slot. It yields a few times, then parks here until the
-/// allocating player stores the slot and wakes it, so that hundreds of waiting players on a few
-/// cores leave the cores to the players they wait for (with yields alone, a ring of 1,024
-/// recorded threads on two cores took about a millisecond per hand-over). Waits are not in the
-/// measured latencies.
-///
-/// The protocol is a store-then-check on both sides, all `SeqCst`: the waiter registers (under
-/// the lock, then `parked`), then loads the slot; the allocator stores the slot, then loads
-/// `parked`. One of the two sees the other's write, so a waiter either sees its slot or is
-/// woken (an unpark before the park is kept by the thread's token). A player that cannot go
-/// on (its thread could not be made, or it panicked) gives up and wakes every waiter
-/// ([`Waiters::abandon`]): a free waiting for an allocation that player owed gives up too
-/// instead of waiting forever. A park also times out after 100 ms, a backstop that costs
-/// nothing while the protocol holds.
-#[derive(Default)]
-struct Waiters {
-    parked: AtomicUsize,
-    by_slot: Mutex<HashMap<usize, std::thread::Thread>>,
-    /// Set by [`Waiters::abandon`].
-    abandoned: AtomicBool,
-}
-
-impl Waiters {
-    /// The slot's value once it is no longer `PENDING`, or `PENDING` once a player gave up.
-    fn wait(&self, slot: &AtomicU64, id: usize) -> u64 {
-        for _ in 0..64 {
-            let p = slot.load(Ordering::Acquire);
-            if p != PENDING || self.abandoned.load(Ordering::Acquire) {
-                return p;
-            }
-            std::thread::yield_now();
-        }
-        lock(&self.by_slot).insert(id, std::thread::current());
-        self.parked.fetch_add(1, Ordering::SeqCst);
-        let p = loop {
-            let p = slot.load(Ordering::SeqCst);
-            if p != PENDING || self.abandoned.load(Ordering::SeqCst) {
-                break p;
-            }
-            std::thread::park_timeout(Duration::from_millis(100));
-        };
-        self.parked.fetch_sub(1, Ordering::SeqCst);
-        lock(&self.by_slot).remove(&id);
-        p
-    }
-
-    /// Stores `v` in slot `id` and wakes its waiter, if one is parked.
-    fn store(&self, slots: &[AtomicU64], id: usize, v: u64) {
-        slots[id].store(v, Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) > 0
-            && let Some(t) = lock(&self.by_slot).get(&id)
-        {
-            t.unpark();
-        }
-    }
-
-    /// One player cannot go on: every wait ends, at once or when its park is woken.
-    fn abandon(&self) {
-        self.abandoned.store(true, Ordering::SeqCst);
-        for t in lock(&self.by_slot).values() {
-            t.unpark();
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A replay slot: not yet allocated, failed, or the live pointer.
-const PENDING: u64 = 0;
+/// A replay slot: not yet allocated ([`PENDING`]), failed, or the live pointer.
 const FAILED: u64 = u64::MAX;
 
 impl Bench {
@@ -640,7 +570,7 @@ impl Bench {
             r.resize(plan.threads().max(started), None);
             r
         });
-        if waiters.abandoned.load(Ordering::Acquire) || results.iter().any(Option::is_none) {
+        if waiters.abandoned() || results.iter().any(Option::is_none) {
             return Err(err(
                 "the replay did not finish: a thread could not be started, or a player panicked (see above)",
             ));

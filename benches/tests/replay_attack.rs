@@ -593,7 +593,7 @@ fn usage_errors_exit_with_status_two() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The replay's waits (`Waiters` in benches/src/replay.rs; helper-31): a free of another
+// The replay's waits (`Waiters` in benches/src/waiters.rs; helper-31): a free of another
 // recorded thread's block parks until that allocation is stored, and a player that cannot go on
 // (its thread not started, or panicked) abandons every wait.
 
