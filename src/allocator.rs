@@ -390,6 +390,13 @@ enum Local {
 /// its shell (`ArenaShell::arena`), so that a reclaimer holding the shell's claim can work on it
 /// while the owner is idle (see `claim.rs`). The owner touches it only inside its own claim,
 /// through [`OwnedArena::with`].
+///
+/// Invariant: `ptr` is the leaked box of a live arena, or dangling once [`OwnedArena::take`]
+/// has reclaimed it (`exit`, or the drop). Its memory goes back to the pool through `exit`; a
+/// handle dropped without it (the slot of an allocator already dropped, an arena parked when
+/// its allocator is dropped: the pool's own drop releases the device memory then) frees the
+/// arena's host memory and drops its fences, so that neither it nor the events and the device
+/// they hold outlive the allocator.
 struct OwnedArena {
     ptr: std::ptr::NonNull<Arena>,
     shell: Arc<ArenaShell>,
@@ -437,15 +444,37 @@ impl OwnedArena {
     }
 
     /// Thread exit: waits out any reclaimer, unpublishes the arena and gives it back.
-    fn exit(self, env: &Env<'_>, fence: Option<Option<Arc<Fence>>>) -> Option<Arc<ArenaShell>> {
+    fn exit(mut self, env: &Env<'_>, fence: Option<Option<Arc<Fence>>>) -> Option<Arc<ArenaShell>> {
         self.shell.claim.enter_waiting();
-        self.shell.arena.store(std::ptr::null_mut(), Ordering::Relaxed);
-        // SAFETY: the pointer came from `Box::leak` in `new` and is reclaimed once, here; it is
-        // unpublished and we hold the claim, so no reclaimer can reach it any more.
-        let arena = unsafe { Box::from_raw(self.ptr.as_ptr()) };
+        let arena = self.take();
         let r = arena.exit(env, fence);
         self.shell.claim.leave();
         r
+    }
+
+    /// Unpublishes the arena and reclaims its box, leaving `ptr` dangling. The caller holds the
+    /// claim; once, from `exit` or the drop.
+    fn take(&mut self) -> Box<Arena> {
+        debug_assert!(self.ptr != std::ptr::NonNull::dangling(), "an arena taken twice");
+        self.shell.arena.store(std::ptr::null_mut(), Ordering::Relaxed);
+        let ptr = std::mem::replace(&mut self.ptr, std::ptr::NonNull::dangling());
+        // SAFETY: the pointer came from `Box::leak` in `new` and is reclaimed once, here (`ptr`
+        // is dangling from now on, which `exit` and the drop check); it is unpublished and the
+        // caller holds the claim, so no reclaimer can reach it any more.
+        unsafe { Box::from_raw(ptr.as_ptr()) }
+    }
+}
+
+impl Drop for OwnedArena {
+    /// A handle dropped without `exit` (see the type's comment): the arena's host memory and its
+    /// fences go now. Its superblocks stay with the pool, which releases them with its chunks.
+    fn drop(&mut self) {
+        if self.ptr == std::ptr::NonNull::dangling() {
+            return; // given back through `exit`
+        }
+        self.shell.claim.enter_waiting();
+        drop(self.take());
+        self.shell.claim.leave();
     }
 }
 
@@ -693,6 +722,7 @@ impl Drop for Inner {
     /// destroyed streams, which no fence covers, and need nothing here: the pool (dropped after
     /// this) synchronises the device once before it releases any chunk (`GlobalPool::drop`),
     /// which covers their memory with the rest. (Burying them here synchronised a second time.)
+    /// Their host memory and fences go with the parked list (`OwnedArena`'s drop).
     fn drop(&mut self) {
         // A trace still running ends with its allocator (no CUDA call; an error has no one to
         // go to: the file then ends early, which `trace::read` reports).
@@ -1538,7 +1568,10 @@ fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R
         let i = match slots.iter().position(|s| s.id == inner.id) {
             Some(i) => i,
             None => {
-                // Forget slots of dropped allocators; their memory went with them.
+                // Forget slots of dropped allocators: their device memory went with the
+                // allocator's pool, and their arenas' host memory and fences go now
+                // (`OwnedArena`'s drop). Until then (this thread's next new slot, or its exit)
+                // a dead slot keeps them, and through its fences the device's handle.
                 let dead: Vec<Slot> = {
                     let (keep, dead): (Vec<Slot>, Vec<Slot>) =
                         std::mem::take(&mut *slots).into_iter().partition(|s| s.inner.strong_count() > 0);

@@ -44,6 +44,7 @@ zombie_no_sync           user_streams a_destroyed_streams_arena_is_reused_only_a
 zombie_never_parked      user_streams a_destroyed_streams_arena_is_reused_only_after_a_synchronise
 zombie_no_sync           user_streams a_parked_user_stream_free_is_reused_only_after_a_synchronise
 parked_frees_unfenced    user_streams a_parked_user_stream_free_is_reused_only_after_a_synchronise
+adopt_any_parked         user_streams a_parked_arena_is_adopted_only_by_its_own_stream
 stats_peak_no_barrier    stats      a_peak_reset_racing_a_threads_allocations_keeps_the_upper_bound
 stats_reset_stores_counters stats   a_counter_reset_racing_a_threads_bumps_is_not_lost
 stats_exact_free_local_first stats an_exact_peak_reset_racing_a_free_stays_within_the_upper_bound
