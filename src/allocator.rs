@@ -472,6 +472,11 @@ impl Drop for OwnedArena {
         if self.ptr == std::ptr::NonNull::dangling() {
             return; // given back through `exit`
         }
+        if crate::shutdown::process_exiting() {
+            // The process ends: nothing to give back, and no reason to wait for a reclaimer
+            // (one inside a device call that exit has stopped would never leave).
+            return;
+        }
         self.shell.claim.enter_waiting();
         drop(self.take());
         self.shell.claim.leave();
