@@ -273,6 +273,18 @@ struct Handed {
     after: Event,
 }
 
+/// Frees the blocks still handed on, from the calling thread on the legacy stream (after the
+/// event of each one's last use, checking its tag), then checks that no block is live.
+fn free_handed(a: &Allocator, sim: &HostDevice, live: &Live, handed: &Mutex<Vec<Handed>>) {
+    for h in handed.lock().unwrap().drain(..) {
+        sim.stream_wait_event(Stream::LEGACY, h.after).unwrap();
+        check(sim, h.p, h.size, h.t, Stream::LEGACY);
+        live.remove(h.p);
+        a.deallocate(h.p, h.size, Stream::LEGACY).unwrap();
+    }
+    live.assert_clean();
+}
+
 /// A size for a request: mostly small, some medium, a few large (arena large superblocks) and
 /// a few over `large_max` (the pool).
 fn request_size(x: &mut u64) -> usize {
@@ -379,13 +391,7 @@ fn thread_per_request_with_blocks_outliving_their_threads() {
             }
         }
         // The rest, from the main thread on the legacy stream.
-        for h in handed.lock().unwrap().drain(..) {
-            sim.stream_wait_event(Stream::LEGACY, h.after).unwrap();
-            check(&sim, h.p, h.size, h.t, Stream::LEGACY);
-            live.remove(h.p);
-            a.deallocate(h.p, h.size, Stream::LEGACY).unwrap();
-        }
-        live.assert_clean();
+        free_handed(&a, &sim, &live, &handed);
         let last = *peak_reserved.last().unwrap();
         let first = peak_reserved[0];
         assert!(last <= first.max(64 << 20) * 2, "reserved memory grows with threads: {peak_reserved:?}");
@@ -600,13 +606,7 @@ fn maintenance_racing_traffic_under_a_moving_tight_cap() {
         let ooms: u64 = hs.into_iter().map(|h| h.join().unwrap()).sum();
         stop.store(true, Ordering::Relaxed);
         let calls = maint.join().unwrap();
-        for h in handed.lock().unwrap().drain(..) {
-            sim.stream_wait_event(Stream::LEGACY, h.after).unwrap();
-            check(&sim, h.p, h.size, h.t, Stream::LEGACY);
-            live.remove(h.p);
-            a.deallocate(h.p, h.size, Stream::LEGACY).unwrap();
-        }
-        live.assert_clean();
+        free_handed(&a, &sim, &live, &handed);
         println!("{ooms} out-of-memory errors, {calls} maintenance calls: {:?}", a.stats());
         assert!(
             ooms > 0 && calls > 100,
