@@ -31,7 +31,10 @@ registry_replace_relaxed registry   a_lookup_racing_a_large_superblock_over_norm
 registry_replace_relaxed registry   a_lookup_racing_normal_superblocks_over_a_large_one_sees_the_old_or_the_new
 fence_skip_check         allocator  a_remotely_freed_block_is_not_reused_while_its_fence_is_pending
 exit_close_first         allocator  a_remote_free_racing_the_owners_exit_is_adopted
+exit_close_first         large      a_large_block_freed_remotely_while_its_owner_exits_is_adopted
+exit_close_first         large      a_large_superblock_given_back_with_a_remote_free_in_flight_loses_nothing
 owner_cleared_early      allocator  a_superblock_given_back_with_a_remote_free_in_flight_loses_nothing
+owner_cleared_early      large      a_large_superblock_given_back_with_a_remote_free_in_flight_loses_nothing
 stats_retire_unlocked    allocator  stats_read_while_a_thread_retires_are_consistent
 claim_no_light_barrier   claim      an_owner_and_a_reclaimer_are_never_inside_at_once
 claim_no_light_barrier   allocator  a_reclaim_racing_the_owner_loses_nothing
