@@ -72,7 +72,7 @@
 //! thread takes a user arena's memory only where it may block (out-of-memory, `trim(true)`),
 //! after a device synchronise (`Env::reclaim_fence`). Remote frees on a user stream that
 //! cannot wait in their thread's outbox for a call on that stream are parked the same way
-//! (`outbox.rs`).
+//! (`outbox.rs`); `flush` parks them, too, only within `ZOMBIE_BYTES` ([`Park`]).
 
 use std::cell::RefCell;
 
@@ -181,10 +181,13 @@ struct Shells {
 /// Remote frees made on user streams that had to leave a thread's outbox outside a call on
 /// their stream (`outbox.rs`, "Frees on user streams") are parked here too, unfenced, and
 /// delivered after the same synchronise. Parking them never synchronises (it happens inside
-/// frees, `flush` and thread exits), so they have no bound of their own: each park adds at most
-/// one thread's user-stream batches (under `batch_blocks` blocks and `batch_bytes` bytes plus
-/// one block), and out of memory, `trim(true)`, a parked arena past `ZOMBIE_BYTES` or the
-/// allocator's drop gives them all back.
+/// frees, `flush` and thread exits). Each park adds at most one thread's user-stream batches
+/// (under `batch_blocks` blocks and `batch_bytes` bytes plus one block); `flush` and
+/// `trim(false)` park them only within `ZOMBIE_BYTES` (past it they wait in the thread's outbox
+/// for its next call on their stream: `Park`), so what goes past the bound is a thread's
+/// exit's, which then synchronises (`bury_past_bound`), or an event a capture refused; out of
+/// memory, `trim(true)`, an exit past `ZOMBIE_BYTES` or the allocator's drop gives them all
+/// back.
 ///
 /// A parked arena has no owner to take in the remote frees sent to it: they wait in its inbox
 /// until a `flush` (by any thread) or its burial takes them in. One whose block is no longer
@@ -197,8 +200,11 @@ struct Shells {
 /// thread replacing one at that moment (a replacement's check of the room and its parking are
 /// two steps under the lock), plus the arenas of threads exiting at that moment (each buries
 /// once it has parked them all), plus what is parked while no synchronise may run (a capture
-/// underway: `Inner::may_synchronize`), until the first chance after it; parked frees count towards `ZOMBIE_BYTES` when an arena is
-/// parked, but have no bound of their own (above).
+/// underway: `Inner::may_synchronize`), until the first chance after it. Parked frees count
+/// towards `ZOMBIE_BYTES` with them: together at most `ZOMBIE_BYTES`, plus the user-stream
+/// batches and arenas of threads exiting at that moment, plus frees whose event a capture
+/// refused, plus what is parked while no synchronise may run, until an exit past the bound or
+/// another synchronise after it.
 /// Invariant: `bytes` is the sum of `held_bytes` of the parked arenas when they were last
 /// counted ([`Zombies::recount`], at every park), plus the bytes of the parked frees: a
 /// reclaimer on out-of-memory may take superblocks from a parked arena meanwhile, so between
@@ -284,6 +290,19 @@ fn arena_index(stream: Stream) -> Option<usize> {
 
 /// What an outbox flush sent: the stream and the fence it recorded there, if it sent anything.
 type Flushed = Option<(Stream, Option<Arc<Fence>>)>;
+
+/// Where an outbox flush puts the thread's user-stream batches, which no event can fence
+/// outside a call on their streams (`outbox.rs`, "Frees on user streams").
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Park {
+    /// Parked, whatever is parked already: the thread exits (its exit then synchronises past
+    /// [`ZOMBIE_BYTES`]), or a reclaim that may synchronise gives them back at once.
+    All,
+    /// Parked while the parked memory stays within [`ZOMBIE_BYTES`], else left in the outbox
+    /// for the thread's next call on their stream (`flush`, `trim(false)`): nothing in steady
+    /// use synchronises, so parking past the bound would grow without one.
+    WithinBound,
+}
 
 /// User-stream arenas a thread keeps at most. A thread that allocates small blocks on more
 /// user streams than this gives back the least recently used one that holds no memory, or
@@ -568,8 +587,13 @@ impl Inner {
         z.recount();
     }
 
+    /// True if `bytes` more parked keep the parked bytes within [`ZOMBIE_BYTES`].
+    fn parked_room(&self, bytes: usize) -> bool {
+        lock(&self.zombies).bytes.saturating_add(bytes) <= ZOMBIE_BYTES
+    }
+
     /// Gives back everything parked, after one device synchronise, if the parked bytes are
-    /// past [`ZOMBIE_BYTES`] (a thread's exit, once it has parked its arenas).
+    /// past [`ZOMBIE_BYTES`] (a thread's exit, once it has parked its arenas and frees).
     fn bury_past_bound(&self, env: &Env<'_>) {
         let over = lock(&self.zombies).bytes > ZOMBIE_BYTES;
         if over && let Err(e) = self.bury_zombies(env) {
@@ -782,13 +806,21 @@ impl Slot {
     /// Sends the gathered remote frees, if any, and parks the user-stream batches (no call on
     /// their streams is running: `outbox.rs`).
     /// Returns the fence the flush recorded, with its stream, if it sent anything.
+    /// `park`: where the user-stream batches go (see [`Park`]).
     fn flush_outbox(
         outbox: &mut Outbox,
         ptds: &mut Option<StreamKey>,
         inner: &Inner,
         env: &Env<'_>,
+        park: Park,
     ) -> Result<Flushed> {
-        if let Some(p) = outbox.take_user_batches() {
+        // The mutation `parking_unbounded` parks whatever `flush` finds, as before: the test
+        // `adversarial_s27b::remote_user_stream_frees_flushed_by_a_worker_stay_bounded` must
+        // then fail.
+        let all = park == Park::All
+            || cfg!(cuarena_mutant = "parking_unbounded")
+            || inner.parked_room(outbox.user_batch_bytes());
+        if let Some(p) = if all { outbox.take_user_batches() } else { outbox.take_refused() } {
             // Mutation for the loom model of parked frees: send them at once, unfenced.
             #[cfg(cuarena_mutant = "parked_frees_unfenced")]
             p.deliver(env, None);
@@ -801,7 +833,7 @@ impl Slot {
         let k = Self::ptds_key(ptds, env)?;
         let flushed = outbox.flush(env, k);
         // A batch whose event a capture refused left its frees to be parked (`flush`).
-        if let Some(p) = outbox.take_user_batches() {
+        if let Some(p) = outbox.take_refused() {
             inner.park_frees(p);
         }
         flushed
@@ -1163,7 +1195,8 @@ impl Slot {
     ) -> usize {
         // No device synchronise while a capture is underway (`Inner::may_synchronize`).
         let may_block = may_block && inner.may_synchronize(env);
-        if let Err(e) = Self::flush_outbox(outbox, ptds, inner, env) {
+        let park = if may_block { Park::All } else { Park::WithinBound };
+        if let Err(e) = Self::flush_outbox(outbox, ptds, inner, env, park) {
             env.defer(e);
         }
         let mut bytes = 0;
@@ -1356,7 +1389,7 @@ impl Slot {
     /// Sends remote frees and gives the arenas back (what thread exit does).
     fn release_arena(&mut self, inner: &Inner) -> Result<()> {
         let env = inner.env(&self.counters);
-        let flushed = Self::flush_outbox(&mut self.outbox, &mut self.ptds, inner, &env);
+        let flushed = Self::flush_outbox(&mut self.outbox, &mut self.ptds, inner, &env, Park::All);
         for (i, slot) in self.arenas.fixed.iter_mut().enumerate() {
             // A fence just recorded on an arena's stream also covers its blocks (every local
             // free came before it): exit reuses it.
@@ -1397,12 +1430,13 @@ impl Slot {
                 }
             }
         }
-        if !self.arenas.users.is_empty() {
-            for u in self.arenas.users.drain(..) {
-                inner.retire_user(&env, u.key, u.arena);
-            }
-            inner.bury_past_bound(&env); // one synchronise at most per exit
+        for u in self.arenas.users.drain(..) {
+            inner.retire_user(&env, u.key, u.arena);
         }
+        // One synchronise at most per exit, past the bound: parked arenas, and parked frees
+        // (this thread's user-stream batches, parked above whatever the bound, and any other
+        // thread's parked past it meanwhile, which only an exit or a capture's refusal does).
+        inner.bury_past_bound(&env);
         flushed.map(|_| ())
     }
 }
@@ -1982,13 +2016,16 @@ impl Allocator {
     /// Sends this thread's gathered remote frees and takes back frees sent to it (and to
     /// arenas parked without an owner: see "Arenas of user streams that may be gone"). Remote
     /// frees this thread made on user streams cannot be fenced outside a call on their stream:
-    /// they are parked, and reach their owners after the next device synchronise (more than
-    /// 64 MiB parked, out of memory, `trim(true)`). Never blocks.
+    /// they are parked while the parked memory stays within 64 MiB, and reach their owners after
+    /// the next device synchronise (out of memory, `trim(true)`, a thread's exit past 64 MiB
+    /// parked); past that they stay with this thread until its next call on their stream sends
+    /// them under an event (fewer than `batch_blocks` blocks and `batch_bytes` bytes in all).
+    /// Never blocks.
     pub fn flush(&self) -> Result<()> {
         self.retry_held();
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
-            Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, inner, &env)?;
+            Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, inner, &env, Park::WithinBound)?;
             for a in slot.arenas.iter_mut() {
                 a.with(|a| a.tidy(&env));
             }

@@ -33,13 +33,18 @@
 //! [`MAX_USER_BATCHES`] batched ones evicts no batch (an evicted batch could not be fenced): it
 //! is sent at once, alone, under an event recorded in its own call.
 //!
-//! A batch that cannot wait for a call on its stream (thread exit, `flush`, a reclaim, or an
-//! event that cannot be recorded, as on a stream being captured when an allocation finds the
-//! batch due) is *parked*
-//! ([`ParkedFrees`], `allocator.rs`): handed, with no event, to the allocator's parked list,
-//! where it waits for the next device synchronise that gives parked memory back (a parked
-//! arena past 64 MiB, out of memory, `trim(true)`, the allocator's drop). A synchronise names
-//! no stream, and every use of these blocks was queued before it.
+//! A batch that cannot wait for a call on its stream (thread exit, a reclaim that may
+//! synchronise, or an event that cannot be recorded, as on a stream being captured when an
+//! allocation finds the batch due) is *parked* ([`ParkedFrees`], `allocator.rs`): handed,
+//! with no event, to the allocator's parked list, where it waits for the next device
+//! synchronise that gives parked memory back (a thread's exit past 64 MiB parked, out of
+//! memory, `trim(true)`, the allocator's drop). A synchronise names no stream, and every use of
+//! these blocks was queued before it. `flush` and a reclaim that may not synchronise
+//! (`trim(false)`) park the thread's user-stream batches only while the parked memory stays
+//! within that bound; past it the batches stay here for the thread's next call on their
+//! stream (within the bound below). Before, a thread that freed others' blocks on a user
+//! stream and flushed after every few frees parked a batch each time, and nothing in steady use
+//! synchronises: the parked memory grew without bound (helper-35, `tests/adversarial_s27b.rs`).
 //!
 //! Parking never synchronises: the memory waits for the next synchronise that happens anyway.
 //!
@@ -289,6 +294,18 @@ impl Outbox {
             all.append(b.frees);
         }
         (!all.dests.is_empty()).then_some(all)
+    }
+
+    /// Takes the frees a capture refused (`refused`), to be parked; the user-stream batches
+    /// stay, for a later call on their streams (or the thread's exit) to send.
+    pub(crate) fn take_refused(&mut self) -> Option<ParkedFrees> {
+        let all = std::mem::take(&mut self.refused);
+        (!all.dests.is_empty()).then_some(all)
+    }
+
+    /// Bytes of the blocks in the user-stream batches.
+    pub(crate) fn user_batch_bytes(&self) -> usize {
+        self.users.iter().map(|b| b.frees.bytes).sum()
     }
 
     /// Sends every gathered free under one fence, and returns that fence with its stream.
