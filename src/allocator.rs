@@ -462,13 +462,30 @@ impl OwnedArena {
         r
     }
 
-    /// Thread exit: waits out any reclaimer, unpublishes the arena and gives it back.
-    fn exit(mut self, env: &Env<'_>, fence: Option<Option<Arc<Fence>>>) -> Option<Arc<ArenaShell>> {
+    /// Thread exit: waits out any reclaimer, unpublishes the arena and gives it back behind
+    /// `fence` (`Some`: one the caller has, `Some(None)` after a device synchronise) or, with
+    /// `None`, one made now on its stream ([`Arena::exit_fence`]). If that cannot be made (the
+    /// capture check, the record or the synchronise fails), nothing is given back and the
+    /// handle comes back with the error, for the caller to park it until the next device
+    /// synchronise: given back without a fence, or left with a dead shell, its memory was
+    /// reused unfenced, or lost for good (helper-36, `tests/adversarial_s27c.rs`).
+    fn exit(
+        mut self,
+        env: &Env<'_>,
+        fence: Option<Option<Arc<Fence>>>,
+    ) -> std::result::Result<Arc<ArenaShell>, (OwnedArena, Error)> {
+        let fence = match fence {
+            Some(f) => f,
+            None => match self.with_waiting(|a| a.exit_fence(env)) {
+                Ok(f) => f,
+                Err(e) => return Err((self, e)),
+            },
+        };
         self.shell.claim.enter_waiting();
         let arena = self.take();
-        let r = arena.exit(env, fence);
+        let shell = arena.exit(env, fence);
         self.shell.claim.leave();
-        r
+        Ok(shell)
     }
 
     /// Unpublishes the arena and reclaims its box, leaving `ptr` dangling. The caller holds the
@@ -572,12 +589,30 @@ impl Inner {
         let gone = false && gone;
         self.arenas.fetch_sub(1, Ordering::Relaxed);
         if !gone {
-            if let Some(shell) = owned.exit(env, None) {
-                lock(&self.shells).idle.push(shell);
-            }
+            self.give_up(env, owned, None);
             return;
         }
         self.park_arena(key, owned);
+    }
+
+    /// Gives `owned` back ([`OwnedArena::exit`]) and its shell to the idle list; if its exit
+    /// fence cannot be made, keeps the error and parks the arena until the next device
+    /// synchronise.
+    fn give_up(&self, env: &Env<'_>, owned: OwnedArena, fence: Option<Option<Arc<Fence>>>) {
+        match owned.exit(env, fence) {
+            Ok(shell) => lock(&self.shells).idle.push(shell),
+            Err((mut owned, e)) => {
+                env.defer(e);
+                // The mutation `failed_exit_drops_arena` drops the arena instead, as the code
+                // before it lost it: `adversarial_s27c::a_failed_capture_check_in_release_thread_loses_no_memory`
+                // must then fail.
+                if cfg!(cuarena_mutant = "failed_exit_drops_arena") {
+                    return;
+                }
+                let key = owned.with_waiting(|a| a.key);
+                self.park_arena(key, owned);
+            }
+        }
     }
 
     /// Parks `owned` (its stream's identity `key`) until a device synchronise (see [`Zombies`]).
@@ -673,9 +708,7 @@ impl Inner {
 
         for (_, owned) in z.arenas {
             // All work queued before the synchronise, on every stream, has completed.
-            if let Some(shell) = owned.exit(env, Some(None)) {
-                lock(&self.shells).idle.push(shell);
-            }
+            self.give_up(env, owned, Some(None));
         }
         // Every use of the parked frees' blocks was queued before the synchronise too. (After
         // the arenas' exits: a free towards one of them now goes to the pool.)
@@ -1425,9 +1458,7 @@ impl Slot {
                     inner.park_arena(key, arena);
                     continue;
                 }
-                if let Some(shell) = arena.exit(&env, fence) {
-                    lock(&inner.shells).idle.push(shell);
-                }
+                inner.give_up(&env, arena, fence);
             }
         }
         for u in self.arenas.users.drain(..) {
@@ -2051,7 +2082,13 @@ impl Allocator {
         let Ok(Some(mut slot)) = slot else { return Ok(()) };
         let r = slot.release_arena(&self.inner);
         self.inner.counters.retire(&slot.counters);
-        drop(slot); // its drop finds nothing left to do
+        // Released: its drop must not release again. A second release (every one may bury
+        // the parked arenas past their bound) counted its give-backs on retired counters, and
+        // `arena_held_bytes` stayed up by them for good (`tests/adversarial_s27c.rs`).
+        if !cfg!(cuarena_mutant = "release_thread_releases_twice") {
+            slot.inner = Weak::new();
+        }
+        drop(slot);
         r
     }
 

@@ -1397,39 +1397,19 @@ impl Arena {
     }
 
     /// Thread exit: every superblock back to the pool, then the inbox closed; see the module
-    /// comment for why in this order. Returns the shell for reuse, or `None` if no fence could
-    /// be recorded: then the superblocks stay with the dead shell (never reused unfenced, freed
-    /// when the allocator drops) and the shell must not be reused.
-    /// `recorded` is a fence the owner has just recorded on its per-thread stream, if any: it
-    /// is used instead of recording another.
-    pub(crate) fn exit(
-        mut self,
-        env: &Env<'_>,
-        recorded: Option<Option<Arc<Fence>>>,
-    ) -> Option<Arc<ArenaShell>> {
+    /// comment for why in this order. Returns the shell for reuse. `fence` follows every local
+    /// free of the arena (recorded on its stream after them: [`Arena::exit_fence`], or the
+    /// owner's last outbox flush there), or is `None` after a device synchronise or where no
+    /// superblock is held; making it is the caller's, so that a failure to make it leaves the
+    /// arena whole, to be parked (`OwnedArena::exit`).
+    pub(crate) fn exit(mut self, env: &Env<'_>, fence: Option<Arc<Fence>>) -> Arc<ArenaShell> {
         self.flush_cache();
-        // Frees sent here so far are taken in, and keep their own fences: `recorded` (and the
-        // synchronise behind `Some(None)`) may come before some of them, so none is completed
-        // here, not even one freed on this arena's stream (a legacy arena's batch from another
-        // thread, whose work follows `recorded` on that stream). `give_back` sends each pending
+        // Frees sent here so far are taken in, and keep their own fences: `fence` (or the
+        // synchronise behind `None`) may come before some of them, so none is completed here,
+        // not even one freed on this arena's stream (a legacy arena's batch from another
+        // thread, whose work follows `fence` on that stream). `give_back` sends each pending
         // block to the pool under its batch's fence.
         self.drain(env);
-        let fence = if self.owned.is_empty() {
-            None
-        } else if let Some(f) = recorded {
-            f
-        } else {
-            // A user stream's arena that holds memory is parked by its caller and comes here
-            // with `recorded` set after a device synchronise; any other way here costs a
-            // device synchronise rather than a call on a handle that may be gone.
-            match env.home_fence_or_sync(self.home, self.key, false) {
-                Ok(f) => f,
-                Err(e) => {
-                    env.defer(e);
-                    return None;
-                }
-            }
-        };
         // Mutation for the loom model of thread exit: closing first lets a late free reach the
         // pool before the pool knows its block.
         #[cfg(cuarena_mutant = "exit_close_first")]
@@ -1451,7 +1431,16 @@ impl Arena {
         debug_assert!(self.lists.is_empty());
         // The inbox stays closed while the shell is idle, so late frees go to the pool; the
         // next arena to take the shell reopens it (`Inner::take_shell`).
-        Some(Arc::clone(&self.shell))
+        Arc::clone(&self.shell)
+    }
+
+    /// The fence [`Arena::exit`] needs when its caller has none: none if no superblock is
+    /// held, else one recorded now on the home stream, after every local free (a user
+    /// stream's arena that holds memory is parked by its caller instead, and comes to `exit`
+    /// with the device synchronised; any other way here costs a device synchronise rather than
+    /// a call on a handle that may be gone). An error leaves the arena as it was.
+    pub(crate) fn exit_fence(&self, env: &Env<'_>) -> Result<Option<Arc<Fence>>> {
+        if self.owned.is_empty() { Ok(None) } else { env.home_fence_or_sync(self.home, self.key, false) }
     }
 }
 

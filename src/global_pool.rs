@@ -729,12 +729,15 @@ impl GlobalPool {
             } else if !fences.poll_all(dev)? {
                 continue;
             }
+            // SAFETY: the chunk came from `reserve`, is wholly free, and its fences have
+            // completed, so no queued work uses it. Released first: a release the driver refuses
+            // leaves the chunk where it was, free and counted, for a later trim (taken out
+            // first, it was lost to the pool and its figures while the device still held it:
+            // helper-36, `tests/adversarial_s27c.rs`).
+            unsafe { dev.release(base, len)? };
             st.free.remove(base);
             st.chunks.remove(&base);
             st.reserved -= len;
-            // SAFETY: the chunk came from `reserve`, is wholly free, and its fences have
-            // completed, so no queued work uses it.
-            unsafe { dev.release(base, len)? };
             released += len;
         }
         Ok(released)

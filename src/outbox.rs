@@ -309,18 +309,16 @@ impl Outbox {
     }
 
     /// Sends every gathered free under one fence, and returns that fence with its stream.
-    /// `ptds` is the calling thread's per-thread stream identity. If no fence can be recorded,
-    /// the blocks are dropped: never reused, so memory is lost but never corrupted; the error
-    /// is returned. Except where a capture refused the record: on the legacy stream while a
-    /// blocking stream is being captured (`Device::stream_capturing`: the record would
-    /// invalidate that capture), or on the per-thread stream while this thread captures it
-    /// (frees made before the capture began; or during it, which cuarena does not see on the
+    /// `ptds` is the calling thread's per-thread stream identity. If no fence can be made, the
+    /// pool's blocks take a lazy legacy fence, as when all go to the pool (a legacy operation
+    /// at their reuse follows the earlier work of every per-thread stream too, `fence.rs`),
+    /// and the others wait in `refused` to be parked until a device synchronise. Where a
+    /// capture refused the record, that is no error (no fence is returned): on the legacy
+    /// stream while a blocking stream is being captured (`Device::stream_capturing`: the record
+    /// would invalidate that capture), or on the per-thread stream while this thread captures
+    /// it (frees made before the capture began; or during it, which cuarena does not see on the
     /// per-thread stream, as it does not see the owner's own frees there (README, "CUDA
-    /// graphs"): they are taken as made before it). Then the pool's blocks take a lazy legacy
-    /// fence, as when all go to the pool (a legacy operation at their reuse follows the earlier
-    /// work of every per-thread stream too, `fence.rs`), and the others wait in
-    /// `refused` to be parked until a device synchronise; that is no error (no fence is
-    /// returned).
+    /// graphs"): they are taken as made before it). Any other failure is returned.
     pub(crate) fn flush(
         &mut self,
         env: &Env<'_>,
@@ -350,14 +348,24 @@ impl Outbox {
         };
         let fence = match key.and_then(|k| env.fence(stream, k)) {
             Ok(f) => f,
-            // The mutation `legacy_refusal_drops_frees` drops them as any other failure: the
-            // `adversarial_s23::pending_remote_legacy_frees_*` tests and
-            // `capture::remote_per_thread_frees_flushed_during_the_threads_own_capture_come_back`
-            // must then fail.
             // The batch's stream is the per-thread or the legacy stream (`batchable`), and a
             // capture refuses either by its own name (the legacy stream's refusal is
-            // `is_legacy_refusal`'s).
-            Err(e) if e.is_capture_of(stream) && !cfg!(cuarena_mutant = "legacy_refusal_drops_frees") => {
+            // `is_legacy_refusal`'s): no error then. Any other failure (the identity, the
+            // capture check, the record) is returned, and the frees are kept the same way: a
+            // driver that refuses one call may take the next, and a synchronise follows every
+            // use of them. The mutation `legacy_refusal_drops_frees` drops them on a capture's
+            // refusal, and `failed_flush_drops_frees` on any other failure, as the code before
+            // each did: the `adversarial_s23::pending_remote_legacy_frees_*` tests and
+            // `capture::remote_per_thread_frees_flushed_during_the_threads_own_capture_come_back`,
+            // and `adversarial_s27c::a_failed_capture_check_in_release_thread_loses_no_memory`,
+            // must then fail.
+            Err(e) => {
+                let refusal = e.is_capture_of(stream);
+                if (refusal && cfg!(cuarena_mutant = "legacy_refusal_drops_frees"))
+                    || (!refusal && cfg!(cuarena_mutant = "failed_flush_drops_frees"))
+                {
+                    return Err(e);
+                }
                 let lazy = env.lazy_legacy_fence();
                 for (dest, blocks) in dests {
                     if dest.is_null() {
@@ -372,9 +380,8 @@ impl Outbox {
                         }
                     }
                 }
-                return Ok(Some((stream, None)));
+                return if refusal { Ok(Some((stream, None))) } else { Err(e) };
             }
-            Err(e) => return Err(e),
         };
         for (dest, blocks) in dests {
             if dest.is_null() {
