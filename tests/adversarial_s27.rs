@@ -3,14 +3,14 @@
 //! parked arenas at the drop), thread-per-request traffic, and `release_thread`, `flush`,
 //! `trim` and `set_limit_bytes` racing allocation traffic under a tight cap.
 //!
-//! Host memory is measured with a counting global allocator (this binary's own): the tests
-//! that read it hold [`SERIAL`], and so does every other test here, so that nothing else
+//! Host memory is measured with a counting global allocator (this binary's own,
+//! `common/counting_heap.rs`): the tests that read it hold its `serial()`, and so does every
+//! other test here, so that nothing else
 //! allocates meanwhile. Device-side leaks are seen on the testkit's `LightDevice`, which
 //! counts events created and not destroyed, and through the strong count of the device's
 //! `Arc`: an allocator dropped with everything it made gone leaves the device with one owner.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Barrier, Mutex};
 
 use cuarena::{Allocator, Device, DeviceAddr, Error, Event, Stream};
@@ -21,38 +21,9 @@ use cuarena_testkit::{HostDevice, LightDevice};
 mod common;
 use common::*;
 
-/// Counts the heap bytes the process holds, to see host memory that is never given back.
-struct Counting;
-
-static HEAP: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is passed on to `System` unchanged; only a counter is kept beside it.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        HEAP.fetch_add(l.size() as isize, Ordering::Relaxed);
-        // SAFETY: the caller's contract for `alloc` is passed on as it is.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        HEAP.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        // SAFETY: `p` came from `System` with layout `l` (every allocation goes there).
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Tests that measure the heap run alone.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn heap() -> isize {
-    HEAP.load(Ordering::Relaxed)
-}
+#[path = "common/counting_heap.rs"]
+mod counting_heap;
+use counting_heap::{heap, serial};
 
 /// A `LightDevice` (no race checker, events that complete `latency_ms` after their record)
 /// held by the test, so its owners can be counted.

@@ -12,9 +12,8 @@
 //! host memory per address ever lent, `registry.rs`: with it, every `trim(true)` that
 //! releases a chunk would look like a leak).
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicIsize, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
@@ -27,41 +26,9 @@ use cuarena_testkit::LightDevice;
 mod common;
 use common::*;
 
-// ---------------------------------------------------------------------------------------------
-// Measuring.
-
-/// Counts the heap bytes the process holds.
-struct Counting;
-
-static HEAP: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is passed on to `System` unchanged; only a counter is kept beside it.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        HEAP.fetch_add(l.size() as isize, Ordering::Relaxed);
-        // SAFETY: the caller's contract for `alloc` is passed on as it is.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        HEAP.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        // SAFETY: `p` came from `System` with layout `l` (every allocation goes there).
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Tests run one at a time: the heap is the process's.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn heap() -> isize {
-    HEAP.load(Ordering::Relaxed)
-}
+#[path = "common/counting_heap.rs"]
+mod counting_heap;
+use counting_heap::{heap, serial};
 
 /// A device of address space only, whose released addresses are given out again (first fit,
 /// 2 MiB granules), with the `LightDevice`'s events and stream identities.
