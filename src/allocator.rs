@@ -622,9 +622,19 @@ impl Inner {
         z.recount();
     }
 
-    /// True if `bytes` more parked keep the parked bytes within [`ZOMBIE_BYTES`].
-    fn parked_room(&self, bytes: usize) -> bool {
-        lock(&self.zombies).bytes.saturating_add(bytes) <= ZOMBIE_BYTES
+    /// Parks the user-stream batches of `outbox` if that keeps the parked bytes within
+    /// [`ZOMBIE_BYTES`] (checked and parked under one lock: two flushes at once cannot both
+    /// pass the check, helper-37); false, taking nothing, if not.
+    fn park_frees_within_bound(&self, outbox: &mut Outbox) -> bool {
+        let mut z = lock(&self.zombies);
+        if z.bytes.saturating_add(outbox.user_batch_bytes()) > ZOMBIE_BYTES {
+            return false;
+        }
+        if let Some(p) = outbox.take_user_batches() {
+            z.frees.append(p);
+            z.recount();
+        }
+        true
     }
 
     /// Gives back everything parked, after one device synchronise, if the parked bytes are
@@ -850,14 +860,22 @@ impl Slot {
         // The mutation `parking_unbounded` parks whatever `flush` finds, as before: the test
         // `adversarial_s27b::remote_user_stream_frees_flushed_by_a_worker_stay_bounded` must
         // then fail.
-        let all = park == Park::All
-            || cfg!(cuarena_mutant = "parking_unbounded")
-            || inner.parked_room(outbox.user_batch_bytes());
-        if let Some(p) = if all { outbox.take_user_batches() } else { outbox.take_refused() } {
-            // Mutation for the loom model of parked frees: send them at once, unfenced.
-            #[cfg(cuarena_mutant = "parked_frees_unfenced")]
-            p.deliver(env, None);
-            #[cfg(not(cuarena_mutant = "parked_frees_unfenced"))]
+        if park == Park::All || cfg!(cuarena_mutant = "parking_unbounded") {
+            if let Some(p) = outbox.take_user_batches() {
+                // Mutation for the loom model of parked frees: send them at once, unfenced.
+                #[cfg(cuarena_mutant = "parked_frees_unfenced")]
+                p.deliver(env, None);
+                #[cfg(not(cuarena_mutant = "parked_frees_unfenced"))]
+                inner.park_frees(p);
+            }
+        } else if !inner.park_frees_within_bound(outbox) && !cfg!(cuarena_mutant = "kept_batches_wait") {
+            // The next call on each batch's stream sends it (`Outbox::keep_user_batches`). The
+            // mutation `kept_batches_wait` leaves them to the 256th allocation or a full batch:
+            // `adversarial_s27d::user_stream_frees_kept_by_a_flush_are_sent_by_the_next_call_on_their_stream`
+            // must then fail.
+            outbox.keep_user_batches();
+        }
+        if let Some(p) = outbox.take_refused() {
             inner.park_frees(p);
         }
         if outbox.is_empty() {

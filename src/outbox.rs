@@ -41,8 +41,9 @@
 //! memory, `trim(true)`, the allocator's drop). A synchronise names no stream, and every use of
 //! these blocks was queued before it. `flush` and a reclaim that may not synchronise
 //! (`trim(false)`) park the thread's user-stream batches only while the parked memory stays
-//! within that bound; past it the batches stay here for the thread's next call on their
-//! stream (within the bound below). Before, a thread that freed others' blocks on a user
+//! within that bound; past it the batches stay here, each sent by the thread's next call
+//! on its stream (an allocation or a free there), or parked at the thread's exit (within the
+//! bound below). Before, a thread that freed others' blocks on a user
 //! stream and flushed after every few frees parked a batch each time, and nothing in steady use
 //! synchronises: the parked memory grew without bound (helper-35, `tests/adversarial_s27b.rs`).
 //!
@@ -92,6 +93,9 @@ struct UserBatch {
     count: usize,
     /// The thread's allocations on this stream since the batch began.
     allocs: u32,
+    /// A `flush` kept the batch here (the parked bound was reached: `Outbox::keep_user_batches`):
+    /// the thread's next call on its stream sends it.
+    due: bool,
 }
 
 /// What a user-stream batch operation leaves its caller: frees to park, an error to keep.
@@ -235,27 +239,44 @@ impl Outbox {
             return out;
         }
         let i = i.unwrap_or_else(|| {
-            self.users.push(UserBatch { key, frees: ParkedFrees::default(), count: 0, allocs: 0 });
+            self.users.push(UserBatch {
+                key,
+                frees: ParkedFrees::default(),
+                count: 0,
+                allocs: 0,
+                due: false,
+            });
             self.users.len() - 1
         });
         let b = &mut self.users[i];
         b.frees.push(dest, fr, block_bytes(fr.size, env.small_max).unwrap_or(fr.size));
         b.count += 1;
+        let due = b.due;
         let (n, total) = self.users.iter().fold((0, 0), |(n, t), b| (n + b.count, t + b.frees.bytes));
-        if n >= blocks || total >= bytes {
+        if n >= blocks || total >= bytes || due {
             self.send_user(env, i, stream, &mut out);
         }
         out
     }
 
+    /// A `flush` that may not park the user-stream batches (the parked bound is reached) keeps
+    /// them here: each is sent by the thread's next call on its stream (an allocation,
+    /// [`Outbox::tick_user`], or a free, [`Outbox::push_user`]), or parked at its exit.
+    pub(crate) fn keep_user_batches(&mut self) {
+        for b in &mut self.users {
+            b.due = true;
+        }
+    }
+
     /// An allocation on the user stream `stream` (identity `key`, asked in this call): sends
-    /// that stream's batch once it has waited [`STALE_ALLOCS`] of them.
+    /// that stream's batch once it has waited [`STALE_ALLOCS`] of them, or at once if a `flush`
+    /// kept it ([`Outbox::keep_user_batches`]).
     #[inline]
     pub(crate) fn tick_user(&mut self, env: &Env<'_>, key: StreamKey, stream: Stream) -> UserSend {
         let mut out = UserSend::default();
         if let Some(i) = self.users.iter().position(|b| b.key == key) {
             self.users[i].allocs += 1;
-            if self.users[i].allocs >= STALE_ALLOCS {
+            if self.users[i].allocs >= STALE_ALLOCS || self.users[i].due {
                 self.send_user(env, i, stream, &mut out);
             }
         }

@@ -453,7 +453,12 @@ fn pipeline_hand_offs_and_cross_stream_frees_stay_flat() {
                 }
             }
         });
-        assert_flat("pipeline", &s, HEAP_SLACK + (8 << 20), 256, 256 << 20);
+        // Reserved: its 80 MiB pool blocks freed by other threads come back behind fences, so
+        // when a phase's requests find them still on their way the pool grows by a chunk or
+        // more (one run in about sixteen ended 480 MiB above the first measured phase, then
+        // level, on 2 cores under load). A leak of a phase's worth grows by more than 640 MiB
+        // over the 60 phases.
+        assert_flat("pipeline", &s, HEAP_SLACK + (8 << 20), 256, 640 << 20);
         a.trim(true).unwrap();
         cuarena_testkit::assert_all_returned(&a, None, 0);
     });
