@@ -218,6 +218,12 @@ struct Zombies {
 }
 
 impl Zombies {
+    /// Adds `frees` to the parked frees, and counts again.
+    fn park_frees(&mut self, frees: ParkedFrees) {
+        self.frees.append(frees);
+        self.recount();
+    }
+
     /// Counts the bytes the parked arenas hold now (one held by a reclaimer this moment counts
     /// as nothing; the reclaimer gives superblocks back, never takes any) and the parked frees.
     fn recount(&mut self) {
@@ -631,8 +637,7 @@ impl Inner {
             return false;
         }
         if let Some(p) = outbox.take_user_batches() {
-            z.frees.append(p);
-            z.recount();
+            z.park_frees(p);
         }
         true
     }
@@ -650,9 +655,7 @@ impl Inner {
     /// call on their streams (see [`Zombies`]). Never synchronises (it runs inside frees,
     /// `flush` and exits): they wait for the next synchronise that happens anyway.
     fn park_frees(&self, frees: ParkedFrees) {
-        let mut z = lock(&self.zombies);
-        z.frees.append(frees);
-        z.recount();
+        lock(&self.zombies).park_frees(frees);
     }
 
     /// Parks what a user-stream batch operation left, and keeps its error.
