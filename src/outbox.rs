@@ -252,7 +252,7 @@ impl Outbox {
         b.frees.push(dest, fr, block_bytes(fr.size, env.small_max).unwrap_or(fr.size));
         b.count += 1;
         let due = b.due;
-        let (n, total) = self.users.iter().fold((0, 0), |(n, t), b| (n + b.count, t + b.frees.bytes));
+        let (n, total) = self.user_totals();
         if n >= blocks || total >= bytes || due {
             self.send_user(env, i, stream, &mut out);
         }
@@ -326,7 +326,12 @@ impl Outbox {
 
     /// Bytes of the blocks in the user-stream batches.
     pub(crate) fn user_batch_bytes(&self) -> usize {
-        self.users.iter().map(|b| b.frees.bytes).sum()
+        self.user_totals().1
+    }
+
+    /// Blocks and bytes in the user-stream batches.
+    fn user_totals(&self) -> (usize, usize) {
+        self.users.iter().fold((0, 0), |(n, t), b| (n + b.count, t + b.frees.bytes))
     }
 
     /// Sends every gathered free under one fence, and returns that fence with its stream.
