@@ -1655,7 +1655,7 @@ fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize, refused:
 fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R {
     let mut f = Some(f);
     let r = SLOTS.try_with(|cell| {
-        let mut slots = cell.borrow_mut();
+        let mut slots = cell.try_borrow_mut().ok()?;
         let i = match slots.iter().position(|s| s.id == inner.id) {
             Some(i) => i,
             None => {
@@ -1674,12 +1674,16 @@ fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R
                 slots.len() - 1
             }
         };
-        (f.take().expect("called once"))(&mut slots[i], inner)
+        Some((f.take().expect("called once"))(&mut slots[i], inner))
     });
     match r {
-        Ok(r) => r,
-        // The thread's slots are being destroyed (a late destructor): use a temporary slot.
-        Err(_) => {
+        Ok(Some(r)) => r,
+        // The thread's slots are being destroyed (a late destructor), or another allocator's
+        // call further up this thread's stack holds them (its device calls this allocator, as
+        // a device carved from another allocator's blocks does: helper-40,
+        // `adversarial_s28c::an_allocator_whose_device_carves_from_another_allocator_works_on_one_thread`):
+        // use a temporary slot, released when the call ends.
+        _ => {
             let mut slot = Slot::new(inner);
             (f.take().expect("not called"))(&mut slot, inner)
         }
@@ -2097,10 +2101,17 @@ impl Allocator {
         self.retry_held();
         let id = self.inner.id;
         let slot = SLOTS.try_with(|cell| {
-            let mut v = cell.borrow_mut();
-            v.iter().position(|s| s.id == id).map(|i| v.swap_remove(i))
+            // Held by another allocator's call further up this thread's stack (its device calls
+            // this one): this thread's slot cannot be reached now.
+            let Ok(mut v) = cell.try_borrow_mut() else {
+                return Err(Error::Unsupported(
+                    "release_thread inside another cuarena allocator's call on this thread (its device calls this one)"
+                        .into(),
+                ));
+            };
+            Ok(v.iter().position(|s| s.id == id).map(|i| v.swap_remove(i)))
         });
-        let Ok(Some(mut slot)) = slot else { return Ok(()) };
+        let Some(mut slot) = slot.unwrap_or(Ok(None))? else { return Ok(()) };
         let r = slot.release_arena(&self.inner);
         self.inner.counters.retire(&slot.counters);
         // Released: its drop must not release again. A second release (every one may bury
