@@ -1180,7 +1180,11 @@ impl Slot {
                 p
             }
             None => {
-                let p = inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences)?;
+                let pool = || inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences);
+                let p = match pool() {
+                    Err(e) if e.is_out_of_room() => Self::last_try(inner, &env, e, pool)?,
+                    r => r?,
+                };
                 self.counted_alloc(g * GRANULE, AllocPath::Pool);
                 p
             }
@@ -1218,17 +1222,47 @@ impl Slot {
     ) -> Result<u64> {
         let env = inner.env_on(&self.counters, stream);
         // CUDA graphs: the pool refuses a stream being captured (`GlobalPool::alloc`).
-        let p = match inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences) {
+        let pool = || inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences);
+        let p = match pool() {
             Err(e) if e.is_out_of_room() => {
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 self.counters.bump(&self.counters.alloc_retries, 1);
-                inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)?
+                match pool() {
+                    Err(e) if e.is_out_of_room() => Self::last_try(inner, &env, e, pool)?,
+                    r => r?,
+                }
             }
             r => r?,
         };
         self.counted_alloc(bytes, AllocPath::Pool);
         self.sample_peak(inner);
         Ok(p)
+    }
+
+    /// The last try before out of memory, after the reclaim and its retry (or where a reclaimer
+    /// held the arena): a request the pool must grow for finds no room under the cap while
+    /// chunks lie wholly free behind fences not yet complete, among them the fences the reclaim
+    /// itself has just recorded, which the growth's non-blocking trim finds pending. Waits for
+    /// those fences on the host and releases those chunks (a blocking pool trim), then tries
+    /// once more if any was released; otherwise `e` stands. Out of memory is the one allocation
+    /// path that waits so, and it waits on events only (no device synchronise, which a capture
+    /// may forbid). The mutation `oom_no_last_try` skips this: the test
+    /// `adversarial_s28b::out_of_memory_with_nothing_live_does_not_wait_for_the_reclaims_own_fences`
+    /// must then fail.
+    #[cold]
+    #[inline(never)]
+    fn last_try<T>(inner: &Inner, env: &Env<'_>, e: Error, again: impl FnOnce() -> Result<T>) -> Result<T> {
+        if cfg!(cuarena_mutant = "oom_no_last_try") {
+            return Err(e);
+        }
+        match inner.pool.trim(&env.dev, true) {
+            Ok(0) => Err(e),
+            Ok(_) => again(),
+            Err(t) => {
+                env.defer(t);
+                Err(e)
+            }
+        }
     }
 
     /// Takes back memory held without live blocks: this thread's gathered remote frees are

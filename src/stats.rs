@@ -402,7 +402,10 @@ impl Counters {
 pub struct Stats {
     /// Bytes in live blocks (after size-class rounding). Exact whenever no allocator call is
     /// running (at any quiescent point), and with `stats=exact` always; read while blocks pass
-    /// between threads, a sum that would be negative reads 0.
+    /// between threads, a sum that would be negative reads 0. Except while an invalid free of
+    /// another thread's block (or of a block on another stream) is on its way to the owner
+    /// that will refuse it: a remote free is counted when handed off, with the size it names,
+    /// and uncounted when refused (README, "The contract": such a free is checked there).
     pub live_bytes: u64,
     /// The largest `live_bytes` since the last peak reset. With `stats=exact`: exact (one shared
     /// counter). By default: the largest sum of the per-thread live counters sampled (on one
@@ -424,13 +427,16 @@ pub struct Stats {
     pub free_extents: u64,
     /// Successful allocations.
     pub allocations: u64,
-    /// Successful deallocations (remote ones counted when handed off).
+    /// Successful deallocations (remote ones counted when handed off, and uncounted if their
+    /// owner then refuses them as invalid).
     pub deallocations: u64,
-    /// Frees of arena blocks (up to `large_max`) owned by another thread's arena.
+    /// Frees of arena blocks (up to `large_max`) owned by another thread's arena, counted when
+    /// handed off (one its owner then refuses as invalid stays counted here).
     pub cross_thread_frees: u64,
     /// Frees of a thread's own arena blocks (up to `large_max`) on a stream other than the
-    /// arena's, sent the batched, fenced way. The legacy arena's own frees on the legacy stream
-    /// are kept back in it (`Arena::free_legacy`) and not counted here.
+    /// arena's, sent the batched, fenced way (counted as `cross_thread_frees` are). The legacy
+    /// arena's own frees on the legacy stream are kept back in it (`Arena::free_legacy`) and
+    /// not counted here.
     pub cross_stream_frees: u64,
     /// CUDA events recorded as fences.
     pub fences_recorded: u64,
@@ -442,8 +448,8 @@ pub struct Stats {
     pub driver_calls: u64,
     /// Host-blocking waits: device synchronises (the out-of-memory reclaim of user-stream or
     /// parked memory, a thread exit past the parked bound, `trim(true)`, the allocator's drop,
-    /// out of memory in pass-through mode) and host waits on events (`trim(true)`, a graph
-    /// pool's restore). None on any allocation or free that does not run out of memory.
+    /// out of memory in pass-through mode) and host waits on events (`trim(true)`, the last try
+    /// before out of memory, a graph pool's restore). None on any allocation or free that does not run out of memory.
     pub host_syncs: u64,
     /// Frees refused as invalid (including remote ones found invalid by their owner).
     pub invalid_frees: u64,
