@@ -658,6 +658,22 @@ impl Inner {
         lock(&self.zombies).park_frees(frees);
     }
 
+    /// Parks the frees of the outbox's batches whose fence could not be made
+    /// (`Outbox::take_refused`), at once: in the parked list the out-of-memory path and a
+    /// thread's exit reach them (after a device synchronise), where in the thread's outbox they
+    /// piled up, out of every other thread's reach, until its next `flush`, `trim` or exit, as
+    /// long as a capture or the driver refused its fences (helper-41; the test
+    /// `adversarial_s28d::frees_whose_fence_failed_are_reachable_by_another_threads_out_of_memory`).
+    /// The mutation `refused_stay_in_outbox` leaves them there: that test must then fail.
+    fn park_refused(&self, outbox: &mut Outbox) {
+        if cfg!(cuarena_mutant = "refused_stay_in_outbox") {
+            return;
+        }
+        if let Some(p) = outbox.take_refused() {
+            self.park_frees(p);
+        }
+    }
+
     /// Parks what a user-stream batch operation left, and keeps its error.
     #[inline]
     fn settle(&self, env: &Env<'_>, sent: UserSend) {
@@ -682,14 +698,15 @@ impl Inner {
 
     /// Gives back every parked arena of a destroyed stream (see [`Zombies`]), after one device
     /// synchronise if there are any and one may run ([`Inner::may_synchronize`]). Returns the
-    /// bytes they held.
+    /// bytes they held, and whether it synchronised (everything queued before this call has
+    /// completed then).
     #[cold]
-    fn bury_zombies(&self, env: &Env<'_>) -> Result<usize> {
+    fn bury_zombies(&self, env: &Env<'_>) -> Result<(usize, bool)> {
         let z = std::mem::take(&mut *lock(&self.zombies));
         // Segments of retired graph pools wait for the same synchronise (graph_pool.rs).
         let segments = self.graphs.take_parked();
         if z.is_empty() && segments.is_empty() {
-            return Ok(0);
+            return Ok((0, false));
         }
         // Nothing given back: parked again.
         let repark = |z: Zombies, segments| {
@@ -701,7 +718,7 @@ impl Inner {
         };
         if !self.may_synchronize(env) {
             repark(z, segments);
-            return Ok(0);
+            return Ok((0, false));
         }
         // Mutation for the loom model of parked arenas: give them back with no synchronise.
         #[cfg(not(cuarena_mutant = "zombie_no_sync"))]
@@ -726,7 +743,7 @@ impl Inner {
         // Every use of the parked frees' blocks was queued before the synchronise too. (After
         // the arenas' exits: a free towards one of them now goes to the pool.)
         z.frees.deliver(env, None);
-        Ok(z.bytes + graph_bytes)
+        Ok((z.bytes + graph_bytes, true))
     }
 
     /// Takes memory back from other threads' arenas whose owners are idle, without their
@@ -999,6 +1016,22 @@ impl Slot {
         inner.settle(&env, sent);
     }
 
+    /// A call on the user stream `stream` (identity `key`, asked in it) that `tick_user_batches`
+    /// does not see (a pool block's allocation or free there, the owner's own free of a block
+    /// that the fast path sent here): sends that stream's batch if a `flush` kept it
+    /// (`Outbox::send_due`). The mutation `due_batches_wait_for_small_calls` skips this: the
+    /// tests `adversarial_s28d::a_kept_user_batch_is_sent_by_*` must then fail.
+    #[cold]
+    #[inline(never)]
+    fn send_due_user(&mut self, inner: &Inner, key: StreamKey, stream: Stream) {
+        if !self.outbox.holds_user_batches() || cfg!(cuarena_mutant = "due_batches_wait_for_small_calls") {
+            return;
+        }
+        let env = inner.env(&self.counters);
+        let sent = self.outbox.send_due(&env, key, stream);
+        inner.settle(&env, sent);
+    }
+
     /// Adds an arena for the user stream `stream` with identity `key`: the parked arena of this
     /// stream if there is one (see below), otherwise a new, empty one. Returns false, changing
     /// nothing, if the thread has [`MAX_USER_ARENAS`] already and none can make room without a
@@ -1132,10 +1165,11 @@ impl Slot {
         let ptds = Self::ptds_key(&mut self.ptds, &env)?;
         // Frees of pool blocks waiting here keep their ranges from coalescing (a superblock
         // range with one such block cannot be lent): send them before the arena may grow.
-        if self.outbox.holds_pool_frees()
-            && let Err(e) = self.outbox.flush(&env, ptds)
-        {
-            env.defer(e);
+        if self.outbox.holds_pool_frees() {
+            if let Err(e) = self.outbox.flush(&env, ptds) {
+                env.defer(e);
+            }
+            inner.park_refused(&mut self.outbox);
         }
         if let Which::Fixed(i) = w
             && self.arenas.fixed[i].is_none()
@@ -1207,6 +1241,9 @@ impl Slot {
     #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
         let key = Self::key_of(&mut self.ptds, &inner.env(&self.counters), stream)?;
+        if stream.is_user() {
+            self.send_due_user(inner, key, stream);
+        }
         self.alloc_pool_keyed(inner, bytes, stream, key)
     }
 
@@ -1288,20 +1325,24 @@ impl Slot {
             env.defer(e);
         }
         let mut bytes = 0;
-        if may_block {
-            // First, so that the parked arenas cost one synchronise, not one each below.
-            bytes += inner.bury_zombies(env).unwrap_or_else(|e| {
-                env.defer(e);
-                0
-            });
-        }
         // One synchronise covers all of this thread's user arenas: every local free in them
         // was made by this thread before this call (no other thread frees locally into them;
-        // remote frees keep their own fences), so after the first user arena's synchronise the
-        // others need no fence. The mutation `reclaim_syncs_every_user_arena` synchronises
-        // for each: the test `out_of_memory_on_the_overflow_path_synchronises_about_once`
-        // must then fail.
+        // remote frees keep their own fences), so after the parked memory's synchronise, or
+        // the first user arena's, the others need no fence. The mutation
+        // `reclaim_syncs_every_user_arena` synchronises for each: the test
+        // `out_of_memory_on_the_overflow_path_synchronises_about_once` (exactly once, since the
+        // parked memory's synchronise counts too) must then fail.
         let mut synced = false;
+        if may_block {
+            // First, so that the parked arenas cost one synchronise, not one each below.
+            match inner.bury_zombies(env) {
+                Ok((b, s)) => {
+                    bytes += b;
+                    synced = s;
+                }
+                Err(e) => env.defer(e),
+            }
+        }
         for owned in arenas.iter_mut() {
             bytes += owned
                 .with(|a| {
@@ -1312,7 +1353,9 @@ impl Slot {
                             return Ok(HomeFence::Fence(None));
                         }
                         let f = env.reclaim_fence(home, key, may_block)?;
-                        synced |= user; // `home_fence_or_sync` synchronised: no call on a user home here
+                        // `reclaim_fence` synchronised (no call on a user home here), unless a
+                        // capture refused it and the memory stays (`HomeFence::Gone`).
+                        synced |= user && matches!(f, HomeFence::Fence(_));
                         Ok(f)
                     })
                 })
@@ -1342,14 +1385,12 @@ impl Slot {
             // Accepted now, fenced with the outbox's next batch: one event per batch.
             let ptds = Self::ptds_key(&mut self.ptds, &env)?;
             inner.pool.begin_free(ptr, size)?;
-            if let Err(e) = self.outbox.push(&env, ptds, std::ptr::null(), Freed { ptr, size }, stream) {
+            let fr = Freed { ptr, size };
+            if let Err(e) =
+                Self::push_batchable(&mut self.outbox, inner, &env, ptds, std::ptr::null(), fr, stream)
+            {
                 inner.pool.cancel_free(ptr); // not taken: nothing changed
                 return Err(e);
-            }
-            if self.outbox.is_full(inner.cfg.batch_blocks, inner.cfg.batch_bytes)
-                && let Err(e) = self.outbox.flush(&env, ptds)
-            {
-                env.defer(e); // this free was accepted; its batch is lost, never reused
             }
             self.counted_free(bytes);
             return Ok(());
@@ -1360,6 +1401,7 @@ impl Slot {
         let fence = env.fence(stream, key)?;
         inner.pool.free(ptr, size, fence, Origin::Caller)?;
         self.counted_free(bytes);
+        self.send_due_user(inner, key, stream); // a user stream (not `batchable`)
         Ok(())
     }
 
@@ -1418,6 +1460,9 @@ impl Slot {
                 Some(Local::Freed(r)) => {
                     r?;
                     self.counted_free(bytes);
+                    if home && let Which::User(j) = w {
+                        self.send_due_user(inner, self.arenas.users[j].key, stream);
+                    }
                     return Ok(());
                 }
                 // A reclaimer gave the superblock back meanwhile: route the free afresh.
@@ -1442,15 +1487,9 @@ impl Slot {
                     return Err(e);
                 }
             };
-            if let Err(e) = self.outbox.push(&env, ptds, owner, fr, stream) {
+            if let Err(e) = Self::push_batchable(&mut self.outbox, inner, &env, ptds, owner, fr, stream) {
                 sb.unfree(g); // not taken: nothing changed
                 return Err(e);
-            }
-            if self.outbox.is_full(inner.cfg.batch_blocks, inner.cfg.batch_bytes)
-                && let Err(e) = self.outbox.flush(&env, ptds)
-            {
-                // This free was accepted; the batch it joined is lost, never reused.
-                env.defer(e);
             }
         } else {
             // A user stream: the free waits in that stream's batch (`outbox.rs`, "Frees on
@@ -1472,6 +1511,31 @@ impl Slot {
         c.bump(if mine.is_some() { &c.cross_stream_frees } else { &c.cross_thread_frees }, 1);
         self.counted_free(bytes);
         Ok(())
+    }
+
+    /// Adds a free made on the per-thread or the legacy stream to the outbox (`Outbox::push`),
+    /// and sends the batch once it is full. A free not taken (the flush of the batch gathered
+    /// on the other stream failed) is the caller's to undo; a full batch whose fence cannot be
+    /// made is reported (deferred: this free was accepted) and its frees are parked
+    /// ([`Inner::park_refused`]).
+    fn push_batchable(
+        outbox: &mut Outbox,
+        inner: &Inner,
+        env: &Env<'_>,
+        ptds: StreamKey,
+        dest: *const ArenaShell,
+        fr: Freed,
+        stream: Stream,
+    ) -> Result<()> {
+        let pushed = outbox.push(env, ptds, dest, fr, stream);
+        if pushed.is_ok()
+            && outbox.is_full(inner.cfg.batch_blocks, inner.cfg.batch_bytes)
+            && let Err(e) = outbox.flush(env, ptds)
+        {
+            env.defer(e);
+        }
+        inner.park_refused(outbox);
+        pushed
     }
 
     /// Sends remote frees and gives the arenas back (what thread exit does).
@@ -1644,6 +1708,11 @@ fn free_fast(inner: &Arc<Inner>, stream: Stream, ptr: u64, size: usize, refused:
                     // `owner_free_on_another_user_stream_is_not_reused_before_its_fence` must
                     // then fail.
                     let any = cfg!(cuarena_mutant = "fast_free_any_handle");
+                    // A batch a `flush` kept for this handle's stream is sent by the slow path,
+                    // which asks the identity (`Slot::send_due_user`).
+                    if slot.outbox.holds_user_batches() && slot.outbox.due_on(stream) {
+                        return None;
+                    }
                     let u = slot
                         .arenas
                         .users

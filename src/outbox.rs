@@ -11,7 +11,8 @@
 //! a few blocks, one event each.) A flush records **one** event on the free stream (none if
 //! every free in it is a pool block's on the legacy stream: the pool keeps a lazy legacy fence,
 //! `FenceSet::lazy_legacy`) and pushes one batch per destination. So at most one batch's worth
-//! of freed memory per thread waits unsent: the bound on memory a thread strands this way.
+//! of freed memory per thread waits unsent: the bound on memory a thread strands this way. (A
+//! batch whose fence cannot be made is parked at once: `Inner::park_refused`.)
 //!
 //! Frees of pool blocks on those streams gather here too, under a null destination: the pool
 //! accepted each already (`GlobalPool::begin_free`), and the flush frees them under the
@@ -79,10 +80,11 @@ pub(crate) struct Outbox {
     /// Batches of frees on user streams, one per stream identity (at most
     /// [`MAX_USER_BATCHES`]); none is empty.
     users: Vec<UserBatch>,
-    /// Frees towards other arenas from a batch whose event a capture refused (`Outbox::flush`:
-    /// a legacy-stream batch while a blocking stream was being captured, or a per-thread
-    /// batch while this thread's per-thread stream was): they leave with the user-stream
-    /// batches ([`Outbox::take_user_batches`]), to be parked.
+    /// Frees towards other arenas from a batch whose fence could not be made (`Outbox::flush`:
+    /// a capture refused it, a legacy-stream batch while a blocking stream was being captured
+    /// or a per-thread batch while this thread's per-thread stream was, or the driver failed):
+    /// taken by the caller right after the flush ([`Outbox::take_refused`], or with the
+    /// user-stream batches, [`Outbox::take_user_batches`]), to be parked.
     refused: ParkedFrees,
 }
 
@@ -96,6 +98,9 @@ struct UserBatch {
     /// A `flush` kept the batch here (the parked bound was reached: `Outbox::keep_user_batches`):
     /// the thread's next call on its stream sends it.
     due: bool,
+    /// The handle of the batch's latest free: a hint for the owner's fast free on a user stream,
+    /// which asks no identity, that a due batch may be this stream's ([`Outbox::due_on`]).
+    handle: Stream,
 }
 
 /// What a user-stream batch operation leaves its caller: frees to park, an error to keep.
@@ -115,9 +120,9 @@ impl UserSend {
 }
 
 /// Remote frees grouped by destination arena (its shell): a user stream's batch, or batches
-/// that had to leave the outbox outside a call on their streams (or a legacy batch whose event
-/// a capture refused), to be delivered only after a device synchronise that follows every free
-/// in them. No destination is null (pool blocks are never parked).
+/// that had to leave the outbox outside a call on their streams (or a batch of the per-thread
+/// or legacy stream whose fence could not be made), to be delivered only after a device
+/// synchronise that follows every free in them. No destination is null (pool blocks are never parked).
 #[derive(Default)]
 pub(crate) struct ParkedFrees {
     dests: Vec<(*const ArenaShell, Vec<Freed>)>,
@@ -181,7 +186,8 @@ impl Outbox {
         self.stream = Some(stream);
         group(&mut self.dests, dest).push(fr);
         self.count += 1;
-        self.bytes += fr.size;
+        // The block's bytes, as the user-stream batches count them (`batch_bytes` bounds blocks).
+        self.bytes += block_bytes(fr.size, env.small_max).unwrap_or(fr.size);
         Ok(())
     }
 
@@ -245,12 +251,14 @@ impl Outbox {
                 count: 0,
                 allocs: 0,
                 due: false,
+                handle: stream,
             });
             self.users.len() - 1
         });
         let b = &mut self.users[i];
         b.frees.push(dest, fr, block_bytes(fr.size, env.small_max).unwrap_or(fr.size));
         b.count += 1;
+        b.handle = stream;
         let due = b.due;
         let (n, total) = self.user_totals();
         if n >= blocks || total >= bytes || due {
@@ -260,8 +268,10 @@ impl Outbox {
     }
 
     /// A `flush` that may not park the user-stream batches (the parked bound is reached) keeps
-    /// them here: each is sent by the thread's next call on its stream (an allocation,
-    /// [`Outbox::tick_user`], or a free, [`Outbox::push_user`]), or parked at its exit.
+    /// them here: each is sent by the thread's next call on its stream (an allocation of at
+    /// most `large_max`, [`Outbox::tick_user`]; a free of another arena's block,
+    /// [`Outbox::push_user`]; any other allocation or free there, [`Outbox::send_due`]), or
+    /// parked at its exit.
     pub(crate) fn keep_user_batches(&mut self) {
         for b in &mut self.users {
             b.due = true;
@@ -281,6 +291,25 @@ impl Outbox {
             }
         }
         out
+    }
+
+    /// Sends the batch of the user stream `stream` (identity `key`, asked in this call on it)
+    /// if a `flush` kept it ([`Outbox::keep_user_batches`]): the calls on a user stream that
+    /// neither [`Outbox::tick_user`] nor [`Outbox::push_user`] sees (a pool block's allocation
+    /// or free, the owner's own free).
+    pub(crate) fn send_due(&mut self, env: &Env<'_>, key: StreamKey, stream: Stream) -> UserSend {
+        let mut out = UserSend::default();
+        if let Some(i) = self.users.iter().position(|b| b.key == key && b.due) {
+            self.send_user(env, i, stream, &mut out);
+        }
+        out
+    }
+
+    /// True if a batch kept by a `flush` may be `stream`'s: its latest free was on this handle
+    /// (a hint; [`Outbox::send_due`] goes by identity).
+    #[inline]
+    pub(crate) fn due_on(&self, stream: Stream) -> bool {
+        self.users.iter().any(|b| b.due && b.handle == stream)
     }
 
     /// Sends `users[i]` under one event recorded on `stream`, which the caller is inside a

@@ -796,8 +796,9 @@ fn lazy_legacy_pool_blocks_of_a_refused_ptds_batch_are_trimmed_and_reused_in_ord
 
 /// With batches of 8, the freer uses an owner's blocks behind a gate on its per-thread stream,
 /// frees a few before its capture and the rest during it: every batch that fills during the
-/// capture is flushed inside a free and refused (no error, nothing dropped), and the refused
-/// frees accumulate until the freer's next flush parks them. A second thread that never asked
+/// capture is flushed inside a free and refused (no error, nothing dropped), and its frees are
+/// parked at once (until the twenty-eighth session they accumulated in the freer's outbox until
+/// its next flush, out of other threads' reach: `adversarial_s28d`). A second thread that never asked
 /// its per-thread stream's identity frees on it during its own capture: refused clearly and
 /// changing nothing, or taken. Nobody gets those blocks before the gate opens and a
 /// synchronise delivers them; then everything comes back.
@@ -837,6 +838,7 @@ fn full_ptds_batches_refused_during_the_freers_capture_accumulate_and_come_back(
         }
         assert!(deferred.is_none(), "a refused batch is no error: {deferred:?}");
         let during = a.parked_free_bytes();
+        assert!(during > parked0, "the refused frees are parked at once");
         // The fresh thread: never asked its per-thread stream's identity.
         let fresh_blocks = owned(&owner, &live, vec![3000, 5000, 7000]);
         let d = dev.clone();
@@ -884,7 +886,7 @@ fn full_ptds_batches_refused_during_the_freers_capture_accumulate_and_come_back(
             "parked: {parked0} B before, {during} B after the frees, {} B after the flush",
             a.parked_free_bytes()
         );
-        assert!(a.parked_free_bytes() > during, "the refused frees are parked by the flush");
+        assert_eq!(a.parked_free_bytes(), during, "the flush after the capture fences its batch");
         let v = dev.violations();
         assert!(
             v.is_empty(),
@@ -905,14 +907,14 @@ fn full_ptds_batches_refused_during_the_freers_capture_accumulate_and_come_back(
 // ---------------------------------------------------------------------------------------------
 // 9. The capture ends while refused frees still wait in the outbox.
 
-/// A full batch is refused inside a free during the freer's capture, and the capture ends
-/// before anything parks those frees: they wait in the freer's outbox while it goes on (more
-/// remote frees on its per-thread stream, now fenced; a switch to the legacy stream;
-/// allocations), while other threads trim (a blocking trim too: it cannot reach them) and
-/// allocate a lot. Their blocks stay handed out until the freer's flush parks them and a
-/// synchronise delivers them; then everything comes back.
+/// A full batch is refused inside a free during the freer's capture and parked at once; the
+/// capture ends, and the freer goes on (more remote frees on its per-thread stream, now fenced;
+/// a switch to the legacy stream; allocations), while another thread's blocking trim delivers
+/// the parked frees after its synchronise, and other threads allocate a lot. Until the
+/// twenty-eighth session the refused frees waited in the freer's outbox, where the blocking
+/// trim could not reach them, until the freer's flush. Everything comes back.
 #[test]
-fn the_capture_ends_while_refused_frees_wait_in_the_outbox() {
+fn the_capture_ends_while_refused_frees_wait_parked() {
     within(60, || {
         let dev = host(20);
         let a = alloc_with(&dev, cfg().batch_blocks(8));
@@ -927,11 +929,13 @@ fn the_capture_ends_while_refused_frees_wait_in_the_outbox() {
                 a.deallocate_per_thread(p, n).unwrap();
             }
         });
+        let parked0 = a.parked_free_bytes();
         begin(&dev, &freer);
         let (p, n) = first[7];
         freer.run(move |a| a.deallocate_per_thread(p, n)).unwrap(); // the eighth: refused batch
         end(&dev, &freer);
         let parked = a.parked_free_bytes();
+        assert!(parked > parked0, "the refused batch is parked at once");
         // The freer goes on: more frees (fenced now), a switch of stream, allocations.
         let (l, r2, d) = (Arc::clone(&live), rest.clone(), dev.clone());
         let mine = freer.run(move |a| {
@@ -943,7 +947,10 @@ fn the_capture_ends_while_refused_frees_wait_in_the_outbox() {
             take_all(a, &d, &l, &[4096, 50 << 10, 600 << 10], &[Stream::PER_THREAD], 0x6600)
         });
         other.run(|a| a.trim(true)).unwrap();
-        assert_eq!(a.parked_free_bytes(), parked, "nothing else was parked");
+        assert_eq!(a.parked_free_bytes(), 0, "the blocking trim delivers the parked frees");
+        for &(p, _) in &first {
+            live.remove(p);
+        }
         let (d, l, s2) = (dev.clone(), Arc::clone(&live), szs.clone());
         let got = other.run(move |a| {
             let mut got = Vec::new();
@@ -963,12 +970,7 @@ fn the_capture_ends_while_refused_frees_wait_in_the_outbox() {
         let (d, l, s2) = (dev.clone(), Arc::clone(&live), szs.clone());
         let got2 = owner.run(move |a| take_all(a, &d, &l, &s2, &[Stream::PER_THREAD], 0x6800));
         live.assert_clean();
-        // Now the freer's flush parks them; a synchronise delivers them.
         freer.run(|a| a.flush()).unwrap();
-        assert!(a.parked_free_bytes() > parked, "the refused frees parked by the flush");
-        for &(p, _) in &first {
-            live.remove(p);
-        }
         other.run(|a| a.trim(true)).unwrap();
         assert_eq!(a.parked_free_bytes(), 0);
         let l = Arc::clone(&live);
