@@ -686,14 +686,21 @@ impl Inner {
     }
 
     /// Whether a device synchronise may run now. Not while a capture is announced
-    /// (`graph_capture_begin`), nor while a blocking stream (a per-thread stream among them) is
-    /// being captured, which a synchronise would invalidate: that is seen without harm through
-    /// the legacy stream (`Device::stream_capturing`, one driver call). A capture of a
-    /// non-blocking stream that was not announced cannot be seen (README, "CUDA graphs").
+    /// (`graph_capture_begin`) to any allocator of the device, nor while a blocking stream (a
+    /// per-thread stream among them) is being captured, which a synchronise would invalidate:
+    /// that is seen without harm through the legacy stream (`Device::stream_capturing`, one
+    /// driver call); `Counted::synchronize` checks announcements again, under their lock. A
+    /// capture of a non-blocking stream that was not announced cannot be seen (README, "CUDA
+    /// graphs").
     /// Either way what waits for a synchronise stays parked for a later one (PyTorch frees its
     /// cached blocks only when no capture is underway).
     fn may_synchronize(&self, env: &Env<'_>) -> bool {
-        !self.graphs.captures_underway() && !env.dev.legacy_implicated()
+        let announced = if cfg!(cuarena_mutant = "captures_per_allocator") {
+            self.graphs.captures_underway()
+        } else {
+            self.graphs.device_captures_underway()
+        };
+        !announced && !env.dev.legacy_implicated()
     }
 
     /// Gives back every parked arena of a destroyed stream (see [`Zombies`]), after one device
@@ -727,7 +734,8 @@ impl Inner {
         let synced: Result<()> = Ok(());
         if let Err(e) = synced {
             repark(z, segments);
-            return Err(e);
+            // A capture begun or announced since `may_synchronize` refused it: as if checked.
+            return if e.is_legacy_refusal() { Ok((0, false)) } else { Err(e) };
         }
         // Every replay of the retired pools' graphs was queued before the synchronise.
         let mut graph_bytes = 0;
@@ -821,6 +829,9 @@ impl Drop for Inner {
         if self.trace.running() {
             let _ = self.trace.stop();
         }
+        // Captures announced here and never ended no longer hold off other allocators'
+        // synchronises, nor the pool's own below.
+        self.graphs.end_captures();
     }
 }
 
@@ -1799,6 +1810,7 @@ impl Allocator {
         crate::sync::prepare_barriers();
         let total = device.total_memory()?;
         let trace_path = config.trace.clone();
+        let device_id = device.device_id();
         let a = Allocator {
             inner: Arc::new(Inner {
                 id: next_id(),
@@ -1815,7 +1827,7 @@ impl Allocator {
                 arenas: AtomicUsize::new(0),
                 oom_hook: Mutex::new(None),
                 trace: crate::trace::Shared::new(crate::trace::BUFFER_RECORDS),
-                graphs: GraphPools::default(),
+                graphs: GraphPools::new(device_id),
             }),
         };
         if let Some(path) = trace_path {

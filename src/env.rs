@@ -97,11 +97,17 @@ impl Env<'_> {
     /// [`Env::home_fence`], or, where the caller may block (`may_block`: out-of-memory,
     /// `trim(true)`), [`Env::home_fence_or_sync`], so that a user stream's arena can give
     /// memory back after a device synchronise instead of keeping it.
+    /// A synchronise refused because a capture forbids it now (one announced, or of a blocking
+    /// stream, begun since the caller asked `Inner::may_synchronize`: `Counted::synchronize`)
+    /// leaves the memory where it is, as without `may_block`.
     pub(crate) fn reclaim_fence(&self, home: Stream, key: StreamKey, may_block: bool) -> Result<HomeFence> {
-        if may_block {
-            self.home_fence_or_sync(home, key, false).map(HomeFence::Fence)
-        } else {
-            self.home_fence(home, key, false)
+        match self.home_fence(home, key, false)? {
+            HomeFence::Gone if may_block => match self.dev.synchronize() {
+                Ok(()) => Ok(HomeFence::Fence(None)),
+                Err(e) if e.is_legacy_refusal() => Ok(HomeFence::Gone),
+                Err(e) => Err(e),
+            },
+            f => Ok(f),
         }
     }
 

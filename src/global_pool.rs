@@ -808,6 +808,10 @@ impl GlobalPool {
     }
 }
 
+/// How long a pool's drop waits for captures announced to other allocators of its device to end
+/// before it gives up its synchronise and keeps its chunks (`GlobalPool`'s drop), in ms.
+const DROP_CAPTURE_WAIT_MS: u32 = 10_000;
+
 impl Drop for GlobalPool {
     /// Releases every chunk, after one device synchronise. Fences alone do not cover what the
     /// chunks may still be used for: superblocks still lent to the arenas of live threads (the
@@ -816,9 +820,10 @@ impl Drop for GlobalPool {
     /// outbox), and the work queued on those blocks before their frees may still be running. The
     /// synchronise orders every release after all work queued so far, as `cuMemPoolDestroy`
     /// defers its pool's release until outstanding frees complete (`cuMemFree` of `cuMemAlloc`'d
-    /// memory "may" synchronise by itself; the driver promises nothing). If it fails, no chunk is
-    /// released (they stay reserved until the process ends): releasing memory that work may
-    /// still use is worse.
+    /// memory "may" synchronise by itself; the driver promises nothing). If it fails, or a capture
+    /// announced to another allocator of the device forbids it for longer than
+    /// [`DROP_CAPTURE_WAIT_MS`], no chunk is released (they stay reserved until the process
+    /// ends): releasing memory that work may still use is worse.
     fn drop(&mut self) {
         if crate::shutdown::process_exiting() {
             return; // the driver is going away; the process teardown frees the memory
@@ -829,6 +834,14 @@ impl Drop for GlobalPool {
         }
         let counters = Counters::new_shared();
         let dev = Counted::new(&*self.device, &counters);
+        // A capture announced to another allocator of this device forbids the synchronise
+        // (`Counted::synchronize`): wait for it to end, a while (captures are short), and
+        // otherwise keep the chunks reserved, as when the synchronise fails.
+        let mut waited = 0;
+        while crate::sync::captures_announced(self.device.device_id()) && waited < DROP_CAPTURE_WAIT_MS {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            waited += 1;
+        }
         // The mutation `drop_without_sync` releases the chunks at once, with no synchronise:
         // the tests `dropping_an_allocator_...` in `tests/adversarial_s15.rs` must then fail.
         if !cfg!(cuarena_mutant = "drop_without_sync") && dev.synchronize().is_err() {

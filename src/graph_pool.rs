@@ -449,14 +449,20 @@ pub(crate) struct GraphPools {
     lo: AtomicU64,
     hi: AtomicU64,
     state: Mutex<State>,
+    /// The device (`Device::device_id`): captures announced here are counted process-wide for
+    /// it too (`sync::announce_captures`), since another allocator's synchronise breaks them
+    /// as well.
+    device: u64,
 }
 
-impl Default for GraphPools {
-    fn default() -> GraphPools {
+impl GraphPools {
+    /// The graph pools of an allocator of `device` (`Device::device_id`).
+    pub(crate) fn new(device: u64) -> GraphPools {
         GraphPools {
             lo: AtomicU64::new(u64::MAX),
             hi: AtomicU64::new(0),
             state: Mutex::new(State::default()),
+            device,
         }
     }
 }
@@ -603,21 +609,41 @@ impl GraphPools {
     }
 
     /// A capture begins (PyTorch: a route to a pool opens, for a capture or a `use_mem_pool`).
+    /// Announced for the device first (waiting for a synchronise that runs: `sync.rs`), and
+    /// never under the state lock.
     pub(crate) fn capture_begin(&self) {
+        crate::sync::announce_captures(self.device, 1, true);
         lock(&self.state).captures += 1;
     }
 
     /// A capture begun ends; false, changing nothing, if none is underway.
     pub(crate) fn capture_end(&self) -> bool {
-        let mut st = lock(&self.state);
-        let underway = st.captures > 0;
-        st.captures -= u64::from(underway);
+        let underway = {
+            let mut st = lock(&self.state);
+            let underway = st.captures > 0;
+            st.captures -= u64::from(underway);
+            underway
+        };
+        if underway {
+            crate::sync::announce_captures(self.device, 1, false);
+        }
         underway
+    }
+
+    /// Ends every capture still announced here (the allocator is dropped), for the device too.
+    pub(crate) fn end_captures(&self) {
+        let n = std::mem::take(&mut lock(&self.state).captures);
+        crate::sync::announce_captures(self.device, n, false);
     }
 
     /// True while a capture is underway (see `captures`).
     pub(crate) fn captures_underway(&self) -> bool {
         lock(&self.state).captures > 0
+    }
+
+    /// True while a capture is announced to any allocator of this device.
+    pub(crate) fn device_captures_underway(&self) -> bool {
+        crate::sync::captures_announced(self.device)
     }
 
     /// How many times pool `id` is retained now (0 for a pool not retained).
@@ -785,7 +811,7 @@ mod tests {
     use super::*;
 
     fn pools_with(id: GraphPoolId) -> (GraphPools, std::cell::Cell<u64>) {
-        let g = GraphPools::default();
+        let g = GraphPools::new(u64::MAX);
         g.retain(id);
         (g, std::cell::Cell::new(1 << 30))
     }

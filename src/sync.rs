@@ -7,7 +7,8 @@
 //! - `Arc` is always `std::sync::Arc`. Reference counts are not one of our protocols, and
 //!   `Arc<dyn Device>` needs std's unsized coercion.
 //! - Process-wide id counters ([`next_id`]) use a std atomic: a unique number, nothing ordered
-//!   by it, and loom atomics cannot live in statics.
+//!   by it, and loom atomics cannot live in statics. So does the process-wide count of
+//!   announced captures ([`announce_captures`]), a std lock.
 //! - The simulated device (`testkit/src/host.rs`) is a test fixture with real std threads; it is not
 //!   run under loom (the models use `loom-tests/src/model.rs`).
 
@@ -122,6 +123,66 @@ mod membarrier {
     pub(super) fn all_threads() -> bool {
         false
     }
+}
+
+/// Captures announced to any allocator of the process (`Allocator::graph_capture_begin`), per
+/// device (`Device::device_id`): a device synchronise breaks a capture on its device whichever
+/// allocator makes it (helper-40, `tests/adversarial_s28c.rs`). A std lock in a static, as for
+/// [`next_id`]; entries are (device, count), none with a count of 0. A synchronise holds the
+/// read side from its check to its end ([`unless_captures_announced`]) and an announcement
+/// takes the write side, so no capture is announced while a synchronise that found none runs
+/// (it waits for the synchronise, as PyTorch's capture begin waits for its allocator's lock).
+static CAPTURES: std::sync::RwLock<Vec<(u64, u64)>> = std::sync::RwLock::new(Vec::new());
+
+/// Adds `n` announced captures on `device` (`up`), or takes `n` away.
+pub(crate) fn announce_captures(device: u64, n: u64, up: bool) {
+    // The mutation `captures_per_allocator` leaves the count to each allocator's own (as before
+    // the twenty-eighth session): the test
+    // `adversarial_s28c::a_capture_announced_to_one_allocator_is_not_broken_by_another_on_the_same_device`
+    // must then fail.
+    if cfg!(cuarena_mutant = "captures_per_allocator") {
+        return;
+    }
+    let mut c = CAPTURES.write().unwrap_or_else(|p| p.into_inner());
+    let i = c.iter().position(|&(d, _)| d == device).unwrap_or_else(|| {
+        c.push((device, 0));
+        c.len() - 1
+    });
+    let count = &mut c[i].1;
+    *count = if up { count.saturating_add(n) } else { count.saturating_sub(n) };
+    if *count == 0 {
+        c.swap_remove(i);
+    }
+}
+
+/// True while a capture is announced on `device`.
+pub(crate) fn captures_announced(device: u64) -> bool {
+    CAPTURES.read().unwrap_or_else(|p| p.into_inner()).iter().any(|&(d, _)| d == device)
+}
+
+/// Runs `f` (a device synchronise) unless a capture is announced on `device`, holding off
+/// announcements until it returns; `None` if one is announced.
+pub(crate) fn unless_captures_announced<R>(device: u64, f: impl FnOnce() -> R) -> Option<R> {
+    let c = CAPTURES.read().unwrap_or_else(|p| p.into_inner());
+    let none = !c.iter().any(|&(d, _)| d == device);
+    // The mutation `synchronise_after_unlock` lets an announcement in between the check and the
+    // synchronise: the `adversarial_s28a::*_racing_an_announced_capture_*` tests must then fail.
+    if cfg!(cuarena_mutant = "synchronise_after_unlock") {
+        drop(c);
+    }
+    none.then(f)
+}
+
+/// Runs `f` (a use of the legacy stream outside a call on it: a check that no blocking stream
+/// is being captured, and the call it allows) with announcements held off, telling it whether a
+/// capture is announced on `device` now. Such a capture may be of a blocking stream, begun
+/// after the check, so `f` refuses the legacy stream while one is; one announced later begins
+/// after `f` returns (helper-38, `tests/adversarial_s28a.rs`). Held only around device calls,
+/// never around a call into an allocator.
+pub(crate) fn holding_off_announcements<R>(device: u64, f: impl FnOnce(bool) -> R) -> R {
+    let c = CAPTURES.read().unwrap_or_else(|p| p.into_inner());
+    let announced = c.iter().any(|&(d, _)| d == device);
+    f(announced)
 }
 
 /// A process-wide unique, non-zero id.

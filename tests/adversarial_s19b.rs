@@ -102,6 +102,9 @@ impl Device for Spy {
     fn ordinal(&self) -> i32 {
         self.sim.ordinal()
     }
+    fn device_id(&self) -> u64 {
+        self.sim.device_id()
+    }
     fn total_memory(&self) -> cuarena::Result<usize> {
         self.sim.total_memory()
     }

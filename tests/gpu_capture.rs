@@ -398,6 +398,9 @@ impl cuarena::Device for Watch {
     fn ordinal(&self) -> i32 {
         self.dev.ordinal()
     }
+    fn device_id(&self) -> u64 {
+        self.dev.device_id()
+    }
     fn total_memory(&self) -> cuarena::Result<usize> {
         self.dev.total_memory()
     }

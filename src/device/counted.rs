@@ -86,10 +86,35 @@ impl<'a> Counted<'a> {
     }
 
     pub(crate) fn record_fence(&self, e: Event, s: Stream) -> Result<()> {
-        self.not_capturing(s)?;
-        self.call();
-        self.counters.bump(&self.counters.fences_recorded, 1);
-        self.device.record_event(e, s)
+        self.checked(s, || {
+            self.call();
+            self.counters.bump(&self.counters.fences_recorded, 1);
+            self.device.record_event(e, s)
+        })
+    }
+
+    /// Runs `call` on `s` once [`Counted::not_capturing`] allows it. Where that asks the legacy
+    /// stream's state (outside a call on it), the check and the call run with capture
+    /// announcements held off (`sync::holding_off_announcements`), and the legacy stream is
+    /// refused as well while a capture is announced to any allocator of the device: it may be
+    /// of a blocking stream, begun after the check (an announcement comes before its capture
+    /// begins, as PyTorch's does). The mutation `legacy_check_unlocked` checks the capture
+    /// alone: the test
+    /// `adversarial_s28a::a_legacy_record_racing_an_announced_per_thread_capture_never_breaks_it`
+    /// must then fail (and `chaos_without_the_legacy_stream_with_per_thread_captures` in some
+    /// runs).
+    fn checked<R>(&self, s: Stream, call: impl FnOnce() -> Result<R>) -> Result<R> {
+        if !s.is_legacy() || self.legacy_call || cfg!(cuarena_mutant = "legacy_check_unlocked") {
+            self.not_capturing(s)?;
+            return call();
+        }
+        crate::sync::holding_off_announcements(self.device.device_id(), |announced| {
+            // The device asked directly: `stream_capturing` would take the lock again.
+            if announced || self.device_capturing(s)? {
+                return Err(crate::error::Error::StreamCapturing { stream: s.as_raw() });
+            }
+            call()
+        })
     }
 
     pub(crate) fn query_fence(&self, e: Event) -> Result<bool> {
@@ -109,19 +134,26 @@ impl<'a> Counted<'a> {
     /// while a blocking stream is being captured: a synchronise during any capture invalidates
     /// it (measured on the H200), and that kind of capture can be seen (one
     /// `cuStreamIsCapturing` of the legacy stream). A capture of a non-blocking stream cannot
-    /// be seen without its handle; only an announced one is spared (`graph_capture_begin`).
+    /// be seen without its handle; only an announced one is spared (`graph_capture_begin`, to
+    /// any allocator of this device: refused the same way while one is, and none is announced
+    /// until this returns, `sync::unless_captures_announced`).
     pub(crate) fn synchronize(&self) -> Result<()> {
         self.refuse_if_capturing(Stream::LEGACY)?;
-        self.call();
-        self.counters.bump(&self.counters.host_syncs, 1);
-        self.device.synchronize()
+        let refused = || crate::error::Error::StreamCapturing { stream: Stream::LEGACY.as_raw() };
+        crate::sync::unless_captures_announced(self.device.device_id(), || {
+            self.call();
+            self.counters.bump(&self.counters.host_syncs, 1);
+            self.device.synchronize()
+        })
+        .unwrap_or_else(|| Err(refused()))
     }
 
     pub(crate) fn wait_fence(&self, s: Stream, e: Event) -> Result<()> {
-        self.not_capturing(s)?;
-        self.call();
-        self.counters.bump(&self.counters.fence_waits, 1);
-        self.device.stream_wait_event(s, e)
+        self.checked(s, || {
+            self.call();
+            self.counters.bump(&self.counters.fence_waits, 1);
+            self.device.stream_wait_event(s, e)
+        })
     }
 
     /// Refuses `s` if it is being captured into a graph (see [`Counted::record_fence`]).
@@ -129,14 +161,32 @@ impl<'a> Counted<'a> {
         self.not_capturing(s)
     }
 
-    /// Is `s` being captured into a graph (`cuStreamIsCapturing`)?
+    /// Is `s` being captured into a graph (`cuStreamIsCapturing`)? Of the legacy stream: may it
+    /// not be used, because a blocking stream is being captured (`Device::stream_capturing`), or
+    /// a capture is announced to an allocator of the device, which may be of a blocking stream
+    /// (see [`Counted::checked`]; then no driver call)?
     pub(crate) fn stream_capturing(&self, s: Stream) -> Result<bool> {
+        if s.is_legacy() && crate::sync::captures_announced(self.device.device_id()) {
+            return Ok(true);
+        }
+        self.device_capturing(s)
+    }
+
+    /// The device's answer alone (`cuStreamIsCapturing`).
+    fn device_capturing(&self, s: Stream) -> Result<bool> {
         self.call();
         self.device.stream_capturing(s)
     }
 
+    /// The device checks for a capture first (`Device::stream_key`); of the legacy stream, with
+    /// announcements held off, so that an announced capture does not begin in between.
     pub(crate) fn stream_key(&self, s: Stream) -> Result<StreamKey> {
         self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s));
+        if s.is_legacy() {
+            return crate::sync::holding_off_announcements(self.device.device_id(), |_| {
+                self.device.stream_key(s)
+            });
+        }
         self.device.stream_key(s)
     }
 }

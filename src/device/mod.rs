@@ -7,9 +7,11 @@
 //!   `loom-tests` a minimal device for the loom models.
 //!
 //! The allocator calls a device only on slow paths. It never blocks the host on the device except
-//! in [`Device::sync_event`], which only `trim(blocking)` and shutdown use, and in
-//! [`Device::synchronize`], used only when memory freed on a user stream must leave an arena
-//! after that stream was destroyed (`Env::home_fence`).
+//! in [`Device::sync_event`], which `trim(blocking)`, the last try before out of memory and a
+//! graph pool's restore use, and in [`Device::synchronize`], used where memory waits for one:
+//! memory freed on a user stream that must leave an arena after that stream may be gone
+//! (`Env::home_fence`), parked arenas and frees and retired graph pools' segments
+//! (`Inner::bury_zombies`), and the pool's drop.
 
 pub(crate) mod counted;
 pub mod cuda;
@@ -50,6 +52,14 @@ pub trait Device: Send + Sync + 'static {
     fn kind(&self) -> DeviceKind;
     /// The device ordinal.
     fn ordinal(&self) -> i32;
+    /// Names the physical device among every [`Device`] of the process: allocators whose
+    /// devices give the same number share process-wide state (a capture announced to one spares
+    /// the device the others' synchronises, `Allocator::graph_capture_begin`). The default is
+    /// the ordinal, CUDA's meaning; a wrapper forwards its inner device's, and a simulated
+    /// device gives its own (see `cuarena_testkit::HostDevice`), never one a CUDA ordinal has.
+    fn device_id(&self) -> u64 {
+        u64::from(self.ordinal().cast_unsigned())
+    }
     /// Total device memory in bytes.
     fn total_memory(&self) -> Result<usize>;
     /// Reserves `bytes` of device memory. `Ok(None)` means the device is out of memory.

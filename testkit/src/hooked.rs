@@ -44,6 +44,9 @@ impl Device for HookedDevice {
     fn ordinal(&self) -> i32 {
         self.sim.ordinal()
     }
+    fn device_id(&self) -> u64 {
+        self.sim.device_id()
+    }
     fn total_memory(&self) -> Result<usize> {
         self.sim.total_memory()
     }

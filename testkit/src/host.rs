@@ -797,6 +797,12 @@ impl Device for HostDevice {
         0
     }
 
+    /// Each simulated device is a device of its own (its clones share it), apart from every
+    /// CUDA ordinal: the top bit is set.
+    fn device_id(&self) -> u64 {
+        self.sh().id | 1 << 63
+    }
+
     fn total_memory(&self) -> Result<usize> {
         Ok(self.sh().cfg.capacity)
     }
