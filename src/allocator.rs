@@ -5,8 +5,8 @@
 //! - `size <= large_max` (small blocks up to `small_max`, large ones from large superblocks
 //!   above it) on the per-thread stream (`0x2`): the calling thread's per-thread arena; on the
 //!   legacy stream (NULL or `0x1`): the calling thread's legacy arena (see [`arena_index`]).
-//!   Neither asks the driver anything on the fast path: the per-thread stream's and the legacy
-//!   stream's identities are asked once per thread.
+//!   Neither asks the driver anything on the fast path: the per-thread stream's identity is
+//!   asked once per thread, the legacy stream's once per allocator.
 //! - `size <= large_max` on a user stream: the calling thread's arena for that stream, found
 //!   by the stream's identity (one `cuStreamGetId` per allocation, never the handle; see
 //!   [`Arenas`]), made on first use; a thread keeps at most [`MAX_USER_ARENAS`] of them. With

@@ -149,7 +149,7 @@
 //! within [`REGRET_WINDOW`] calls of the rule after a give-back by the rule is such a
 //! *regretted* give-back: `E` grows by the superblock borrowed, up to `EXTRA_MAX = 384 MiB`. A
 //! give-back that no borrow follows within the window halves `E`; `E` also decays by a granule
-//! per call (by 2^-20 of itself once that is more), and is forgotten when the last large
+//! per call, and is forgotten when the last large
 //! superblock goes back and at every reclaim (`trim`, out of memory).
 //!
 //! **With large superblocks** (sizes differ, so `a` is the granules of all superblocks held):
@@ -877,9 +877,10 @@ impl Arena {
             // then allocated again) keeps its superblocks instead of returning and borrowing.
             self.recent = self.live.max(self.recent - (self.recent >> 8));
             if self.extra != 0 {
-                // `E` decays by a granule per call, or 2^-20 of itself once that is more; and
-                // halves when the rule's last give-back found no borrow within the window.
-                self.extra -= (self.extra >> 20).max(1);
+                // `E` decays by a granule per call (`EXTRA_MAX` is 384 MiB: about 1.6 million
+                // calls from the top), and halves when the rule's last give-back found no
+                // borrow within the window.
+                self.extra -= 1;
                 if self.awaiting_regret && self.since_give_back == REGRET_WINDOW {
                     self.extra /= 2;
                     self.awaiting_regret = false;

@@ -248,7 +248,8 @@ impl Fence {
         Ok(done)
     }
 
-    /// Blocks the host until the fence completes (trim, shutdown and a graph pool's restore).
+    /// Blocks the host until the fence completes (a blocking trim, the last try before out of
+    /// memory, and a graph pool's restore).
     pub(crate) fn wait_host(&self, dev: &Counted<'_>) -> Result<()> {
         if !self.known_done() {
             dev.sync_fence(self.event)?;
@@ -393,7 +394,7 @@ impl FenceSet {
     }
 
     /// Replaces a lazy legacy fence by a recorded one, so that it can be polled or waited for
-    /// (trim, shutdown).
+    /// (the pool's trim).
     pub(crate) fn materialize(&mut self, dev: &Counted<'_>, legacy: Legacy<'_>) -> Result<()> {
         if self.legacy != 0 {
             let f = Fence::record(legacy.events, dev, Stream::LEGACY, legacy.key)?;
@@ -421,8 +422,8 @@ impl FenceSet {
         self.wait_host_recorded(dev)
     }
 
-    /// Blocks until every recorded fence has completed; a lazy legacy fence is the caller's
-    /// (shutdown waits for the legacy stream once for all sets).
+    /// Blocks until every recorded fence has completed; a lazy legacy fence is the caller's to
+    /// materialize first ([`FenceSet::wait_host`] asserts it).
     pub(crate) fn wait_host_recorded(&self, dev: &Counted<'_>) -> Result<()> {
         self.fences.iter().try_for_each(|f| f.wait_host(dev))
     }

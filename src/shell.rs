@@ -20,9 +20,8 @@ pub(crate) struct Freed {
     pub(crate) size: usize,
 }
 
-/// Remote frees sent together under one fence (`None`: fencing is off for a test, the frees were
-/// parked and a device synchronise followed them, or they are an arena's own legacy-stream
-/// frees after a legacy action).
+/// Remote frees sent together under one fence (`None`: none is needed, as with fencing off for a
+/// test, or the frees were parked and a device synchronise followed them).
 pub(crate) struct Batch {
     pub(crate) fence: Option<Arc<Fence>>,
     pub(crate) blocks: Vec<Freed>,
@@ -38,7 +37,9 @@ pub(crate) enum OpaqueArena {}
 pub(crate) struct ArenaShell {
     pub(crate) inbox: Inbox<Batch>,
     pub(crate) claim: Claim,
-    /// The arena using this shell, or null. Written by the owner inside `claim` (set when the
-    /// arena is made, cleared at exit); read by a reclaimer only while it holds the claim.
+    /// The arena using this shell, or null. Written by the owner: set (`Release`) when the arena
+    /// is made (`OwnedArena::new`, before the owner first enters the claim), cleared at exit
+    /// inside the claim. A reclaimer may load it as a hint before it tries the claim, and uses
+    /// it only as loaded (`Acquire`) while it holds the claim.
     pub(crate) arena: AtomicPtr<OpaqueArena>,
 }

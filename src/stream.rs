@@ -5,9 +5,11 @@
 //! - NULL and `0x1` name the one legacy stream shared by every thread;
 //! - the handle of a destroyed stream is reused by CUDA for a new one.
 //!
-//! So the allocator never compares handles. It asks the device for a [`StreamKey`]
-//! (`cuStreamGetId` on CUDA), which is unique for the life of the process, and only decides
-//! that no fence is needed when two keys are equal.
+//! So the allocator never takes a handle for an identity. It asks the device for a
+//! [`StreamKey`] (`cuStreamGetId` on CUDA), which is unique for the life of the process, and
+//! only decides that no fence is needed when two keys are equal. (One handle comparison stands
+//! on its own proof: the owner's fast free on a user arena's handle, `allocator.rs`, "A user
+//! arena's own frees".)
 
 /// A raw CUDA stream handle (`CUstream`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -52,9 +52,9 @@
 //!
 //! Invariant: for a block handed out by the owner, the flag is set exactly while an accepted
 //! free of it exists and the block has not been handed out again. `IN_TRANSIT` is never stale:
-//! it lasts until its free arrives, or for good if its free never does (a batch dropped
-//! because no fence could be recorded for it, `outbox.rs`: its blocks are never reused, and no
-//! block starting at that flag is handed out again). `ARRIVED` may be stale (a block freed and merged away, then
+//! it lasts until its free arrives (a batch whose fence could not be made is parked and
+//! arrives after the next device synchronise, `outbox.rs`; no block starting at that flag is
+//! handed out meanwhile). `ARRIVED` may be stale (a block freed and merged away, then
 //! the range kept, given back or lent again: clearing them all at each lending cost a store per
 //! granule): the owner clears it whenever it hands out a block starting there, so a stale one is
 //! only ever read for a pointer that is not a live block, whose free is refused either way (a
@@ -80,8 +80,9 @@ use std::sync::Arc;
 pub(crate) const ARRIVED: u8 = 1;
 /// Freed flag: a free away from the owner's fast path took the flag and is on its way to the
 /// owner (an outbox, an inbox) or to the pool. Never stale: it becomes [`ARRIVED`] when the
-/// free arrives (or `0`, if it is refused where a live block starts; or it stays, if the free
-/// is dropped on a driver error), so the owner never hands out a block starting here meanwhile
+/// free arrives (or `0`, if it is refused where a live block starts; a free whose fence failed
+/// arrives after a device synchronise, parked till then), so the owner never hands out a block
+/// starting here meanwhile
 /// (`Arena::carve`): a bad free on its way would otherwise be taken as a free of it.
 pub(crate) const IN_TRANSIT: u8 = 2;
 
@@ -249,8 +250,9 @@ unsafe impl Sync for Superblock {}
 
 impl Superblock {
     /// A superblock of `granules` at `base` whose freed flags are `pages`, `per_page` (a power
-    /// of two) granules each. Normal superblocks (one page) get their tags' room now; large ones
-    /// at each lending (`SbLocal::init`), and give it back when they leave their arena.
+    /// of two) granules each. Normal superblocks (one page) get their tags at their first
+    /// lending and keep them for life (4 bytes a granule, about 1.6% of the range); large ones
+    /// at each lending (`SbLocal::init`), and give them back when they leave their arena.
     pub(crate) fn new(
         base: u64,
         granules: usize,
@@ -264,10 +266,7 @@ impl Superblock {
         // one flag only (Stacked Borrows), and `flag` steps up to a page past it.
         let page_base: Box<[NonNull<AtomicU8>]> =
             pages.iter().map(|p| NonNull::from(&**p).cast::<AtomicU8>()).collect();
-        let mut local = SbLocal { tags: Vec::new(), live: 0 };
-        if pages.len() == 1 {
-            local.tags.reserve_exact(granules);
-        }
+        let local = SbLocal { tags: Vec::new(), live: 0 };
         Superblock {
             base,
             granules,
