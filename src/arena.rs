@@ -787,7 +787,10 @@ impl Arena {
             return false;
         }
         if let Err(e) = env.legacy_action() {
-            env.defer(e);
+            // A capture's refusal is no error: the frees wait for the next action after it.
+            if !e.is_legacy_refusal() {
+                env.defer(e);
+            }
             return false;
         }
         let blocks = self.legacy_kept.take_all();
@@ -949,7 +952,9 @@ impl Arena {
                 // A user stream, outside a call on it: keep the superblock, which goes back with
                 // the arena (see `allocator.rs`, "Arenas of user streams that may be gone").
                 Ok(HomeFence::Gone) => return,
-                Err(e) => return env.defer(e), // keep the superblock; try again later
+                // Keep the superblock; try again later (a capture's refusal is no error).
+                Err(e) if e.is_legacy_refusal() => return,
+                Err(e) => return env.defer(e),
             };
             self.awaiting_regret = true;
             self.since_give_back = 0;
@@ -1366,6 +1371,8 @@ impl Arena {
         let fence = match fence() {
             Ok(HomeFence::Fence(f)) => f,
             Ok(HomeFence::Gone) => return 0, // a destroyed user stream: nothing can go now
+            // During a capture that forbids the legacy stream, nothing goes (no error).
+            Err(e) if e.is_legacy_refusal() => return 0,
             Err(e) => {
                 env.defer(e);
                 return 0;

@@ -148,9 +148,10 @@ impl fmt::Display for Error {
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
             e if e.is_legacy_refusal() => write!(
                 f,
-                "a blocking stream (a per-thread default stream among them) is being captured into a CUDA graph, and \
-                 this needed the legacy stream (or a device synchronise), whose use would invalidate that capture: \
-                 refused, nothing changed (try again after the capture)"
+                "a blocking stream (a per-thread default stream among them) is being captured into a CUDA graph, or \
+                 a capture is announced to a cuarena allocator of this device (graph_capture_begin), and this needed \
+                 the legacy stream (or a device synchronise), whose use would invalidate such a capture: refused, \
+                 nothing changed (try again after the capture)"
             ),
             Error::StreamCapturing { stream } => write!(
                 f,
