@@ -1227,7 +1227,7 @@ impl Slot {
             None => {
                 let pool = || inner.pool.alloc(&env.dev, g * GRANULE, home, key, env.skip_fences);
                 let p = match pool() {
-                    Err(e) if e.is_out_of_room() => Self::last_try(inner, &env, e, pool)?,
+                    Err(e) if e.is_out_of_room() => Self::last_try(inner, &env, (e, g * GRANULE), pool)?,
                     r => r?,
                 };
                 self.counted_alloc(g * GRANULE, AllocPath::Pool);
@@ -1276,7 +1276,7 @@ impl Slot {
                 Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
                 self.counters.bump(&self.counters.alloc_retries, 1);
                 match pool() {
-                    Err(e) if e.is_out_of_room() => Self::last_try(inner, &env, e, pool)?,
+                    Err(e) if e.is_out_of_room() => Self::last_try(inner, &env, (e, bytes), pool)?,
                     r => r?,
                 }
             }
@@ -1290,17 +1290,26 @@ impl Slot {
     /// The last try before out of memory, after the reclaim and its retry (or where a reclaimer
     /// held the arena): a request the pool must grow for finds no room under the cap while
     /// chunks lie wholly free behind fences not yet complete, among them the fences the reclaim
-    /// itself has just recorded, which the growth's non-blocking trim finds pending. Waits for
-    /// those fences on the host and releases those chunks (a blocking pool trim), then tries
-    /// once more if any was released; otherwise `e` stands. Out of memory is the one allocation
-    /// path that waits so, and it waits on events only (no device synchronise, which a capture
-    /// may forbid). The mutation `oom_no_last_try` skips this: the test
+    /// itself has just recorded, which the growth's non-blocking trim finds pending. Where
+    /// releasing those chunks would make room under the cap for the request (`bytes`), waits
+    /// for their fences on the host, without the pool's lock, and releases them (a blocking
+    /// pool trim), then tries once more if any was released; otherwise `e` stands. Out of
+    /// memory is the one allocation path that waits so, and it waits on events only (no device
+    /// synchronise, which a capture may forbid). The mutation `oom_no_last_try` skips this: the test
     /// `adversarial_s28b::out_of_memory_with_nothing_live_does_not_wait_for_the_reclaims_own_fences`
     /// must then fail.
     #[cold]
     #[inline(never)]
-    fn last_try<T>(inner: &Inner, env: &Env<'_>, e: Error, again: impl FnOnce() -> Result<T>) -> Result<T> {
-        if cfg!(cuarena_mutant = "oom_no_last_try") {
+    fn last_try<T>(
+        inner: &Inner,
+        env: &Env<'_>,
+        (e, bytes): (Error, usize),
+        again: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        // Only where releasing the wholly free chunks would make room under the cap: no wait
+        // that cannot help (`large::out_of_memory_with_large_superblocks_held_by_idle_threads_recovers`).
+        let room = inner.pool.limit().saturating_sub(inner.pool.reserved()) + inner.pool.free_chunk_bytes();
+        if cfg!(cuarena_mutant = "oom_no_last_try") || room < bytes {
             return Err(e);
         }
         match inner.pool.trim(&env.dev, true) {

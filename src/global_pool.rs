@@ -207,7 +207,7 @@ impl GlobalPool {
         };
         if min > room(st) {
             if may_trim {
-                self.trim_locked(st, dev, false)?;
+                self.trim_locked(st, dev)?;
             }
             if min > room(st) {
                 return Err(self.oom(st, requested));
@@ -217,7 +217,7 @@ impl GlobalPool {
         let mut got = dev.reserve(size)?.map(|p| (p, size));
         if got.is_none() && may_trim {
             // The device is full (other processes, or our own cache): give back what we can.
-            self.trim_locked(st, dev, false)?;
+            self.trim_locked(st, dev)?;
             got = dev.reserve(min)?.map(|p| (p, min));
         }
         let (base, len) = got.ok_or_else(|| self.oom(st, requested))?;
@@ -692,41 +692,85 @@ impl GlobalPool {
     }
 
     /// Releases every chunk that is wholly free to the device. With `blocking`, waits for
-    /// pending fences first; otherwise skips chunks whose fences have not completed.
+    /// their pending fences first, on the host, without the pool's lock (other threads' pool
+    /// calls go on meanwhile: helper-42, `tests/adversarial_s28e.rs`, found an out-of-memory's
+    /// last try holding every pool call, `stats` among them, behind device work); otherwise
+    /// skips chunks whose fences have not completed.
     pub(crate) fn trim(&self, dev: &Counted<'_>, blocking: bool) -> Result<usize> {
+        if blocking {
+            let fences = self.free_chunk_fences(dev)?;
+            // The mutation `trim_waits_locked` waits holding the lock, as before: the test
+            // `adversarial_s28e::statistics_read_during_another_threads_last_try_do_not_wait_for_device_work`
+            // must then fail.
+            let held = cfg!(cuarena_mutant = "trim_waits_locked").then(|| lock(&self.state));
+            for f in &fences {
+                f.wait_host(dev)?;
+            }
+            drop(held);
+        }
         let mut st = lock(&self.state);
-        self.trim_locked(&mut st, dev, blocking)
+        self.trim_locked(&mut st, dev)
     }
 
-    fn trim_locked(&self, st: &mut PoolState, dev: &Counted<'_>, blocking: bool) -> Result<usize> {
-        let mut released = 0;
-        let empty: Vec<(u64, usize)> = st
-            .chunks
+    /// The bytes of the chunks wholly free now: what a blocking trim could release.
+    pub(crate) fn free_chunk_bytes(&self) -> usize {
+        let st = lock(&self.state);
+        Self::free_chunks(&st).iter().map(|&(_, l)| l).sum()
+    }
+
+    /// The chunks wholly free (base, bytes).
+    fn free_chunks(st: &PoolState) -> Vec<(u64, usize)> {
+        st.chunks
             .iter()
             .filter(|&(&b, &l)| st.free.get(b).is_some_and(|(fl, _)| fl as usize == l))
             .map(|(&b, &l)| (b, l))
-            .collect();
-        for (base, len) in empty {
-            if st.free.get(base).expect("checked").1.fences.has_lazy_legacy() {
-                // The legacy stream's identity is asked before the extent is taken out: an
-                // error there must leave it in place.
-                let materialized = self.legacy(dev).and_then(|legacy| {
-                    let (l, mut e) = st.free.remove(base).expect("checked");
-                    let r = e.fences.materialize(dev, legacy);
-                    st.free.insert(base, l, e);
-                    r
-                });
-                match materialized {
-                    // While a blocking stream is being captured the legacy stream may not be
-                    // used (`Device::stream_capturing`): the chunk is kept for a later trim.
-                    Err(e) if e.is_legacy_refusal() => continue,
-                    r => r?,
-                }
+            .collect()
+    }
+
+    /// The fences of the chunks wholly free now, their lazy legacy fences recorded (one a
+    /// capture refuses is left out: its chunk is kept, as `trim_locked` keeps it), to be
+    /// waited for without the lock.
+    fn free_chunk_fences(&self, dev: &Counted<'_>) -> Result<Vec<FenceSet>> {
+        let mut st = lock(&self.state);
+        let mut out = Vec::new();
+        for (base, _) in Self::free_chunks(&st) {
+            match self.materialize_chunk(&mut st, dev, base) {
+                Err(e) if e.is_legacy_refusal() => continue,
+                r => r?,
             }
-            let fences = &st.free.get(base).expect("checked").1.fences;
-            if blocking {
-                fences.wait_host(dev)?;
-            } else if !fences.poll_all(dev)? {
+            out.push(st.free.get(base).expect("wholly free").1.fences.clone());
+        }
+        Ok(out)
+    }
+
+    /// Records the lazy legacy fence of the wholly free chunk at `base`, if it has one, so that
+    /// it can be polled or waited for. The legacy stream's identity is asked before the extent
+    /// is taken out: an error there must leave it in place.
+    fn materialize_chunk(&self, st: &mut PoolState, dev: &Counted<'_>, base: u64) -> Result<()> {
+        if !st.free.get(base).expect("wholly free").1.fences.has_lazy_legacy() {
+            return Ok(());
+        }
+        self.legacy(dev).and_then(|legacy| {
+            let (l, mut e) = st.free.remove(base).expect("checked");
+            let r = e.fences.materialize(dev, legacy);
+            st.free.insert(base, l, e);
+            r
+        })
+    }
+
+    /// Releases every chunk wholly free whose fences have completed.
+    fn trim_locked(&self, st: &mut PoolState, dev: &Counted<'_>) -> Result<usize> {
+        let mut released = 0;
+        for (base, len) in Self::free_chunks(st) {
+            match self.materialize_chunk(st, dev, base) {
+                // While a blocking stream is being captured (or a capture is announced) the
+                // legacy stream may not be used (`Device::stream_capturing`): the chunk is kept
+                // for a later trim.
+                Err(e) if e.is_legacy_refusal() => continue,
+                r => r?,
+            }
+            // Known complete without a query after a blocking trim's waits (`trim`).
+            if !st.free.get(base).expect("checked").1.fences.poll_all(dev)? {
                 continue;
             }
             // SAFETY: the chunk came from `reserve`, is wholly free, and its fences have

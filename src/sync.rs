@@ -8,7 +8,7 @@
 //!   `Arc<dyn Device>` needs std's unsized coercion.
 //! - Process-wide id counters ([`next_id`]) use a std atomic: a unique number, nothing ordered
 //!   by it, and loom atomics cannot live in statics. So does the process-wide count of
-//!   announced captures ([`announce_captures`]), a std lock.
+//!   announced captures ([`announce_captures`]), a std lock and condition variable.
 //! - The simulated device (`testkit/src/host.rs`) is a test fixture with real std threads; it is not
 //!   run under loom (the models use `loom-tests/src/model.rs`).
 
@@ -127,62 +127,114 @@ mod membarrier {
 
 /// Captures announced to any allocator of the process (`Allocator::graph_capture_begin`), per
 /// device (`Device::device_id`): a device synchronise breaks a capture on its device whichever
-/// allocator makes it (helper-40, `tests/adversarial_s28c.rs`). A std lock in a static, as for
-/// [`next_id`]; entries are (device, count), none with a count of 0. A synchronise holds the
-/// read side from its check to its end ([`unless_captures_announced`]) and an announcement
-/// takes the write side, so no capture is announced while a synchronise that found none runs
-/// (it waits for the synchronise, as PyTorch's capture begin waits for its allocator's lock).
-static CAPTURES: std::sync::RwLock<Vec<(u64, u64)>> = std::sync::RwLock::new(Vec::new());
+/// allocator makes it (helper-40, `tests/adversarial_s28c.rs`). Each entry is (device, readers,
+/// announced): `readers` counts the device's synchronises and legacy-stream uses running now
+/// ([`holding_off_announcements`]), each of which checked `announced` as it began; none is
+/// left with both 0. An announcement of a device waits until its readers are 0, so no capture
+/// is announced between such a check and its use (helper-38, `tests/adversarial_s28a.rs`).
+/// Readers never wait (a reader inside a reader is safe), and nothing waits for another
+/// device's (helper-42, `tests/adversarial_s28e.rs`: with one std `RwLock` for all devices, a
+/// synchronise of one device held up, through a waiting announcement, every other device's
+/// legacy-stream calls). A std lock in a static, as for [`next_id`]; held only briefly, never
+/// across a device call.
+static CAPTURES: std::sync::Mutex<Vec<(u64, usize, u64)>> = std::sync::Mutex::new(Vec::new());
+/// Signalled when a device's readers drop to 0.
+static CAPTURES_FREE: std::sync::Condvar = std::sync::Condvar::new();
 
-/// Adds `n` announced captures on `device` (`up`), or takes `n` away.
+fn captures() -> std::sync::MutexGuard<'static, Vec<(u64, usize, u64)>> {
+    CAPTURES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The index of `device`'s entry, made if there is none.
+fn capture_entry(c: &mut Vec<(u64, usize, u64)>, device: u64) -> usize {
+    c.iter().position(|e| e.0 == device).unwrap_or_else(|| {
+        c.push((device, 0, 0));
+        c.len() - 1
+    })
+}
+
+/// Drops entry `i` if it holds nothing.
+fn tidy_captures(c: &mut Vec<(u64, usize, u64)>, i: usize) {
+    if c[i].1 == 0 && c[i].2 == 0 {
+        c.swap_remove(i);
+    }
+}
+
+/// Adds `n` announced captures on `device` (`up`: once no synchronise or legacy-stream use of
+/// it is running), or takes `n` away.
 pub(crate) fn announce_captures(device: u64, n: u64, up: bool) {
     // The mutation `captures_per_allocator` leaves the count to each allocator's own (as before
     // the twenty-eighth session): the test
     // `adversarial_s28c::a_capture_announced_to_one_allocator_is_not_broken_by_another_on_the_same_device`
     // must then fail.
-    if cfg!(cuarena_mutant = "captures_per_allocator") {
+    if cfg!(cuarena_mutant = "captures_per_allocator") || n == 0 {
         return;
     }
-    let mut c = CAPTURES.write().unwrap_or_else(|p| p.into_inner());
-    let i = c.iter().position(|&(d, _)| d == device).unwrap_or_else(|| {
-        c.push((device, 0));
-        c.len() - 1
-    });
-    let count = &mut c[i].1;
-    *count = if up { count.saturating_add(n) } else { count.saturating_sub(n) };
-    if *count == 0 {
-        c.swap_remove(i);
+    let mut c = captures();
+    let mut i = capture_entry(&mut c, device);
+    if up {
+        while c[i].1 > 0 {
+            c = CAPTURES_FREE.wait(c).unwrap_or_else(|p| p.into_inner());
+            i = capture_entry(&mut c, device);
+        }
     }
+    let count = &mut c[i].2;
+    *count = if up { count.saturating_add(n) } else { count.saturating_sub(n) };
+    tidy_captures(&mut c, i);
 }
 
 /// True while a capture is announced on `device`.
 pub(crate) fn captures_announced(device: u64) -> bool {
-    CAPTURES.read().unwrap_or_else(|p| p.into_inner()).iter().any(|&(d, _)| d == device)
+    captures().iter().any(|e| e.0 == device && e.2 > 0)
+}
+
+/// A running reader of `device` (see [`CAPTURES`]), ended on drop (a panic in the reader too).
+struct CaptureReader(u64);
+
+impl Drop for CaptureReader {
+    fn drop(&mut self) {
+        let mut c = captures();
+        let i = capture_entry(&mut c, self.0);
+        c[i].1 -= 1;
+        let free = c[i].1 == 0;
+        tidy_captures(&mut c, i);
+        if free {
+            CAPTURES_FREE.notify_all();
+        }
+    }
+}
+
+/// Runs `f` as a reader of `device`, telling it whether a capture is announced there now: no
+/// capture is announced on `device` until `f` returns.
+fn read_captures<R>(device: u64, f: impl FnOnce(bool) -> R) -> R {
+    let announced = {
+        let mut c = captures();
+        let i = capture_entry(&mut c, device);
+        c[i].1 += 1;
+        c[i].2 > 0
+    };
+    let _reader = CaptureReader(device);
+    f(announced)
 }
 
 /// Runs `f` (a device synchronise) unless a capture is announced on `device`, holding off
 /// announcements until it returns; `None` if one is announced.
 pub(crate) fn unless_captures_announced<R>(device: u64, f: impl FnOnce() -> R) -> Option<R> {
-    let c = CAPTURES.read().unwrap_or_else(|p| p.into_inner());
-    let none = !c.iter().any(|&(d, _)| d == device);
     // The mutation `synchronise_after_unlock` lets an announcement in between the check and the
     // synchronise: the `adversarial_s28a::*_racing_an_announced_capture_*` tests must then fail.
     if cfg!(cuarena_mutant = "synchronise_after_unlock") {
-        drop(c);
+        return (!captures_announced(device)).then(f);
     }
-    none.then(f)
+    read_captures(device, |announced| (!announced).then(f))
 }
 
 /// Runs `f` (a use of the legacy stream outside a call on it: a check that no blocking stream
-/// is being captured, and the call it allows) with announcements held off, telling it whether a
-/// capture is announced on `device` now. Such a capture may be of a blocking stream, begun
-/// after the check, so `f` refuses the legacy stream while one is; one announced later begins
-/// after `f` returns (helper-38, `tests/adversarial_s28a.rs`). Held only around device calls,
-/// never around a call into an allocator.
+/// is being captured, and the call it allows) with announcements on `device` held off, telling
+/// it whether a capture is announced there now. Such a capture may be of a blocking stream,
+/// begun after the check, so `f` refuses the legacy stream while one is; one announced later
+/// begins after `f` returns (helper-38, `tests/adversarial_s28a.rs`).
 pub(crate) fn holding_off_announcements<R>(device: u64, f: impl FnOnce(bool) -> R) -> R {
-    let c = CAPTURES.read().unwrap_or_else(|p| p.into_inner());
-    let announced = c.iter().any(|&(d, _)| d == device);
-    f(announced)
+    read_captures(device, f)
 }
 
 /// A process-wide unique, non-zero id.
