@@ -110,11 +110,16 @@ pub(crate) struct SbLocal {
 
 impl SbLocal {
     /// Readies `granules` of untagged space for a new owner (the caller then marks one free
-    /// block): the tags left zeroed by the last owner, a zeroed buffer from `stash`, or a fresh
-    /// one.
+    /// block): the tags left zeroed by the last owner, the room a normal superblock reserved
+    /// (`Superblock::new`), a zeroed buffer from `stash`, or a fresh one.
     pub(crate) fn init(&mut self, granules: usize, stash: &TagStash) {
         if self.tags.len() != granules {
             debug_assert!(self.tags.is_empty(), "tags of another size");
+            if self.tags.capacity() >= granules {
+                self.tags.resize(granules, 0);
+            }
+        }
+        if self.tags.len() != granules {
             self.tags = match stash.take(granules) {
                 Some(t) => t,
                 // Zeroed memory from the allocator (for a large span, fresh pages that are zero
@@ -250,9 +255,10 @@ unsafe impl Sync for Superblock {}
 
 impl Superblock {
     /// A superblock of `granules` at `base` whose freed flags are `pages`, `per_page` (a power
-    /// of two) granules each. Normal superblocks (one page) get their tags at their first
-    /// lending and keep them for life (4 bytes a granule, about 1.6% of the range); large ones
-    /// at each lending (`SbLocal::init`), and give them back when they leave their arena.
+    /// of two) granules each. Normal superblocks (one page) get their tags' room now, filled at
+    /// their first lending (`SbLocal::init`) and kept for life (4 bytes a granule, about 1.6%
+    /// of the range; the loom model of the registry reads that room as the state `new` set);
+    /// large ones get theirs at each lending, and give them back when they leave their arena.
     pub(crate) fn new(
         base: u64,
         granules: usize,
@@ -266,7 +272,10 @@ impl Superblock {
         // one flag only (Stacked Borrows), and `flag` steps up to a page past it.
         let page_base: Box<[NonNull<AtomicU8>]> =
             pages.iter().map(|p| NonNull::from(&**p).cast::<AtomicU8>()).collect();
-        let local = SbLocal { tags: Vec::new(), live: 0 };
+        let mut local = SbLocal { tags: Vec::new(), live: 0 };
+        if pages.len() == 1 {
+            local.tags.reserve_exact(granules);
+        }
         Superblock {
             base,
             granules,
