@@ -129,7 +129,7 @@ mod membarrier {
 /// device (`Device::device_id`): a device synchronise breaks a capture on its device whichever
 /// allocator makes it (helper-40, `tests/adversarial_s28c.rs`). Each entry is (device, readers,
 /// announced): `readers` counts the device's synchronises and legacy-stream uses running now
-/// ([`holding_off_announcements`]), each of which checked `announced` as it began; none is
+/// ([`holding_off_announcements`]), each of which checks `announced` after it began; none is
 /// left with both 0. An announcement of a device waits until its readers are 0, so no capture
 /// is announced between such a check and its use (helper-38, `tests/adversarial_s28a.rs`).
 /// Readers never wait (a reader inside a reader is safe), and nothing waits for another
@@ -204,37 +204,18 @@ impl Drop for CaptureReader {
     }
 }
 
-/// Runs `f` as a reader of `device`, telling it whether a capture is announced there now: no
-/// capture is announced on `device` until `f` returns.
-fn read_captures<R>(device: u64, f: impl FnOnce(bool) -> R) -> R {
-    let announced = {
+/// Runs `f` as a reader of `device`: a use of the legacy stream outside a call on it, or a
+/// device synchronise, with the check that allows it ([`captures_announced`] among it). No
+/// capture is announced on `device` until `f` returns, so none begins between the check and
+/// the use (helper-38, `tests/adversarial_s28a.rs`).
+pub(crate) fn holding_off_announcements<R>(device: u64, f: impl FnOnce() -> R) -> R {
+    {
         let mut c = captures();
         let i = capture_entry(&mut c, device);
         c[i].1 += 1;
-        c[i].2 > 0
-    };
-    let _reader = CaptureReader(device);
-    f(announced)
-}
-
-/// Runs `f` (a device synchronise) unless a capture is announced on `device`, holding off
-/// announcements until it returns; `None` if one is announced.
-pub(crate) fn unless_captures_announced<R>(device: u64, f: impl FnOnce() -> R) -> Option<R> {
-    // The mutation `synchronise_after_unlock` lets an announcement in between the check and the
-    // synchronise: the `adversarial_s28a::*_racing_an_announced_capture_*` tests must then fail.
-    if cfg!(cuarena_mutant = "synchronise_after_unlock") {
-        return (!captures_announced(device)).then(f);
     }
-    read_captures(device, |announced| (!announced).then(f))
-}
-
-/// Runs `f` (a use of the legacy stream outside a call on it: a check that no blocking stream
-/// is being captured, and the call it allows) with announcements on `device` held off, telling
-/// it whether a capture is announced there now. Such a capture may be of a blocking stream,
-/// begun after the check, so `f` refuses the legacy stream while one is; one announced later
-/// begins after `f` returns (helper-38, `tests/adversarial_s28a.rs`).
-pub(crate) fn holding_off_announcements<R>(device: u64, f: impl FnOnce(bool) -> R) -> R {
-    read_captures(device, f)
+    let _reader = CaptureReader(device);
+    f()
 }
 
 /// A process-wide unique, non-zero id.

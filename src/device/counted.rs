@@ -94,11 +94,11 @@ impl<'a> Counted<'a> {
     }
 
     /// Runs `call` on `s` once [`Counted::not_capturing`] allows it. Where that asks the legacy
-    /// stream's state (outside a call on it), the check and the call run with capture
-    /// announcements held off (`sync::holding_off_announcements`), and the legacy stream is
-    /// refused as well while a capture is announced to any allocator of the device: it may be
-    /// of a blocking stream, begun after the check (an announcement comes before its capture
-    /// begins, as PyTorch's does). The mutation `legacy_check_unlocked` checks the capture
+    /// stream's state (outside a call on it, which [`Counted::stream_capturing`] also refuses
+    /// while a capture is announced), the check and the call run with capture announcements held
+    /// off (`sync::holding_off_announcements`): an announced capture, which may be of a blocking
+    /// stream, cannot begin between them (an announcement comes before its capture begins, as
+    /// PyTorch's does). The mutation `legacy_check_unlocked` checks the capture
     /// alone: the test
     /// `adversarial_s28a::a_legacy_record_racing_an_announced_per_thread_capture_never_breaks_it`
     /// must then fail (and `chaos_without_the_legacy_stream_with_per_thread_captures` in some
@@ -108,11 +108,8 @@ impl<'a> Counted<'a> {
             self.not_capturing(s)?;
             return call();
         }
-        crate::sync::holding_off_announcements(self.device.device_id(), |announced| {
-            // The device asked directly: `stream_capturing` would take the lock again.
-            if announced || self.device_capturing(s)? {
-                return Err(crate::error::Error::StreamCapturing { stream: s.as_raw() });
-            }
+        crate::sync::holding_off_announcements(self.device.device_id(), || {
+            self.not_capturing(s)?;
             call()
         })
     }
@@ -136,16 +133,21 @@ impl<'a> Counted<'a> {
     /// `cuStreamIsCapturing` of the legacy stream). A capture of a non-blocking stream cannot
     /// be seen without its handle; only an announced one is spared (`graph_capture_begin`, to
     /// any allocator of this device: refused the same way while one is, and none is announced
-    /// until this returns, `sync::unless_captures_announced`).
+    /// until this returns, `sync::holding_off_announcements`).
     pub(crate) fn synchronize(&self) -> Result<()> {
-        self.refuse_if_capturing(Stream::LEGACY)?;
-        let refused = || crate::error::Error::StreamCapturing { stream: Stream::LEGACY.as_raw() };
-        crate::sync::unless_captures_announced(self.device.device_id(), || {
+        let sync = || {
+            self.refuse_if_capturing(Stream::LEGACY)?;
             self.call();
             self.counters.bump(&self.counters.host_syncs, 1);
             self.device.synchronize()
-        })
-        .unwrap_or_else(|| Err(refused()))
+        };
+        // The mutation `synchronise_after_unlock` lets an announcement in between the check and
+        // the synchronise: the `adversarial_s28a::*_racing_an_announced_capture_*` tests must
+        // then fail.
+        if cfg!(cuarena_mutant = "synchronise_after_unlock") {
+            return sync();
+        }
+        crate::sync::holding_off_announcements(self.device.device_id(), sync)
     }
 
     pub(crate) fn wait_fence(&self, s: Stream, e: Event) -> Result<()> {
@@ -169,11 +171,6 @@ impl<'a> Counted<'a> {
         if s.is_legacy() && crate::sync::captures_announced(self.device.device_id()) {
             return Ok(true);
         }
-        self.device_capturing(s)
-    }
-
-    /// The device's answer alone (`cuStreamIsCapturing`).
-    fn device_capturing(&self, s: Stream) -> Result<bool> {
         self.call();
         self.device.stream_capturing(s)
     }
@@ -183,7 +180,7 @@ impl<'a> Counted<'a> {
     pub(crate) fn stream_key(&self, s: Stream) -> Result<StreamKey> {
         self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s));
         if s.is_legacy() {
-            return crate::sync::holding_off_announcements(self.device.device_id(), |_| {
+            return crate::sync::holding_off_announcements(self.device.device_id(), || {
                 self.device.stream_key(s)
             });
         }
