@@ -44,12 +44,6 @@ impl Flaky {
     }
 }
 
-fn flaky_allocator(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> (Arc<Flaky>, Allocator) {
-    let dev = Flaky::new(sim, 0, &[]);
-    let a = Allocator::new(dev.clone(), cfg.build().unwrap()).unwrap();
-    (dev, a)
-}
-
 /// Arena statistics that must agree while no thread holds an arena: every arena is parked,
 /// counted once in `arena_held_bytes` and not in `arenas`.
 fn assert_only_parked(a: &Allocator, what: &str) {
@@ -81,14 +75,6 @@ fn free_handed(a: &Allocator, sim: &HostDevice, live: &Live, b: Handed, to: Stre
     check(sim, b.h.p, b.h.size, b.h.t, to);
     live.remove(b.h.p);
     a.deallocate(b.h.p, b.h.size, to).unwrap();
-}
-
-/// Takes every deferred error, each a driver error the test injected (`injected` says whether
-/// one may be there).
-fn take_injected(a: &Allocator, injected: bool, what: &str) {
-    while let Some(e) = a.take_deferred_error() {
-        assert!(injected && matches!(e, Error::Driver { code: 999, .. }), "{what}: deferred {e:?}");
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -369,71 +355,18 @@ fn user_stream_batches_kept_by_a_flush_past_the_bound_come_back() {
     }
 }
 
-/// `Allocator::flush` says that user-stream frees it cannot park (more than 64 MiB parked)
-/// "stay with this thread until its next call on their stream sends them under an event".
-/// Here a worker frees on user stream `u` 32 blocks of 64 KiB of an owner's `u` arena (one
-/// batch, under `batch_blocks` and `batch_bytes`), flushes past the bound, then makes `calls`
-/// calls on `u` (an allocation and its free each). The owner then takes in its frees (`flush`)
-/// and allocates the same blocks again on `u`: returns how many of them lie where a block of
-/// the first round was (none unless the worker's frees reached it: until then those blocks
-/// are still claimed).
-fn kept_batch_reaches_owner_after(calls: usize) -> usize {
-    let sim = host(0);
-    let (dev, a) = flaky_allocator(&sim, Config::builder().large_max(4 * MIB));
-    park_past_the_bound(&a, &sim, &dev);
-    let u = sim.create_stream();
-    let owner = Worker::new(&a);
-    let n = 64 << 10;
-    let round = move |a: &Allocator| -> Vec<DeviceAddr> {
-        a.flush().unwrap();
-        (0..32).map(|_| a.allocate(n, u).unwrap()).collect()
-    };
-    let first = owner.run(round);
-    let first_set: std::collections::HashSet<u64> = first.iter().map(|p| p.0).collect();
-    let worker = Worker::new(&a);
-    let parked_frees = a.parked_free_bytes();
-    worker.run(move |a| {
-        for p in first {
-            a.deallocate(p, n, u).unwrap();
-        }
-        a.flush().unwrap();
-    });
-    assert_eq!(a.parked_free_bytes(), parked_frees, "the flush kept the batch (past the bound)");
-    // The worker's next calls on `u`.
-    worker.run(move |a| {
-        for _ in 0..calls {
-            let p = a.allocate(4096, u).unwrap();
-            a.deallocate(p, 4096, u).unwrap();
-        }
-    });
-    sim.synchronize(); // the worker's event on `u`, if any, has completed
-    let second = owner.run(round);
-    let reused = second.iter().filter(|p| first_set.contains(&p.0)).count();
-    owner.run(move |a| {
-        for p in second {
-            a.deallocate(p, n, u).unwrap();
-        }
-    });
-    worker.exit();
-    owner.exit();
-    sim.destroy_stream(u).unwrap();
-    take_injected(&a, false, "cleanup");
-    all_back(&a, &sim);
-    reused
-}
-
 /// The control: after `STALE_ALLOCS` (256) calls on `u` the batch is sent and reaches the owner
 /// (this shows the check below can see a delivery).
 #[test]
 fn user_stream_frees_kept_by_a_flush_are_sent_after_256_calls_on_their_stream() {
-    let reused = kept_batch_reaches_owner_after(256);
+    let reused = kept_batch_reaches_owner_after(Next::Calls(256));
     assert!(reused > 0, "none of the 32 blocks reused");
 }
 
 /// The claim of `Allocator::flush`: the next call on their stream sends them.
 #[test]
 fn user_stream_frees_kept_by_a_flush_are_sent_by_the_next_call_on_their_stream() {
-    let reused = kept_batch_reaches_owner_after(1);
+    let reused = kept_batch_reaches_owner_after(Next::Calls(1));
     assert!(
         reused > 0,
         "the worker's 32 frees on u did not reach their owner after its next call on u: none of their \

@@ -29,22 +29,6 @@ use common::*;
 
 include!("common/flaky.rs");
 
-fn flaky_allocator(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> (Arc<Flaky>, Allocator) {
-    let dev = Flaky::new(sim, 0, &[]);
-    let a = Allocator::new(dev.clone(), cfg.build().unwrap()).unwrap();
-    (dev, a)
-}
-
-/// Takes every deferred error: each an injected driver failure, and at least one if `injected`.
-fn take_injected(a: &Allocator, injected: bool, what: &str) {
-    let mut n = 0;
-    while let Some(e) = a.take_deferred_error() {
-        assert!(matches!(e, Error::Driver { code: 999, .. }), "{what}: deferred {e:?}");
-        n += 1;
-    }
-    assert!(!injected || n > 0, "{what}: no injected failure was reported");
-}
-
 // ---------------------------------------------------------------------------------------------
 // 1. Frees whose fence failed are reachable by another thread's out-of-memory.
 
@@ -80,7 +64,7 @@ fn frees_whose_fence_failed_are_reachable_by_another_threads_out_of_memory() {
             }
             d.disarm();
         });
-        take_injected(&a, true, "the three batches");
+        assert!(take_injected(&a, true, "the three batches") > 0, "no injected failure was reported");
         let st = a.stats();
         assert_eq!(st.live_bytes, 0, "{st:?}");
         // A third thread, while the owner and the freer are idle.
@@ -99,85 +83,6 @@ fn frees_whose_fence_failed_are_reachable_by_another_threads_out_of_memory() {
 
 // ---------------------------------------------------------------------------------------------
 // 2. A kept user-stream batch is sent by any call on its stream.
-
-/// The calls on user stream `u` that should send a batch a `flush` kept.
-#[derive(Clone, Copy, Debug)]
-enum Next {
-    /// The thread's own fast free of its `u` arena's block on `u`.
-    OwnFree,
-    /// A free on `u` of a block over `large_max` (the pool's).
-    PoolFree,
-    /// An allocation over `large_max` on `u` (the pool's), and its free.
-    PoolAlloc,
-}
-
-const LARGE_MAX: usize = 4 * MIB;
-
-/// A worker frees on user stream `u` 32 blocks of 64 KiB of an owner's `u` arena (one batch,
-/// under `batch_blocks` and `batch_bytes`), flushes past the parked bound (the batch is kept),
-/// then makes the one call `next` on `u`. The owner then takes in its frees (`flush`) and
-/// allocates as many blocks on `u`: returns how many of them lie where a block of the first
-/// round was (none unless the worker's frees reached it: until then those blocks are still
-/// claimed). What `next` uses was made before the flush, so it does not send the batch itself.
-fn kept_batch_reaches_owner_after(next: Next) -> usize {
-    let sim = host(0);
-    let (dev, a) = flaky_allocator(&sim, Config::builder().large_max(LARGE_MAX));
-    park_past_the_bound(&a, &sim, &dev);
-    let u = sim.create_stream();
-    let owner = Worker::new(&a);
-    let n = 64 << 10;
-    let round = move |a: &Allocator| -> Vec<DeviceAddr> {
-        a.flush().unwrap();
-        (0..32).map(|_| a.allocate(n, u).unwrap()).collect()
-    };
-    let first = owner.run(round);
-    let first_set: std::collections::HashSet<u64> = first.iter().map(|p| p.0).collect();
-    let worker = Worker::new(&a);
-    // Made before the batch, so that the call `next` needs no allocation after the flush.
-    let big = 2 * LARGE_MAX;
-    let (own, pool) = worker.run(move |a| (a.allocate(4096, u).unwrap(), a.allocate(big, u).unwrap()));
-    let parked_frees = a.parked_free_bytes();
-    worker.run(move |a| {
-        for p in first {
-            a.deallocate(p, n, u).unwrap();
-        }
-        a.flush().unwrap();
-    });
-    assert_eq!(a.parked_free_bytes(), parked_frees, "the flush kept the batch (past the bound)");
-    worker.run(move |a| match next {
-        Next::OwnFree => a.deallocate(own, 4096, u).unwrap(),
-        Next::PoolFree => a.deallocate(pool, big, u).unwrap(),
-        Next::PoolAlloc => {
-            let p = a.allocate(big, u).unwrap();
-            a.deallocate(p, big, u).unwrap();
-        }
-    });
-    sim.synchronize(); // the worker's event on `u`, if any, has completed
-    let second = owner.run(round);
-    let reused = second.iter().filter(|p| first_set.contains(&p.0)).count();
-    owner.run(move |a| {
-        for p in second {
-            a.deallocate(p, n, u).unwrap();
-        }
-    });
-    worker.run(move |a| {
-        match next {
-            Next::OwnFree => a.deallocate(pool, big, u).unwrap(),
-            Next::PoolFree => a.deallocate(own, 4096, u).unwrap(),
-            Next::PoolAlloc => {
-                a.deallocate(own, 4096, u).unwrap();
-                a.deallocate(pool, big, u).unwrap();
-            }
-        }
-        a.release_thread().unwrap();
-    });
-    worker.exit();
-    owner.exit();
-    sim.destroy_stream(u).unwrap();
-    take_injected(&a, false, "cleanup");
-    all_back(&a, &sim);
-    reused
-}
 
 /// `Allocator::flush` says a batch it keeps is sent by the thread's next call on its stream:
 /// here each kind of call that `Outbox::tick_user` and `Outbox::push_user` do not see.

@@ -723,3 +723,118 @@ fn park_past_the_bound(a: &Allocator, sim: &HostDevice, dev: &Arc<Flaky>) {
     sim.destroy_stream(u).unwrap();
     assert!(a.parked_bytes() > 64 * MIB, "parked: {}", a.parked_bytes());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Shared by the files that test parking past the bound (`adversarial_s27d`, `adversarial_s28d`).
+
+/// The allocator over a [`Flaky`] device that fails nothing until armed.
+#[allow(dead_code)] // not used by every file that includes this one
+fn flaky_allocator(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> (Arc<Flaky>, Allocator) {
+    let dev = Flaky::new(sim, 0, &[]);
+    let a = Allocator::new(dev.clone(), cfg.build().unwrap()).unwrap();
+    (dev, a)
+}
+
+/// Takes every deferred error, each a driver error the test injected (`injected` says whether
+/// one may be there); returns how many.
+#[allow(dead_code)]
+fn take_injected(a: &Allocator, injected: bool, what: &str) -> usize {
+    let mut n = 0;
+    while let Some(e) = a.take_deferred_error() {
+        assert!(injected && matches!(e, Error::Driver { code: 999, .. }), "{what}: deferred {e:?}");
+        n += 1;
+    }
+    n
+}
+
+/// What a worker does on user stream `u` after a `flush` kept its batch there
+/// ([`kept_batch_reaches_owner_after`]).
+#[allow(dead_code)]
+#[derive(Clone, Copy, Debug)]
+enum Next {
+    /// This many allocations of 4 KiB on `u`, each freed there at once.
+    Calls(usize),
+    /// The thread's own fast free of its `u` arena's block on `u`.
+    OwnFree,
+    /// A free on `u` of a block over `large_max` (the pool's).
+    PoolFree,
+    /// An allocation over `large_max` on `u` (the pool's), and its free.
+    PoolAlloc,
+}
+
+/// `Allocator::flush` says that user-stream frees it cannot park (more than 64 MiB parked)
+/// "stay with this thread until its next call on their stream sends them under an event".
+/// Here a worker frees on user stream `u` 32 blocks of 64 KiB of an owner's `u` arena (one
+/// batch, under `batch_blocks` and `batch_bytes`), flushes past the bound (the batch is kept),
+/// then does `next` on `u`. The owner then takes in its frees (`flush`) and allocates the same
+/// blocks again on `u`: returns how many of them lie where a block of the first round was (none
+/// unless the worker's frees reached it: until then those blocks are still claimed). What
+/// `next` frees was allocated before the flush, so that `next` makes no allocation of at most
+/// `large_max` on `u`, which would send the batch itself.
+#[allow(dead_code)]
+fn kept_batch_reaches_owner_after(next: Next) -> usize {
+    let large_max = 4 * MIB;
+    let sim = host(0);
+    let (dev, a) = flaky_allocator(&sim, Config::builder().large_max(large_max));
+    park_past_the_bound(&a, &sim, &dev);
+    let u = sim.create_stream();
+    let owner = Worker::new(&a);
+    let n = 64 << 10;
+    let round = move |a: &Allocator| -> Vec<DeviceAddr> {
+        a.flush().unwrap();
+        (0..32).map(|_| a.allocate(n, u).unwrap()).collect()
+    };
+    let first = owner.run(round);
+    let first_set: std::collections::HashSet<u64> = first.iter().map(|p| p.0).collect();
+    let worker = Worker::new(&a);
+    let big = 2 * large_max;
+    let (own, pool) = match next {
+        Next::Calls(_) => (None, None),
+        _ => worker.run(move |a| (Some(a.allocate(4096, u).unwrap()), Some(a.allocate(big, u).unwrap()))),
+    };
+    let parked_frees = a.parked_free_bytes();
+    worker.run(move |a| {
+        for p in first {
+            a.deallocate(p, n, u).unwrap();
+        }
+        a.flush().unwrap();
+    });
+    assert_eq!(a.parked_free_bytes(), parked_frees, "the flush kept the batch (past the bound)");
+    // The worker's next calls on `u`.
+    worker.run(move |a| match next {
+        Next::Calls(calls) => {
+            for _ in 0..calls {
+                let p = a.allocate(4096, u).unwrap();
+                a.deallocate(p, 4096, u).unwrap();
+            }
+        }
+        Next::OwnFree => a.deallocate(own.unwrap(), 4096, u).unwrap(),
+        Next::PoolFree => a.deallocate(pool.unwrap(), big, u).unwrap(),
+        Next::PoolAlloc => {
+            let p = a.allocate(big, u).unwrap();
+            a.deallocate(p, big, u).unwrap();
+        }
+    });
+    sim.synchronize(); // the worker's event on `u`, if any, has completed
+    let second = owner.run(round);
+    let reused = second.iter().filter(|p| first_set.contains(&p.0)).count();
+    owner.run(move |a| {
+        for p in second {
+            a.deallocate(p, n, u).unwrap();
+        }
+    });
+    worker.run(move |a| {
+        if let Some(p) = own.filter(|_| !matches!(next, Next::OwnFree)) {
+            a.deallocate(p, 4096, u).unwrap();
+        }
+        if let Some(p) = pool.filter(|_| !matches!(next, Next::PoolFree)) {
+            a.deallocate(p, big, u).unwrap();
+        }
+    });
+    worker.exit();
+    owner.exit();
+    sim.destroy_stream(u).unwrap();
+    take_injected(&a, false, "cleanup");
+    all_back(&a, &sim);
+    reused
+}
