@@ -1309,7 +1309,11 @@ impl Slot {
         // Only where releasing the wholly free chunks would make room under the cap: no wait
         // that cannot help (`large::out_of_memory_with_large_superblocks_held_by_idle_threads_recovers`).
         let room = inner.pool.limit().saturating_sub(inner.pool.reserved()) + inner.pool.free_chunk_bytes();
-        if cfg!(cuarena_mutant = "oom_no_last_try") || room < bytes {
+        // Nor during a capture that forbids a synchronise: a host wait is held off with it, as
+        // PyTorch frees its cached blocks only when no capture is underway
+        // (`adversarial_s24c::legacy_refusals_and_their_reclaims_race_on_many_threads_during_a_capture`
+        // saw one).
+        if cfg!(cuarena_mutant = "oom_no_last_try") || room < bytes || !inner.may_synchronize(env) {
             return Err(e);
         }
         match inner.pool.trim(&env.dev, true) {
