@@ -7,8 +7,10 @@
 //! - `Arc` is always `std::sync::Arc`. Reference counts are not one of our protocols, and
 //!   `Arc<dyn Device>` needs std's unsized coercion.
 //! - Process-wide id counters ([`next_id`]) use a std atomic: a unique number, nothing ordered
-//!   by it, and loom atomics cannot live in statics. So does the process-wide count of
-//!   announced captures ([`announce_captures`]), a std lock and condition variable.
+//!   by it, and loom atomics cannot live in statics. The process-wide table of announced
+//!   captures ([`announce_captures`]) is a facade lock and condition variable in a static: a
+//!   `loom::lazy_static!` under loom (made afresh in each execution of a model), a plain
+//!   static otherwise.
 //! - The simulated device (`testkit/src/host.rs`) is a test fixture with real std threads; it is not
 //!   run under loom (the models use `loom-tests/src/model.rs`).
 
@@ -16,7 +18,7 @@
 pub(crate) use loom::{
     cell::UnsafeCell,
     sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence},
-    sync::{Mutex, MutexGuard},
+    sync::{Condvar, Mutex, MutexGuard},
     thread::yield_now,
     thread_local,
 };
@@ -24,7 +26,7 @@ pub(crate) use loom::{
 #[cfg(not(loom))]
 pub(crate) use std::{
     sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence},
-    sync::{Mutex, MutexGuard},
+    sync::{Condvar, Mutex, MutexGuard},
     thread::yield_now,
     thread_local,
 };
@@ -135,14 +137,22 @@ mod membarrier {
 /// Readers never wait (a reader inside a reader is safe), and nothing waits for another
 /// device's (helper-42, `tests/adversarial_s28e.rs`: with one std `RwLock` for all devices, a
 /// synchronise of one device held up, through a waiting announcement, every other device's
-/// legacy-stream calls). A std lock in a static, as for [`next_id`]; held only briefly, never
-/// across a device call.
-static CAPTURES: std::sync::Mutex<Vec<(u64, usize, u64)>> = std::sync::Mutex::new(Vec::new());
+/// legacy-stream calls). Held only briefly, never across a device call. The loom model
+/// `loom-tests/tests/captures.rs` drives it through the allocator.
+#[cfg(not(loom))]
+static CAPTURES: Mutex<Vec<(u64, usize, u64)>> = Mutex::new(Vec::new());
 /// Signalled when a device's readers drop to 0.
-static CAPTURES_FREE: std::sync::Condvar = std::sync::Condvar::new();
+#[cfg(not(loom))]
+static CAPTURES_FREE: Condvar = Condvar::new();
 
-fn captures() -> std::sync::MutexGuard<'static, Vec<(u64, usize, u64)>> {
-    CAPTURES.lock().unwrap_or_else(|p| p.into_inner())
+#[cfg(loom)]
+loom::lazy_static! {
+    static ref CAPTURES: Mutex<Vec<(u64, usize, u64)>> = Mutex::new(Vec::new());
+    static ref CAPTURES_FREE: Condvar = Condvar::new();
+}
+
+fn captures() -> MutexGuard<'static, Vec<(u64, usize, u64)>> {
+    lock(&CAPTURES)
 }
 
 /// The index of `device`'s entry, made if there is none.

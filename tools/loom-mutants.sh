@@ -61,5 +61,7 @@ pool_legacy_no_action    legacy     a_reused_legacy_pool_free_follows_an_action_
 legacy_covered_unchecked legacy     a_reused_legacy_free_follows_an_action_issued_after_its_use
 legacy_read_after_call   legacy_roles an_action_queued_before_a_use_never_covers_its_ticket
 waiters_load_parked_first replay_waiters a_wait_racing_the_store_sees_the_value
+synchronise_after_unlock captures   a_synchronise_never_runs_inside_an_announced_capture
+legacy_check_unlocked    captures   a_legacy_record_never_runs_inside_an_announced_capture
 LIST
 exit $missed

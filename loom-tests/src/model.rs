@@ -47,6 +47,10 @@ pub struct ModelDevice {
     /// mark in the model's order reads it.
     legacy_marks: AtomicU64,
     legacy_covered: AtomicU64,
+    /// Open captures of a blocking stream ([`ModelDevice::begin_capture`]): while one is open,
+    /// the legacy stream reads as capturing, and a device synchronise or a legacy-stream action
+    /// would break the capture, so the model device panics at one.
+    captures: AtomicUsize,
 }
 
 impl ModelDevice {
@@ -65,6 +69,7 @@ impl ModelDevice {
             caught_up: AtomicUsize::new(0),
             legacy_marks: AtomicU64::new(0),
             legacy_covered: AtomicU64::new(0),
+            captures: AtomicUsize::new(0),
         }
     }
 
@@ -83,9 +88,26 @@ impl ModelDevice {
     /// A legacy-stream action: it follows every use marked before it.
     fn legacy_action(&self, s: Stream) {
         if s.is_legacy() {
+            self.not_during_a_capture("a legacy-stream action");
             let m = self.legacy_marks.fetch_add(0, Ordering::AcqRel);
             self.legacy_covered.fetch_max(m, Ordering::AcqRel);
         }
+    }
+
+    /// A capture of some blocking stream begins (a model announces it to the allocator first,
+    /// as PyTorch does): see `captures`.
+    pub fn begin_capture(&self) {
+        self.captures.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The capture begun by [`ModelDevice::begin_capture`] ends.
+    pub fn end_capture(&self) {
+        self.captures.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Panics if a capture is open: `what` would break it.
+    fn not_during_a_capture(&self, what: &str) {
+        assert_eq!(self.captures.load(Ordering::Acquire), 0, "{what} during a capture breaks it");
     }
 
     /// Destroys the user stream `s`: its identity is gone, and recording on it fails.
@@ -184,6 +206,7 @@ impl Device for ModelDevice {
     }
     /// A host wait for all work: the GPU catches up with every event.
     fn synchronize(&self) -> Result<()> {
+        self.not_during_a_capture("a device synchronise");
         self.syncs.fetch_add(1, Ordering::AcqRel);
         self.complete_all();
         Ok(())
@@ -194,6 +217,11 @@ impl Device for ModelDevice {
         self.waits.fetch_add(1, Ordering::AcqRel);
         self.legacy_action(s);
         Ok(())
+    }
+    /// Only the legacy stream is ever captured here, and only as a blocking stream's capture
+    /// makes it read (`begin_capture`).
+    fn stream_capturing(&self, s: Stream) -> Result<bool> {
+        Ok(s.is_legacy() && self.captures.load(Ordering::Acquire) > 0)
     }
     fn stream_key(&self, s: Stream) -> Result<StreamKey> {
         if s.is_legacy() {
