@@ -16,10 +16,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
-use cuarena::{
-    Allocator, Device, DeviceAddr, DeviceKind, Error, Event, GraphPoolId, InvalidFree, Stream, StreamKey,
-};
-use cuarena_testkit::{HostDevice, StreamGate, assert_all_returned, host_allocator};
+use cuarena::{Allocator, Device, DeviceAddr, Error, Event, GraphPoolId, InvalidFree, Stream};
+use cuarena_testkit::{HostDevice, Interpose, Interposed, StreamGate, assert_all_returned, host_allocator};
 
 mod common;
 use common::{Worker, host, rng, small, within};
@@ -73,17 +71,17 @@ struct Spy {
 type Step = Box<dyn FnOnce() + Send>;
 
 impl Spy {
-    fn new(sim: HostDevice) -> Arc<Spy> {
+    fn new(sim: HostDevice) -> Arc<Interposed<Spy>> {
         Spy::skewed(sim, 0)
     }
-    fn skewed(sim: HostDevice, skew: u64) -> Arc<Spy> {
-        Arc::new(Spy {
+    fn skewed(sim: HostDevice, skew: u64) -> Arc<Interposed<Spy>> {
+        Arc::new(Interposed(Spy {
             sim,
             skew,
             captures: AtomicUsize::new(0),
             syncs_in_capture: AtomicU64::new(0),
             on_query: Mutex::new(None),
-        })
+        }))
     }
     fn begin_capture(&self, s: Stream) {
         self.sim.begin_capture(s).unwrap();
@@ -95,18 +93,9 @@ impl Spy {
     }
 }
 
-impl Device for Spy {
-    fn kind(&self) -> DeviceKind {
-        self.sim.kind()
-    }
-    fn ordinal(&self) -> i32 {
-        self.sim.ordinal()
-    }
-    fn device_id(&self) -> u64 {
-        self.sim.device_id()
-    }
-    fn total_memory(&self) -> cuarena::Result<usize> {
-        self.sim.total_memory()
+impl Interpose for Spy {
+    fn base(&self) -> &dyn Device {
+        &self.sim
     }
     fn reserve(&self, bytes: usize) -> cuarena::Result<Option<u64>> {
         Ok(self.sim.reserve(bytes + self.skew as usize)?.map(|p| p + self.skew))
@@ -116,22 +105,6 @@ impl Device for Spy {
         // `skew` bytes more from the simulator, starting `skew` bytes before; no work uses it.
         unsafe { self.sim.release(ptr - self.skew, bytes + self.skew as usize) }
     }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> cuarena::Result<Option<u64>> {
-        self.sim.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller, who gives the same guarantees.
-        unsafe { self.sim.free_async(ptr, bytes, stream) }
-    }
-    fn create_event(&self) -> cuarena::Result<Event> {
-        self.sim.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.sim.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> cuarena::Result<()> {
-        self.sim.record_event(event, stream)
-    }
     fn query_event(&self, event: Event) -> cuarena::Result<bool> {
         let step = self.on_query.lock().unwrap().take();
         if let Some(step) = step {
@@ -139,23 +112,11 @@ impl Device for Spy {
         }
         self.sim.query_event(event)
     }
-    fn sync_event(&self, event: Event) -> cuarena::Result<()> {
-        self.sim.sync_event(event)
-    }
     fn synchronize(&self) -> cuarena::Result<()> {
         if self.captures.load(Ordering::SeqCst) > 0 {
             self.syncs_in_capture.fetch_add(1, Ordering::SeqCst);
         }
         Device::synchronize(&self.sim)
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> cuarena::Result<()> {
-        self.sim.stream_wait_event(stream, event)
-    }
-    fn stream_key(&self, stream: Stream) -> cuarena::Result<StreamKey> {
-        self.sim.stream_key(stream)
-    }
-    fn stream_capturing(&self, stream: Stream) -> cuarena::Result<bool> {
-        self.sim.stream_capturing(stream)
     }
 }
 

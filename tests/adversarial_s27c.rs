@@ -32,8 +32,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cuarena::{Allocator, Config, Device, DeviceAddr, DeviceKind, Error, Event, Result, Stream, StreamKey};
-use cuarena_testkit::{HostConfig, HostDevice, assert_all_returned};
+use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Event, Result, Stream, StreamKey};
+use cuarena_testkit::{HostConfig, HostDevice, Interpose, Interposed, assert_all_returned};
 
 mod common;
 use common::*;

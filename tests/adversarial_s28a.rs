@@ -61,7 +61,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use cuarena::{Allocator, Config, Device, DeviceAddr, DeviceBuffer, Error, Event, GraphPoolId, Stream};
-use cuarena_testkit::{HostConfig, HostDevice, assert_all_returned};
+use cuarena_testkit::{HostConfig, HostDevice, Interpose, Interposed, assert_all_returned};
 
 mod common;
 use common::{Held, check, rng, tag};
@@ -104,13 +104,13 @@ struct Pause {
 }
 
 impl Spy {
-    fn new(sim: &HostDevice) -> Arc<Spy> {
-        Arc::new(Spy {
+    fn new(sim: &HostDevice) -> Arc<Interposed<Spy>> {
+        Arc::new(Interposed(Spy {
             sim: sim.clone(),
             broke: Mutex::new(Vec::new()),
             pause: Mutex::new(Pause::default()),
             cv: std::sync::Condvar::new(),
-        })
+        }))
     }
     /// The calling thread stops in its `k`-th (from 0) capture query of the legacy stream.
     fn arm(&self, k: u32) {
@@ -148,44 +148,15 @@ impl Spy {
         }
         true
     }
-    fn release(&self) {
+    fn resume(&self) {
         self.pause.lock().unwrap().released = true;
         self.cv.notify_all();
     }
 }
 
-impl Device for Spy {
-    fn kind(&self) -> cuarena::DeviceKind {
-        self.sim.kind()
-    }
-    fn ordinal(&self) -> i32 {
-        self.sim.ordinal()
-    }
-    fn device_id(&self) -> u64 {
-        self.sim.device_id()
-    }
-    fn total_memory(&self) -> cuarena::Result<usize> {
-        self.sim.total_memory()
-    }
-    fn reserve(&self, bytes: usize) -> cuarena::Result<Option<u64>> {
-        self.sim.reserve(bytes)
-    }
-    unsafe fn release(&self, ptr: u64, bytes: usize) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller, who gives the same guarantees.
-        unsafe { self.sim.release(ptr, bytes) }
-    }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> cuarena::Result<Option<u64>> {
-        self.sim.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> cuarena::Result<()> {
-        // SAFETY: forwarded from the caller, who gives the same guarantees.
-        unsafe { self.sim.free_async(ptr, bytes, stream) }
-    }
-    fn create_event(&self) -> cuarena::Result<Event> {
-        self.sim.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.sim.destroy_event(event)
+impl Interpose for Spy {
+    fn base(&self) -> &dyn Device {
+        &self.sim
     }
     fn record_event(&self, event: Event, stream: Stream) -> cuarena::Result<()> {
         // A stop point too, between a legacy record's check and the record itself.
@@ -195,12 +166,6 @@ impl Device for Spy {
         let r = self.sim.record_event(event, stream);
         self.note(&r);
         r
-    }
-    fn query_event(&self, event: Event) -> cuarena::Result<bool> {
-        self.sim.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> cuarena::Result<()> {
-        self.sim.sync_event(event)
     }
     fn synchronize(&self) -> cuarena::Result<()> {
         // A stop point too: a capture announced while a synchronise runs must begin after it.
@@ -213,9 +178,6 @@ impl Device for Spy {
         let r = self.sim.stream_wait_event(stream, event);
         self.note(&r);
         r
-    }
-    fn stream_key(&self, stream: Stream) -> cuarena::Result<cuarena::StreamKey> {
-        self.sim.stream_key(stream)
     }
     fn stream_capturing(&self, stream: Stream) -> cuarena::Result<bool> {
         if stream.is_legacy() {
@@ -1394,7 +1356,7 @@ fn race_an_announced_capture(oom: bool) {
         });
         // Gives it the chance to begin while the trim is stopped (it may wait for the trim).
         let _ = began_rx.recv_timeout(Duration::from_millis(300));
-        spy.release();
+        spy.resume();
         let r = trimmer.join().unwrap();
         capturer.join().unwrap();
         let ended = sim.end_capture(u);
@@ -1474,7 +1436,7 @@ fn a_legacy_record_racing_an_announced_per_thread_capture_never_breaks_it() {
         });
         // Gives it the chance to begin while the allocation is stopped (it may wait for it).
         let _ = began_rx.recv_timeout(Duration::from_millis(300));
-        spy.release();
+        spy.resume();
         let r = allocating.join().unwrap();
         end_tx.send(()).unwrap();
         let ended = capturer.join().unwrap();

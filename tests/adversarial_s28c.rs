@@ -32,11 +32,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::time::Duration;
 
-use cuarena::{
-    Allocator, Device, DeviceAddr, DeviceKind, Error, Event, InvalidFree, Result as CuResult, Stream,
-    StreamKey,
-};
-use cuarena_testkit::{HostDevice, LightDevice, assert_all_returned, host_allocator};
+use cuarena::{Allocator, Device, DeviceAddr, Error, Event, InvalidFree, Result as CuResult, Stream};
+use cuarena_testkit::{HostDevice, Interpose, Interposed, LightDevice, assert_all_returned, host_allocator};
 
 mod common;
 use common::*;
@@ -73,8 +70,11 @@ const GRAIN: u64 = 2 << 20;
 const SEEN_BASE: u64 = 1 << 40;
 
 impl Same {
-    fn new(sim: &HostDevice) -> Arc<Same> {
-        Arc::new(Same { sim: sim.clone(), space: Mutex::new(Space { top: SEEN_BASE, ..Space::default() }) })
+    fn new(sim: &HostDevice) -> Arc<Interposed<Same>> {
+        Arc::new(Interposed(Same {
+            sim: sim.clone(),
+            space: Mutex::new(Space { top: SEEN_BASE, ..Space::default() }),
+        }))
     }
 
     /// The simulated device's address behind the seen address `p`.
@@ -86,18 +86,9 @@ impl Same {
     }
 }
 
-impl Device for Same {
-    fn kind(&self) -> DeviceKind {
-        DeviceKind::Host
-    }
-    fn ordinal(&self) -> i32 {
-        0
-    }
-    fn device_id(&self) -> u64 {
-        self.sim.device_id()
-    }
-    fn total_memory(&self) -> CuResult<usize> {
-        self.sim.total_memory()
+impl Interpose for Same {
+    fn base(&self) -> &dyn Device {
+        &self.sim
     }
     fn reserve(&self, bytes: usize) -> CuResult<Option<u64>> {
         let Some(real) = self.sim.reserve(bytes)? else { return Ok(None) };
@@ -153,33 +144,6 @@ impl Device for Same {
     unsafe fn free_async(&self, _ptr: u64, _bytes: usize, _stream: Stream) -> CuResult<()> {
         Err(Error::Unsupported("Same: no pass-through".into()))
     }
-    fn create_event(&self) -> CuResult<Event> {
-        self.sim.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.sim.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> CuResult<()> {
-        self.sim.record_event(event, stream)
-    }
-    fn query_event(&self, event: Event) -> CuResult<bool> {
-        self.sim.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> CuResult<()> {
-        self.sim.sync_event(event)
-    }
-    fn synchronize(&self) -> CuResult<()> {
-        Device::synchronize(&self.sim)
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
-        self.sim.stream_wait_event(stream, event)
-    }
-    fn stream_key(&self, stream: Stream) -> CuResult<StreamKey> {
-        self.sim.stream_key(stream)
-    }
-    fn stream_capturing(&self, stream: Stream) -> CuResult<bool> {
-        self.sim.stream_capturing(stream)
-    }
 }
 
 /// A device whose memory is carved out of another allocator's blocks (a tenant's allocator
@@ -193,12 +157,9 @@ struct Carved {
     blocks: Mutex<BTreeMap<u64, (DeviceAddr, usize)>>,
 }
 
-impl Device for Carved {
-    fn kind(&self) -> DeviceKind {
-        DeviceKind::Host
-    }
-    fn ordinal(&self) -> i32 {
-        0
+impl Interpose for Carved {
+    fn base(&self) -> &dyn Device {
+        &self.sim
     }
     fn total_memory(&self) -> CuResult<usize> {
         Ok(256 << 20)
@@ -224,33 +185,6 @@ impl Device for Carved {
     }
     unsafe fn free_async(&self, _ptr: u64, _bytes: usize, _stream: Stream) -> CuResult<()> {
         Err(Error::Unsupported("Carved: no pass-through".into()))
-    }
-    fn create_event(&self) -> CuResult<Event> {
-        self.sim.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.sim.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> CuResult<()> {
-        self.sim.record_event(event, stream)
-    }
-    fn query_event(&self, event: Event) -> CuResult<bool> {
-        self.sim.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> CuResult<()> {
-        self.sim.sync_event(event)
-    }
-    fn synchronize(&self) -> CuResult<()> {
-        Device::synchronize(&self.sim)
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
-        self.sim.stream_wait_event(stream, event)
-    }
-    fn stream_key(&self, stream: Stream) -> CuResult<StreamKey> {
-        self.sim.stream_key(stream)
-    }
-    fn stream_capturing(&self, stream: Stream) -> CuResult<bool> {
-        self.sim.stream_capturing(stream)
     }
 }
 
@@ -294,7 +228,8 @@ fn an_allocator_whose_device_carves_from_another_allocator_works_on_one_thread()
     within(60, || {
         let sim = host(20);
         let b = host_allocator(sim.clone(), parse("superblock=256KiB,small_max=64KiB,chunk=8MiB")).unwrap();
-        let dev = Arc::new(Carved { sim: sim.clone(), backing: b.clone(), blocks: Mutex::default() });
+        let dev =
+            Arc::new(Interposed(Carved { sim: sim.clone(), backing: b.clone(), blocks: Mutex::default() }));
         let a = Allocator::new(Arc::clone(&dev) as Arc<dyn Device>, parse(CONF)).unwrap();
         let live = Live::default();
         let mut held = Vec::new();
@@ -457,7 +392,7 @@ fn mark(sim: &HostDevice, s: Stream) -> Event {
 struct Side {
     a: Allocator,
     sim: HostDevice,
-    same: Option<Arc<Same>>,
+    same: Option<Arc<Interposed<Same>>>,
 }
 
 impl Side {

@@ -23,8 +23,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use cuarena::{Allocator, Config, Device, DeviceAddr, DeviceKind, Error, Event, Result, Stream, StreamKey};
-use cuarena_testkit::{HostConfig, HostDevice, assert_all_returned};
+use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Event, Result, Stream, StreamKey};
+use cuarena_testkit::{HostConfig, HostDevice, Interpose, Interposed, assert_all_returned};
 
 mod common;
 use common::*;
@@ -466,18 +466,9 @@ struct Layered {
     refused: AtomicU64,
 }
 
-impl Device for Layered {
-    fn kind(&self) -> DeviceKind {
-        DeviceKind::Host
-    }
-    fn ordinal(&self) -> i32 {
-        0
-    }
-    fn device_id(&self) -> u64 {
-        self.sim.device_id()
-    }
-    fn total_memory(&self) -> Result<usize> {
-        self.sim.total_memory()
+impl Interpose for Layered {
+    fn base(&self) -> &dyn Device {
+        &self.sim
     }
     fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
         match self.backing.release_thread() {
@@ -501,40 +492,6 @@ impl Device for Layered {
         // SAFETY: forwarded.
         unsafe { self.sim.release(ptr, bytes) }
     }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<Option<u64>> {
-        self.sim.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> Result<()> {
-        // SAFETY: forwarded.
-        unsafe { self.sim.free_async(ptr, bytes, stream) }
-    }
-    fn create_event(&self) -> Result<Event> {
-        self.sim.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.sim.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
-        self.sim.record_event(event, stream)
-    }
-    fn query_event(&self, event: Event) -> Result<bool> {
-        self.sim.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> Result<()> {
-        self.sim.sync_event(event)
-    }
-    fn synchronize(&self) -> Result<()> {
-        Device::synchronize(&self.sim)
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
-        self.sim.stream_wait_event(stream, event)
-    }
-    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
-        self.sim.stream_key(stream)
-    }
-    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
-        self.sim.stream_capturing(stream)
-    }
 }
 
 /// Allocator A over [`Layered`] grows and trims its pool over and over on two threads, under a
@@ -547,12 +504,12 @@ fn temporary_slots_strand_nothing_and_refuse_release_thread() {
     within(20, || {
         let sim = host(10);
         let backing = alloc_with(&sim, small());
-        let dev = Arc::new(Layered {
+        let dev = Arc::new(Interposed(Layered {
             sim: sim.clone(),
             backing: backing.clone(),
             notes: Mutex::default(),
             refused: AtomicU64::new(0),
-        });
+        }));
         let a = Allocator::new(dev.clone(), small().max_bytes(6 * MIB).build().unwrap()).unwrap();
         let live = Arc::new(Live::default());
         let hs: Vec<_> = (0..2u64)

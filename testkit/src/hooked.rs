@@ -6,9 +6,10 @@
 
 use std::sync::Arc;
 
-use cuarena::{Device, DeviceKind, Event, Result, Stream, StreamKey};
+use cuarena::{Device, Event, Result, Stream, StreamKey};
 
 use crate::HostDevice;
+use crate::interpose::{Interpose, Interposed};
 
 /// A hook around `record_event` or `stream_wait_event`.
 pub type EventHook = Box<dyn Fn(&HostDevice, Event, Stream) -> Result<()> + Send + Sync>;
@@ -23,67 +24,32 @@ pub struct Hooks {
     pub stream_key: Option<KeyHook>,
 }
 
-/// A [`HostDevice`] with [`Hooks`]. Clones of `sim` share its state: keep one to ask the race
-/// checker.
-pub struct HookedDevice {
+/// A [`HostDevice`] with [`Hooks`], as a device ([`HookedDevice`]). Clones of `sim` share its
+/// state: keep one to ask the race checker.
+pub struct Hooked {
     pub sim: HostDevice,
     pub hooks: Hooks,
 }
 
-impl HookedDevice {
+/// [`Hooked`] as a [`Device`](cuarena::Device); its fields are reached through `Deref`.
+pub type HookedDevice = Interposed<Hooked>;
+
+impl Interposed<Hooked> {
     /// `sim` with `hooks`, ready for `Allocator::new`.
     pub fn new(sim: HostDevice, hooks: Hooks) -> Arc<HookedDevice> {
-        Arc::new(HookedDevice { sim, hooks })
+        Arc::new(Interposed(Hooked { sim, hooks }))
     }
 }
 
-impl Device for HookedDevice {
-    fn kind(&self) -> DeviceKind {
-        self.sim.kind()
-    }
-    fn ordinal(&self) -> i32 {
-        self.sim.ordinal()
-    }
-    fn device_id(&self) -> u64 {
-        self.sim.device_id()
-    }
-    fn total_memory(&self) -> Result<usize> {
-        self.sim.total_memory()
-    }
-    fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
-        self.sim.reserve(bytes)
-    }
-    unsafe fn release(&self, ptr: u64, bytes: usize) -> Result<()> {
-        // SAFETY: forwarded from the caller, who gives the same guarantees.
-        unsafe { self.sim.release(ptr, bytes) }
-    }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<Option<u64>> {
-        self.sim.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> Result<()> {
-        // SAFETY: forwarded from the caller, who gives the same guarantees.
-        unsafe { self.sim.free_async(ptr, bytes, stream) }
-    }
-    fn create_event(&self) -> Result<Event> {
-        self.sim.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.sim.destroy_event(event)
+impl Interpose for Hooked {
+    fn base(&self) -> &dyn Device {
+        &self.sim
     }
     fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
         match &self.hooks.record_event {
             Some(h) => h(&self.sim, event, stream),
             None => self.sim.record_event(event, stream),
         }
-    }
-    fn query_event(&self, event: Event) -> Result<bool> {
-        self.sim.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> Result<()> {
-        self.sim.sync_event(event)
-    }
-    fn synchronize(&self) -> Result<()> {
-        Device::synchronize(&self.sim)
     }
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
         match &self.hooks.stream_wait_event {
@@ -96,9 +62,6 @@ impl Device for HookedDevice {
             Some(h) => h(&self.sim, stream),
             None => self.sim.stream_key(stream),
         }
-    }
-    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
-        self.sim.stream_capturing(stream)
     }
 }
 

@@ -17,14 +17,16 @@ pub mod cuda_kernels;
 mod harness;
 pub mod hooked;
 pub mod host;
+pub mod interpose;
 
 use std::sync::Arc;
 
 use cuarena::{Allocator, Config, Result};
 
 pub use harness::*;
-pub use hooked::{HookedDevice, Hooks, Stall};
+pub use hooked::{Hooked, HookedDevice, Hooks, Stall};
 pub use host::{HostConfig, HostDevice, StreamGate};
+pub use interpose::{Interpose, Interposed};
 
 /// An allocator over a simulated device (a clone of `device` shares its state, so keep one to
 /// ask the race checker).

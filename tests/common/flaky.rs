@@ -2,8 +2,8 @@
 // brought into each with `include!` (not a module: its items stay the test's own, private and
 // unprefixed). The includer provides the imports: `std::sync::atomic::{AtomicBool, AtomicU64,
 // Ordering}`, `std::sync::{Arc, Mutex}`, `cuarena::{Allocator, Config, Device, DeviceAddr,
-// DeviceKind, Error, Event, Result, Stream, StreamKey}`, `cuarena_testkit::{HostConfig,
-// HostDevice, assert_all_returned}`, and `common::*`.
+// Error, Event, Result, Stream, StreamKey}`, `cuarena_testkit::{HostConfig, HostDevice,
+// Interpose, Interposed, assert_all_returned}`, and `common::*`.
 
 const MIB: usize = 1 << 20;
 
@@ -70,6 +70,9 @@ struct Flaky {
     armed: Mutex<Vec<(Call, u64)>>,
 }
 
+/// [`Flaky`] as a device.
+type FlakyDevice = Interposed<Flaky>;
+
 fn mix(mut v: u64) -> u64 {
     v ^= v >> 31;
     v = v.wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -79,12 +82,12 @@ fn mix(mut v: u64) -> u64 {
 }
 
 impl Flaky {
-    fn new(sim: &HostDevice, seed: u64, fails: &[(Call, u64)]) -> Arc<Flaky> {
+    fn new(sim: &HostDevice, seed: u64, fails: &[(Call, u64)]) -> Arc<FlakyDevice> {
         let mut ppm = [0; CALLS.len()];
         for &(c, p) in fails {
             ppm[c as usize] = p;
         }
-        Arc::new(Flaky {
+        Arc::new(Interposed(Flaky {
             sim: sim.clone(),
             on: AtomicBool::new(true),
             ppm,
@@ -93,7 +96,7 @@ impl Flaky {
             calls: Default::default(),
             injected: Default::default(),
             armed: Mutex::new(Vec::new()),
-        })
+        }))
     }
 
     fn gate(&self, c: Call) -> Result<()> {
@@ -157,18 +160,11 @@ impl Flaky {
     }
 }
 
-impl Device for Flaky {
-    fn kind(&self) -> DeviceKind {
-        self.sim.kind()
-    }
-    fn ordinal(&self) -> i32 {
-        self.sim.ordinal()
-    }
-    fn device_id(&self) -> u64 {
-        self.sim.device_id()
-    }
-    fn total_memory(&self) -> Result<usize> {
-        self.sim.total_memory()
+/// The gated calls fail as [`Flaky::gate`] says; the others, and each gated call that passes,
+/// go to the simulator.
+impl Interpose for Flaky {
+    fn base(&self) -> &dyn Device {
+        &self.sim
     }
     fn reserve(&self, bytes: usize) -> Result<Option<u64>> {
         self.gate(Call::Reserve)?;
@@ -179,19 +175,9 @@ impl Device for Flaky {
         // SAFETY: forwarded from the caller, who gives the same guarantees.
         unsafe { self.sim.release(ptr, bytes) }
     }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> Result<Option<u64>> {
-        self.sim.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> Result<()> {
-        // SAFETY: forwarded from the caller, who gives the same guarantees.
-        unsafe { self.sim.free_async(ptr, bytes, stream) }
-    }
     fn create_event(&self) -> Result<Event> {
         self.gate(Call::CreateEvent)?;
         self.sim.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.sim.destroy_event(event)
     }
     fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
         self.gate(Call::Record)?;
@@ -287,7 +273,7 @@ impl Book {
 struct World {
     a: Allocator,
     sim: HostDevice,
-    dev: Arc<Flaky>,
+    dev: Arc<FlakyDevice>,
     live: Book,
     /// Per slot: blocks sent to it.
     boxes: Vec<Mutex<Vec<Parcel>>>,
@@ -705,7 +691,7 @@ fn every_byte_back(o: &Outcome) {
 /// on a user stream, frees them there and releases itself with its burial's synchronise
 /// failing, so that the arena stays parked (the failure is the deferred error, taken here);
 /// the stream is then destroyed.
-fn park_past_the_bound(a: &Allocator, sim: &HostDevice, dev: &Arc<Flaky>) {
+fn park_past_the_bound(a: &Allocator, sim: &HostDevice, dev: &Arc<FlakyDevice>) {
     let u = sim.create_stream();
     let (a2, d) = (a.clone(), dev.clone());
     std::thread::spawn(move || {
@@ -729,7 +715,7 @@ fn park_past_the_bound(a: &Allocator, sim: &HostDevice, dev: &Arc<Flaky>) {
 
 /// The allocator over a [`Flaky`] device that fails nothing until armed.
 #[allow(dead_code)] // not used by every file that includes this one
-fn flaky_allocator(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> (Arc<Flaky>, Allocator) {
+fn flaky_allocator(sim: &HostDevice, cfg: cuarena::ConfigBuilder) -> (Arc<FlakyDevice>, Allocator) {
     let dev = Flaky::new(sim, 0, &[]);
     let a = Allocator::new(dev.clone(), cfg.build().unwrap()).unwrap();
     (dev, a)
