@@ -18,10 +18,8 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
-use cuarena::{
-    Allocator, Device, DeviceAddr, DeviceKind, Event, GraphPoolId, Result as CuResult, Stream, StreamKey,
-};
-use cuarena_testkit::LightDevice;
+use cuarena::{Allocator, Device, DeviceAddr, GraphPoolId, Result as CuResult, Stream};
+use cuarena_testkit::{Interpose, Interposed, LightDevice};
 
 mod common;
 use common::*;
@@ -53,23 +51,20 @@ struct Space {
 const GRAIN: u64 = 2 << 20;
 
 impl Reusing {
-    fn new(capacity: usize, latency: Duration) -> Arc<Reusing> {
-        Arc::new(Reusing {
+    fn new(capacity: usize, latency: Duration) -> Arc<Interposed<Reusing>> {
+        Arc::new(Interposed(Reusing {
             light: LightDevice::new(capacity, latency),
             space: Mutex::new(Space { top: 1 << 40, capacity, ..Space::default() }),
-        })
+        }))
     }
     fn releases(&self) -> u64 {
         self.space.lock().unwrap().releases
     }
 }
 
-impl Device for Reusing {
-    fn kind(&self) -> DeviceKind {
-        DeviceKind::Host
-    }
-    fn ordinal(&self) -> i32 {
-        0
+impl Interpose for Reusing {
+    fn base(&self) -> &dyn Device {
+        &self.light
     }
     fn total_memory(&self) -> CuResult<usize> {
         Ok(self.space.lock().unwrap().capacity)
@@ -128,35 +123,11 @@ impl Device for Reusing {
         // SAFETY: forwarded from the caller (nothing runs on this memory: address space only).
         unsafe { self.release(ptr, bytes) }
     }
-    fn create_event(&self) -> CuResult<Event> {
-        self.light.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.light.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> CuResult<()> {
-        self.light.record_event(event, stream)
-    }
-    fn query_event(&self, event: Event) -> CuResult<bool> {
-        self.light.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> CuResult<()> {
-        self.light.sync_event(event)
-    }
-    fn synchronize(&self) -> CuResult<()> {
-        self.light.synchronize()
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
-        self.light.stream_wait_event(stream, event)
-    }
-    fn stream_key(&self, stream: Stream) -> CuResult<StreamKey> {
-        self.light.stream_key(stream)
-    }
 }
 
 /// An allocator over `dev` with `small()`'s configuration (64 KiB small blocks, 256 KiB
 /// superblocks, 1 MiB chunks, `large_max` 64 MiB).
-fn on(dev: &Arc<Reusing>) -> Allocator {
+fn on(dev: &Arc<Interposed<Reusing>>) -> Allocator {
     Allocator::new(Arc::clone(dev) as Arc<dyn Device>, small().build().unwrap()).unwrap()
 }
 
@@ -259,9 +230,9 @@ fn phases<W: FnMut(usize, &Allocator)>(
 const HEAP_SLACK: isize = 96 << 10;
 
 /// Checks that nothing grows from the first measured sample to the last: heap (within
-/// `heap_slack`), live events (within `event_slack`), reserved bytes (within `reserved_slack`),
-/// arenas, parked bytes (within `reserved_slack`), and driver calls per phase (the last two
-/// phases within 1.3× and 200 calls of the first two measured).
+/// `heap_slack`), live events (see below: `event_slack`), reserved bytes (within `reserved_slack`), arenas, parked bytes
+/// (within `reserved_slack`), and driver calls per phase (the least of the last few phases
+/// within 1.3× and 200 calls of the most of the first few measured).
 fn assert_flat(what: &str, s: &[Sample], heap_slack: isize, event_slack: usize, reserved_slack: u64) {
     println!("{what}:");
     for (i, x) in s.iter().enumerate() {
@@ -277,8 +248,15 @@ fn assert_flat(what: &str, s: &[Sample], heap_slack: isize, event_slack: usize, 
             (last.heap - first.heap) / n as isize
         ));
     }
-    if last.events > first.events + event_slack {
-        bad.push(format!("live events {} -> {}", first.events, last.events));
+    // Live events: the allocator keeps every event it made (`fence.rs`, `EventPool`), so their
+    // number is the high-water mark of fences pending at once, which rises in a few steps on a
+    // loaded machine (completions lag). A leak rises on most phases: bad if the events rose
+    // on more than a quarter of the phases and by more than `event_slack`, or by more than four
+    // times `event_slack` at all.
+    let rises = s.windows(2).filter(|p| p[1].events > p[0].events).count();
+    let grown = last.events.saturating_sub(first.events);
+    if (rises > n / 4 && grown > event_slack) || grown > 4 * event_slack {
+        bad.push(format!("live events {} -> {} (rose on {rises} of {n} phases)", first.events, last.events));
     }
     if last.reserved > first.reserved + reserved_slack {
         bad.push(format!("reserved {} -> {} B", first.reserved, last.reserved));
@@ -299,10 +277,14 @@ fn assert_flat(what: &str, s: &[Sample], heap_slack: isize, event_slack: usize, 
     if last.arenas > first.arenas {
         bad.push(format!("arenas {} -> {}", first.arenas, last.arenas));
     }
-    let early = (s[1].calls + s[2].calls) as f64 / 2.0;
-    let late = (s[n].calls + s[n - 1].calls) as f64 / 2.0;
-    if late > early * 1.3 + 200.0 {
-        bad.push(format!("driver calls a phase {early} -> {late}"));
+    // Driver calls swing with the lag too (pending fences polled again): a leak shows as the
+    // fewest of the last few phases above the most of the first few measured.
+    let w = 4.min(n / 2).max(1);
+    // (The first sample's calls are the warm-up's last phase's.)
+    let early_calls = s[1..=w].iter().map(|x| x.calls).max().unwrap() as f64;
+    let late_calls = s[s.len() - w..].iter().map(|x| x.calls).min().unwrap() as f64;
+    if late_calls > early_calls * 1.3 + 200.0 {
+        bad.push(format!("driver calls a phase {early_calls} -> {late_calls}"));
     }
     assert!(bad.is_empty(), "{what}: grew in the steady state: {bad:?}\nsamples: {s:#?}");
 }
