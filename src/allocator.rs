@@ -105,6 +105,56 @@ pub struct Allocator {
     inner: Arc<Inner>,
 }
 
+/// In a forked child, an allocator made before the fork is never dropped: its pool, events,
+/// trace file and device belong to the parent, and their locks may be held by threads the child
+/// does not have (`shutdown.rs`, "Fork"). Each handle dropped there leaks one count instead.
+impl Drop for Allocator {
+    fn drop(&mut self) {
+        if self.inner.born.forked() {
+            std::mem::forget(Arc::clone(&self.inner));
+        }
+    }
+}
+
+/// Registers, once, the fork handlers of every module an allocator uses (`shutdown.rs`, "Fork").
+fn install_fork_handlers() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        crate::shutdown::at_fork(None, None, Some(forget_slots_in_child));
+        crate::sync::install_fork_handlers();
+        crate::trace::install_fork_handlers();
+    });
+}
+
+/// The fork's child handler: the forking thread's slots, all of allocators made before the
+/// fork, are forgotten, never given back (their arenas are the parent's, and giving them back
+/// would take the parent's locks). The thread's next call on such an allocator finds no slot and
+/// is refused on its slow path.
+extern "C" fn forget_slots_in_child() {
+    let _ = SLOTS.try_with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slots) => std::mem::forget(std::mem::take(&mut *slots)),
+        // The fork was made inside a call of this thread's (its device's, or its OOM hook's):
+        // forgotten when the call lets the slots go ([`forget_slots_if_forked_inside`]).
+        Err(_) => {
+            let _ = FORKED_INSIDE_A_CALL.try_with(|f| f.set(true));
+        }
+    });
+}
+
+/// After a call that held the thread's slots (`with_slot`, `release_thread`): forgets them if
+/// the process forked inside it (this is the child), before any fast path can find them.
+#[inline]
+fn forget_slots_if_forked_inside() {
+    // The mutation `fork_inside_call_kept` never forgets them late: the test
+    // `adversarial_s29b_fork::fork_inside_a_call_leaves_the_forked_allocators_fast_paths_serving_in_the_child`
+    // must then fail.
+    if !cfg!(cuarena_mutant = "fork_inside_call_kept")
+        && FORKED_INSIDE_A_CALL.try_with(|f| f.replace(false)).unwrap_or(false)
+    {
+        forget_slots_in_child();
+    }
+}
+
 impl std::fmt::Debug for Allocator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Allocator")
@@ -118,6 +168,8 @@ impl std::fmt::Debug for Allocator {
 
 pub(crate) struct Inner {
     id: u64,
+    /// The fork generation it was made in: unusable in a child forked since (`shutdown.rs`).
+    born: crate::shutdown::Born,
     device: Arc<dyn Device>,
     cfg: Config,
     pool: GlobalPool,
@@ -540,6 +592,9 @@ thread_local! {
     // Not `const { .. }`: loom's `thread_local!` has no such form.
     #[allow(clippy::missing_const_for_thread_local)]
     static SLOTS: RefCell<Vec<Slot>> = RefCell::new(Vec::new());
+    /// Set in a forked child whose fork was made while this thread's slots were borrowed.
+    #[allow(clippy::missing_const_for_thread_local)]
+    static FORKED_INSIDE_A_CALL: std::cell::Cell<bool> = std::cell::Cell::new(false);
 }
 
 impl Inner {
@@ -1618,6 +1673,14 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         if let Some(inner) = self.inner.upgrade() {
+            if inner.born.forked() {
+                // A forked child's copy of a slot the fork's child handler could not forget (the
+                // fork was made inside a call of this thread's): never given back, as there
+                // (`shutdown.rs`, "Fork"); its arenas and fences are the parent's.
+                std::mem::forget(std::mem::take(&mut self.arenas));
+                std::mem::forget(std::mem::take(&mut self.outbox));
+                return;
+            }
             if crate::shutdown::process_exiting() && inner.device.kind() == DeviceKind::Cuda {
                 return; // no CUDA calls once exit has begun
             }
@@ -1803,6 +1866,7 @@ fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R
         };
         Some((f.take().expect("called once"))(&mut slots[i], inner))
     });
+    forget_slots_if_forked_inside();
     match r {
         Ok(Some(r)) => r,
         // The thread's slots are being destroyed (a late destructor), or another allocator's
@@ -1821,12 +1885,14 @@ impl Allocator {
     /// An allocator over `device`.
     pub fn new(device: Arc<dyn Device>, config: Config) -> Result<Allocator> {
         crate::sync::prepare_barriers();
+        install_fork_handlers();
         let total = device.total_memory()?;
         let trace_path = config.trace.clone();
         let device_id = device.device_id();
         let a = Allocator {
             inner: Arc::new(Inner {
                 id: next_id(),
+                born: crate::shutdown::Born::now(),
                 pool: GlobalPool::new(Arc::clone(&device), &config, total),
                 passthrough: (config.passthrough)
                     .then(|| crate::passthrough::Passthrough::new(Arc::clone(&device), config.small_max)),
@@ -1855,6 +1921,22 @@ impl Allocator {
         // After cuInit, so the hook runs before the driver's own exit handlers.
         crate::shutdown::install_exit_hook();
         Allocator::new(Arc::new(dev), config)
+    }
+
+    /// True in a child process forked after this allocator was made. It is unusable there
+    /// (`Error::Forked`): every call that can fail is refused before it takes a lock; the
+    /// others do nothing (`set_limit_bytes`, `reset_peak`, `reset_counters`, `set_oom_hook`,
+    /// `graph_pool_retain`, `graph_capture_begin`) or answer zeros (`stats`, `size_histogram`,
+    /// `graph_pool_use_count`, `graph_pool_bytes`); and dropping it leaks it. Make allocators
+    /// after a fork in the child (`shutdown.rs`, "Fork").
+    pub fn forked(&self) -> bool {
+        self.inner.born.forked()
+    }
+
+    /// [`Error::Forked`] in a child forked after this allocator was made.
+    #[inline]
+    fn usable(&self) -> Result<()> {
+        if self.inner.born.forked() { Err(Error::Forked) } else { Ok(()) }
     }
 
     /// Allocates `size` bytes, ready for use on `stream` (256-byte aligned).
@@ -1917,6 +1999,7 @@ impl Allocator {
     /// cold function gets its callees inlined less (own-stream churn lost a tenth with it).
     #[inline(never)]
     fn allocate_slow(&self, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        self.usable()?;
         crate::trace::allocation(
             &self.inner.trace,
             || self.allocate_untraced(size, stream),
@@ -2067,6 +2150,7 @@ impl Allocator {
         stream: Stream,
         refused: Option<Error>,
     ) -> Result<()> {
+        self.usable()?;
         // A CUDA graph pool's block; not traced, as its allocation was not.
         if refused.is_none()
             && self.inner.graphs.may_hold(ptr.0)
@@ -2144,6 +2228,7 @@ impl Allocator {
         stream: Stream,
         used_on: &[Stream],
     ) -> Result<()> {
+        self.usable()?;
         // A graph pool's block: kept by its pool's rules (graph_pool.rs), which order or hold
         // the declared streams.
         if self.inner.graphs.may_hold(ptr.0)
@@ -2172,6 +2257,9 @@ impl Allocator {
     /// Caps reserved memory at `bytes`. Memory already reserved above it is kept until freed
     /// blocks let `trim` release it.
     pub fn set_limit_bytes(&self, bytes: usize) {
+        if self.forked() {
+            return;
+        }
         self.inner.pool.set_limit(bytes);
     }
 
@@ -2180,6 +2268,7 @@ impl Allocator {
     /// reserved still serve). Anything else (NaN, below 0, above 1) is refused and changes
     /// nothing.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        self.usable()?;
         if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::Config(format!("memory fraction {fraction} must be in [0, 1]")));
         }
@@ -2206,6 +2295,7 @@ impl Allocator {
     /// them under an event (fewer than `batch_blocks` blocks and `batch_bytes` bytes in all).
     /// Never blocks.
     pub fn flush(&self) -> Result<()> {
+        self.usable()?;
         self.retry_held();
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
@@ -2226,6 +2316,7 @@ impl Allocator {
     /// to the global pool and folds its counters. The thread may go on allocating; it then
     /// gets a new arena.
     pub fn release_thread(&self) -> Result<()> {
+        self.usable()?;
         self.retry_held();
         let id = self.inner.id;
         let slot = SLOTS.try_with(|cell| {
@@ -2260,6 +2351,7 @@ impl Allocator {
     /// stream was destroyed, after a device synchronise. Returns the bytes released to the
     /// device.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
+        self.usable()?;
         self.retry_held();
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
@@ -2287,11 +2379,17 @@ impl Allocator {
     /// The latest error found after the call that caused it (an invalid remote free, a
     /// failed fence on a background path), taken.
     pub fn take_deferred_error(&self) -> Option<Error> {
+        if self.forked() {
+            return None;
+        }
         lock(&self.inner.deferred).take()
     }
 
     /// A snapshot of the allocator's state.
     pub fn stats(&self) -> Stats {
+        if self.forked() {
+            return Stats::default();
+        }
         let pool = &self.inner.pool;
         let mut s = if let Some(p) = &self.inner.passthrough {
             // Pass-through mode; the OOM path's counts are kept per thread as usual, and so are
@@ -2321,6 +2419,9 @@ impl Allocator {
     /// `peak_reserved_bytes` at the reserved bytes now (`torch.cuda.reset_peak_memory_stats`).
     /// Safe while other threads allocate: no thread's counters are written (see `stats.rs`).
     pub fn reset_peak(&self) {
+        if self.forked() {
+            return;
+        }
         if let Some(p) = &self.inner.passthrough {
             return p.reset_peak(); // pass-through mode
         }
@@ -2338,6 +2439,9 @@ impl Allocator {
     /// racing it is counted before or after it (two counters of one operation may fall on
     /// either side; `allocations` and the size histogram are the same counters, never apart).
     pub fn reset_counters(&self) {
+        if self.forked() {
+            return;
+        }
         if let Some(p) = &self.inner.passthrough {
             p.reset_counters(); // pass-through mode
         }
@@ -2350,6 +2454,9 @@ impl Allocator {
     /// bucket's limit (bucket 0: up to 256 B; the last bucket: over 2 GiB). Pass-through mode
     /// counts the sizes asked for.
     pub fn size_histogram(&self) -> [u64; crate::stats::SIZE_HISTOGRAM_BUCKETS] {
+        if self.forked() {
+            return [0; crate::stats::SIZE_HISTOGRAM_BUCKETS];
+        }
         if let Some(p) = &self.inner.passthrough {
             return p.size_histogram(); // pass-through mode
         }
@@ -2406,6 +2513,9 @@ impl Allocator {
 
 impl Allocator {
     pub(crate) fn defer_error(&self, e: Error) {
+        if self.forked() {
+            return; // its lock may be held by a thread the child does not have
+        }
         *lock(&self.inner.deferred) = Some(e);
     }
 
@@ -2457,6 +2567,9 @@ impl Allocator {
     /// ([`Allocator::graph_pool_release`]). See `graph_pool.rs` for how its memory is kept and
     /// reused.
     pub fn graph_pool_retain(&self, id: GraphPoolId) {
+        if self.forked() {
+            return;
+        }
         self.inner.graphs.retain(id);
     }
 
@@ -2466,6 +2579,7 @@ impl Allocator {
     /// replays may still run. Never blocks. [`Error::UnknownGraphPool`] for a pool not
     /// retained.
     pub fn graph_pool_release(&self, id: GraphPoolId) -> Result<()> {
+        self.usable()?;
         if self.inner.graphs.release(id) { Ok(()) } else { Err(Error::UnknownGraphPool { id: (id.0, id.1) }) }
     }
 
@@ -2481,6 +2595,7 @@ impl Allocator {
     /// during a capture, [`Error::OutOfMemory`] at once (no reclaim, which may synchronise and
     /// so break the capture). Never the OOM hook. Counted in `ooms`.
     pub fn graph_allocate(&self, id: GraphPoolId, size: usize, stream: Stream) -> Result<DeviceAddr> {
+        self.usable()?;
         if size == 0 {
             return Ok(DeviceAddr::NULL);
         }
@@ -2558,6 +2673,7 @@ impl Allocator {
     /// (PyTorch's `checkPoolLiveAllocations` compares them with the tensors it expects).
     /// [`Error::UnknownGraphPool`] for a pool not retained.
     pub fn graph_pool_live(&self, id: GraphPoolId) -> Result<Vec<DeviceAddr>> {
+        self.usable()?;
         let v = self.inner.graphs.live(id).ok_or(Error::UnknownGraphPool { id: (id.0, id.1) })?;
         Ok(v.into_iter().map(DeviceAddr).collect())
     }
@@ -2566,6 +2682,7 @@ impl Allocator {
     /// `getCheckpointState`, which CUDA graph trees take after each recording), for
     /// [`Allocator::graph_pool_restore`]. [`Error::UnknownGraphPool`] for a pool not retained.
     pub fn graph_pool_checkpoint(&self, id: GraphPoolId) -> Result<GraphCheckpoint> {
+        self.usable()?;
         let (serial, blocks) =
             self.inner.graphs.checkpoint(id).ok_or(Error::UnknownGraphPool { id: (id.0, id.1) })?;
         Ok(GraphCheckpoint { id, serial, blocks })
@@ -2586,6 +2703,7 @@ impl Allocator {
     /// ([`Error::UnknownGraphPool`]), a pool released and made again since the checkpoint, a
     /// restored block over memory held for another stream ([`Error::Unsupported`]).
     pub fn graph_pool_restore(&self, checkpoint: &GraphCheckpoint) -> Result<Vec<(DeviceAddr, usize)>> {
+        self.usable()?;
         match self.graph_pool_restore_within(checkpoint, usize::MAX)? {
             Ok(freed) => Ok(freed),
             Err(_) => unreachable!("room for every live block"),
@@ -2601,6 +2719,7 @@ impl Allocator {
         c: &GraphCheckpoint,
         room: usize,
     ) -> Result<std::result::Result<Vec<(DeviceAddr, usize)>, usize>> {
+        self.usable()?;
         let graphs = &self.inner.graphs;
         let r = with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
@@ -2638,12 +2757,16 @@ impl Allocator {
     /// destroyed streams) stays parked, and out of memory and `trim(true)` take back only what
     /// needs none, as PyTorch's own allocator does while captures are underway.
     pub fn graph_capture_begin(&self) {
+        if self.forked() {
+            return;
+        }
         self.inner.graphs.capture_begin();
     }
 
     /// Ends a capture begun with [`Allocator::graph_capture_begin`]. [`Error::Unsupported`],
     /// changing nothing, if none is underway.
     pub fn graph_capture_end(&self) -> Result<()> {
+        self.usable()?;
         if self.inner.graphs.capture_end() {
             Ok(())
         } else {
@@ -2656,6 +2779,9 @@ impl Allocator {
     /// How many times the CUDA graph pool `id` is retained now: 0 for a pool not retained
     /// (PyTorch's `MemPool.use_count()`).
     pub fn graph_pool_use_count(&self, id: GraphPoolId) -> u64 {
+        if self.forked() {
+            return 0;
+        }
         self.inner.graphs.use_count(id)
     }
 
@@ -2663,6 +2789,9 @@ impl Allocator {
     /// synchronise. Part of `reserved_bytes` and `pool_in_use_bytes` (not in pass-through mode,
     /// whose statistics are its own blocks').
     pub fn graph_pool_bytes(&self) -> u64 {
+        if self.forked() {
+            return 0;
+        }
         self.inner.graphs.bytes()
     }
 
@@ -2766,6 +2895,9 @@ impl Allocator {
     /// [`Stats::oom_hook_calls`], [`Stats::alloc_retries`] and [`Stats::ooms`] count what
     /// happens.
     pub fn set_oom_hook(&self, hook: Option<OomHook>) {
+        if self.forked() {
+            return;
+        }
         *lock(&self.inner.oom_hook) = hook;
     }
 
@@ -2803,6 +2935,8 @@ impl Allocator {
             if !retry {
                 break;
             }
+            // A hook that forked: its child retries on an allocator made before the fork.
+            self.usable()?;
             retries += 1;
             self.count(|c| &c.alloc_retries);
             match self.allocate_once(size, stream) {
@@ -2821,6 +2955,7 @@ impl Allocator {
     /// truncated); `trace.rs` documents the format. Refused if a trace runs on this allocator
     /// already, or if another trace of this process writes `path`.
     pub fn start_trace(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.usable()?;
         self.inner.trace.start_file(path.as_ref())
     }
 
@@ -2828,6 +2963,7 @@ impl Allocator {
     /// are alive and recording this moment: it waits for their call to end) and the file
     /// closed. Refused if no trace runs; a write error of the whole trace is returned here.
     pub fn stop_trace(&self) -> Result<crate::trace::TraceSummary> {
+        self.usable()?;
         self.inner.trace.stop()
     }
 

@@ -63,6 +63,10 @@ pub enum Error {
     /// The allocator has been shut down: process exit has begun, and no driver call is made
     /// any more (the C ABI's allocations fail with this error from then on).
     ShutDown,
+    /// The allocator was made before this process forked, and this is the child: it is not
+    /// used there (its locks may be held by threads the child does not have, and its device
+    /// memory belongs to the parent). Allocators made after the fork work.
+    Forked,
     /// The device did something cuarena cannot work with (the message says what).
     Unsupported(String),
     /// An allocation or free on a stream that is being captured into a CUDA graph (or a free
@@ -145,6 +149,10 @@ impl fmt::Display for Error {
             }
             Error::Config(msg) => write!(f, "invalid cuarena configuration: {msg}"),
             Error::ShutDown => write!(f, "the allocator has shut down: process exit has begun"),
+            Error::Forked => write!(
+                f,
+                "the allocator was made before this process forked: it is unusable in the child (make one after the fork)"
+            ),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
             e if e.is_legacy_refusal() => write!(
                 f,

@@ -5,7 +5,8 @@
 //! has begun (see `shutdown.rs`) cuarena makes no further CUDA call, so threads that outlive
 //! `main` and late destructors cannot crash in a torn-down driver.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock, TryLockError};
 
 use crate::allocator::Allocator;
 use crate::config::Config;
@@ -24,6 +25,29 @@ static CREATING: Mutex<()> = Mutex::new(());
 /// Items in `CUARENA_CONF`'s form, under `CUARENA_CONF` for every allocator made from now on
 /// (empty: none). Valid on their own (checked by [`set_defaults`]).
 static DEFAULTS: Mutex<String> = Mutex::new(String::new());
+/// Set in a forked child whose parent had a thread inside `CREATING` or `DEFAULTS` at the fork:
+/// those locks stay held there, so no allocator is made ([`Error::Forked`]). (The creation
+/// holds `CREATING` across `cuInit`, too long to hold forks off for.)
+static LOCKED_BY_THE_PARENT: AtomicBool = AtomicBool::new(false);
+
+/// The fork's child handler (`shutdown.rs`, "Fork"): notes whether a thread of the parent held
+/// `CREATING` or `DEFAULTS`.
+extern "C" fn check_locks_in_child() {
+    let creating = matches!(CREATING.try_lock(), Err(TryLockError::WouldBlock));
+    let defaults = matches!(DEFAULTS.try_lock(), Err(TryLockError::WouldBlock));
+    if creating || defaults {
+        LOCKED_BY_THE_PARENT.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Before `CREATING` or `DEFAULTS` is taken (every path that takes them calls this first, so
+/// the child handler is registered before either can be held at a fork): the handler
+/// registered (once), and [`Error::Forked`] in a child whose parent held either lock.
+fn not_locked_by_the_parent() -> Result<()> {
+    static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
+    FORK_HANDLER.call_once(|| crate::shutdown::at_fork(None, None, Some(check_locks_in_child)));
+    if LOCKED_BY_THE_PARENT.load(Ordering::SeqCst) { Err(Error::Forked) } else { Ok(()) }
+}
 
 /// The process-wide allocator of CUDA device `device`, created on first use ([`Error::ShutDown`]
 /// instead once process exit has begun).
@@ -32,8 +56,9 @@ pub fn global(device: i32) -> Result<&'static Allocator> {
         return Err(out_of_range(device));
     };
     if let Some(a) = slot.get() {
-        return Ok(a);
+        return if a.forked() { Err(Error::Forked) } else { Ok(a) };
     }
+    not_locked_by_the_parent()?;
     // Creation can fail (no driver, bad ordinal, bad CUARENA_CONF): keep trying on later calls
     // rather than caching the failure, and never create two.
     let _g = lock(&CREATING);
@@ -72,13 +97,18 @@ pub fn set_defaults(items: &str) -> Result<usize> {
             "defaults may not start a trace (the user's CUARENA_CONF could not turn it off)".into(),
         ));
     }
+    not_locked_by_the_parent()?;
     let _g = lock(&CREATING);
     *lock(&DEFAULTS) = items.to_owned();
     Ok(created().count())
 }
 
-/// The defaults [`set_defaults`] set last (empty: none).
+/// The defaults [`set_defaults`] set last (empty: none, and in a forked child whose parent
+/// held them at the fork, when they cannot be read).
 pub fn defaults() -> String {
+    if not_locked_by_the_parent().is_err() {
+        return String::new();
+    }
     lock(&DEFAULTS).clone()
 }
 
@@ -100,12 +130,17 @@ fn out_of_range(device: i32) -> Error {
 }
 
 /// The process-wide allocator of `device` if it has been created, without creating it (no
-/// driver call): `None` for a device not used through [`global`] yet, or out of range.
+/// driver call): `None` for a device not used through [`global`] yet, or out of range, and in
+/// a forked child for one made before the fork (unusable there: [`Allocator::forked`]).
 pub fn existing(device: i32) -> Option<&'static Allocator> {
-    usize::try_from(device).ok().and_then(|d| ALLOCATORS.get(d)).and_then(OnceLock::get)
+    usize::try_from(device)
+        .ok()
+        .and_then(|d| ALLOCATORS.get(d))
+        .and_then(OnceLock::get)
+        .filter(|a| !a.forked())
 }
 
-/// The process-wide allocators created so far.
+/// The process-wide allocators created so far (in a forked child, none made before the fork).
 pub fn created() -> impl Iterator<Item = (i32, &'static Allocator)> {
-    ALLOCATORS.iter().enumerate().filter_map(|(i, s)| s.get().map(|a| (i as i32, a)))
+    ALLOCATORS.iter().enumerate().filter_map(|(i, s)| s.get().filter(|a| !a.forked()).map(|a| (i as i32, a)))
 }

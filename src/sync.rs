@@ -127,6 +127,9 @@ mod membarrier {
     }
 }
 
+/// The capture table's rows: (device, readers, announced).
+type CaptureTable = Vec<(u64, usize, u64)>;
+
 /// Captures announced to any allocator of the process (`Allocator::graph_capture_begin`), per
 /// device (`Device::device_id`): a device synchronise breaks a capture on its device whichever
 /// allocator makes it (helper-40, `tests/adversarial_s28c.rs`). Each entry is (device, readers,
@@ -137,26 +140,90 @@ mod membarrier {
 /// Readers never wait (a reader inside a reader is safe), and nothing waits for another
 /// device's (helper-42, `tests/adversarial_s28e.rs`: with one std `RwLock` for all devices, a
 /// synchronise of one device held up, through a waiting announcement, every other device's
-/// legacy-stream calls). Held only briefly, never across a device call. The loom model
+/// legacy-stream calls). Held only briefly, never across a device call; held across a fork and
+/// emptied in the child ([`install_fork_handlers`]). The loom model
 /// `loom-tests/tests/captures.rs` drives it through the allocator.
 #[cfg(not(loom))]
-static CAPTURES: Mutex<Vec<(u64, usize, u64)>> = Mutex::new(Vec::new());
+static CAPTURES: Mutex<CaptureTable> = Mutex::new(Vec::new());
 /// Signalled when a device's readers drop to 0.
 #[cfg(not(loom))]
 static CAPTURES_FREE: Condvar = Condvar::new();
 
 #[cfg(loom)]
 loom::lazy_static! {
-    static ref CAPTURES: Mutex<Vec<(u64, usize, u64)>> = Mutex::new(Vec::new());
+    static ref CAPTURES: Mutex<CaptureTable> = Mutex::new(Vec::new());
     static ref CAPTURES_FREE: Condvar = Condvar::new();
 }
 
-fn captures() -> MutexGuard<'static, Vec<(u64, usize, u64)>> {
+fn captures() -> MutexGuard<'static, CaptureTable> {
     lock(&CAPTURES)
 }
 
+/// Registers the capture table's fork handlers (`shutdown.rs`, "Fork"): the table is locked
+/// across a fork (a leaf lock, held briefly: the prepare handler waits at most for one
+/// check), and emptied in the child of every reader and announcement but the forking thread's
+/// own readers (a device may fork inside a synchronise), whose threads the child lacks.
+pub(crate) fn install_fork_handlers() {
+    #[cfg(not(loom))]
+    crate::shutdown::at_fork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
+}
+
+#[cfg(not(loom))]
+std::thread_local! {
+    /// The table's guard, held by the forking thread from `fork_prepare` to the fork's end.
+    static HELD_ACROSS_FORK: std::cell::RefCell<Option<MutexGuard<'static, CaptureTable>>> =
+        const { std::cell::RefCell::new(None) };
+    /// This thread's running readers, per device: the fork's child keeps them (the fork may be
+    /// made inside a reader, by a device's synchronise).
+    static READING_HERE: std::cell::RefCell<Vec<(u64, usize)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Counts a reader of `device` on this thread in (`up`) or out.
+#[cfg(not(loom))]
+fn reading_here(device: u64, up: bool) {
+    let _ = READING_HERE.try_with(|r| {
+        let mut r = r.borrow_mut();
+        match r.iter().position(|e| e.0 == device) {
+            Some(i) if up => r[i].1 += 1,
+            Some(i) => {
+                r[i].1 -= 1;
+                if r[i].1 == 0 {
+                    r.swap_remove(i);
+                }
+            }
+            None if up => r.push((device, 1)),
+            None => {}
+        }
+    });
+}
+
+#[cfg(not(loom))]
+extern "C" fn fork_prepare() {
+    let g = captures();
+    let _ = HELD_ACROSS_FORK.try_with(move |h| *h.borrow_mut() = Some(g));
+}
+
+#[cfg(not(loom))]
+extern "C" fn fork_parent() {
+    let _ = HELD_ACROSS_FORK.try_with(|h| drop(h.borrow_mut().take()));
+}
+
+#[cfg(not(loom))]
+extern "C" fn fork_child() {
+    let _ = HELD_ACROSS_FORK.try_with(|h| {
+        if let Some(mut g) = h.borrow_mut().take() {
+            g.clear();
+            // The mutation `fork_drops_own_readers` keeps none of this thread's: the test
+            // `adversarial_s29b_fork::fork_inside_a_device_synchronise_then_a_new_allocator_in_the_child_announces_a_capture`
+            // must then fail.
+            #[cfg(not(cuarena_mutant = "fork_drops_own_readers"))]
+            let _ = READING_HERE.try_with(|r| g.extend(r.borrow().iter().map(|&(d, n)| (d, n, 0))));
+        }
+    });
+}
+
 /// The index of `device`'s entry, made if there is none.
-fn capture_entry(c: &mut Vec<(u64, usize, u64)>, device: u64) -> usize {
+fn capture_entry(c: &mut CaptureTable, device: u64) -> usize {
     c.iter().position(|e| e.0 == device).unwrap_or_else(|| {
         c.push((device, 0, 0));
         c.len() - 1
@@ -164,7 +231,7 @@ fn capture_entry(c: &mut Vec<(u64, usize, u64)>, device: u64) -> usize {
 }
 
 /// Drops entry `i` if it holds nothing.
-fn tidy_captures(c: &mut Vec<(u64, usize, u64)>, i: usize) {
+fn tidy_captures(c: &mut CaptureTable, i: usize) {
     if c[i].1 == 0 && c[i].2 == 0 {
         c.swap_remove(i);
     }
@@ -203,6 +270,8 @@ struct CaptureReader(u64);
 
 impl Drop for CaptureReader {
     fn drop(&mut self) {
+        #[cfg(not(loom))]
+        reading_here(self.0, false);
         let mut c = captures();
         let i = capture_entry(&mut c, self.0);
         c[i].1 -= 1;
@@ -224,6 +293,8 @@ pub(crate) fn holding_off_announcements<R>(device: u64, f: impl FnOnce() -> R) -
         let i = capture_entry(&mut c, device);
         c[i].1 += 1;
     }
+    #[cfg(not(loom))]
+    reading_here(device, true);
     let _reader = CaptureReader(device);
     f()
 }

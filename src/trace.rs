@@ -415,6 +415,9 @@ pub(crate) struct Shared {
     control: Mutex<()>,
     /// The file's identity, if it is one (for the process-wide busy check).
     path: Mutex<Option<FileId>>,
+    /// The fork generation it was made in: in a child forked since, its trace is the parent's,
+    /// and nothing of it is written or locked there (`shutdown.rs`, "Fork").
+    born: crate::shutdown::Born,
 }
 
 /// Files of traces running in this process (two traces must not write one file).
@@ -484,6 +487,54 @@ fn install_exit_hook() {
     }
 }
 
+/// Registers the trace's fork handlers (`shutdown.rs`, "Fork"): the process-wide lists are
+/// locked across a fork (in their order: `RUNNING`, then `BUSY`); in the child the running
+/// traces, all the parent's, are dropped from the exit hook's list (their files are the
+/// parent's: the child writes nothing to them, and they stay busy there), and the forking
+/// thread's logs are forgotten rather than written out at its exit.
+pub(crate) fn install_fork_handlers() {
+    #[cfg(not(loom))]
+    crate::shutdown::at_fork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
+}
+
+#[cfg(not(loom))]
+type ForkGuards =
+    (std::sync::MutexGuard<'static, Option<Vec<Weak<Shared>>>>, std::sync::MutexGuard<'static, Vec<FileId>>);
+
+#[cfg(not(loom))]
+thread_local! {
+    /// The lists' guards, held by the forking thread from `fork_prepare` to the fork's end.
+    static HELD_ACROSS_FORK: std::cell::RefCell<Option<ForkGuards>> = const { std::cell::RefCell::new(None) };
+}
+
+#[cfg(not(loom))]
+extern "C" fn fork_prepare() {
+    let running = RUNNING.lock().unwrap_or_else(|p| p.into_inner());
+    let busy = BUSY.lock().unwrap_or_else(|p| p.into_inner());
+    let _ = HELD_ACROSS_FORK.try_with(move |h| *h.borrow_mut() = Some((running, busy)));
+}
+
+#[cfg(not(loom))]
+extern "C" fn fork_parent() {
+    let _ = HELD_ACROSS_FORK.try_with(|h| drop(h.borrow_mut().take()));
+}
+
+#[cfg(not(loom))]
+extern "C" fn fork_child() {
+    let _ = HELD_ACROSS_FORK.try_with(|h| {
+        if let Some((mut running, _busy)) = h.borrow_mut().take()
+            && let Some(r) = running.as_mut()
+        {
+            r.clear();
+        }
+    });
+    let _ = LOGS.try_with(|cell| {
+        if let Ok(mut logs) = cell.try_borrow_mut() {
+            std::mem::forget(std::mem::take(&mut *logs));
+        }
+    });
+}
+
 impl Shared {
     /// A tracer with buffers of `cap` records, not recording.
     pub(crate) fn new(cap: usize) -> Arc<Shared> {
@@ -496,6 +547,7 @@ impl Shared {
             session: Mutex::new(None),
             control: Mutex::new(()),
             path: Mutex::new(None),
+            born: crate::shutdown::Born::now(),
         })
     }
 
@@ -659,12 +711,14 @@ impl Shared {
     #[cold]
     #[inline(never)]
     fn write_out(&self, log: &ThreadLog) {
-        let mut s = lock(&self.session);
+        // In a forked child (a call in flight at the fork), the parent's trace: the records are
+        // dropped, and neither its lock nor its file touched (`shutdown.rs`, "Fork").
+        let mut s = (!self.born.forked()).then(|| lock(&self.session));
         log.buf.with_mut(|b| {
             // SAFETY: as in `push`: the caller is the owner, between `enter` and `leave`.
             let b = unsafe { &mut *b };
             // The session exists: a collector waits for this owner before it ends it.
-            if let Some(s) = s.as_mut() {
+            if let Some(s) = s.as_mut().and_then(|s| s.as_mut()) {
                 s.write(b);
             }
             b.clear();
@@ -685,6 +739,9 @@ impl Shared {
     /// `control` (held by `stop` throughout), then tries once more: under `control` no `stop`
     /// runs, and if no trace runs either, the last `stop` collected the buffer.
     pub(crate) fn exit(&self, log: &Arc<ThreadLog>) {
+        if self.born.forked() {
+            return; // the parent's trace, in a forked child: nothing written, no lock taken
+        }
         let mut entered = self.enter(log);
         // The mutation `trace_exit_unregisters_early` does not wait (a running `stop` may then
         // lose the buffer).
@@ -706,6 +763,9 @@ impl Shared {
     /// (a `now_ns()` taken before a free ran), or now.
     #[cold]
     pub(crate) fn record_late(&self, at: Option<u64>, mut r: Record) {
+        if self.born.forked() {
+            return;
+        }
         let mut s = lock(&self.session);
         if let Some(s) = s.as_mut() {
             r.time_ns = at.unwrap_or_else(now_ns).saturating_sub(self.start_ns.load(Ordering::Relaxed));
@@ -717,6 +777,9 @@ impl Shared {
     /// Ends the trace: turns recording off, collects every thread's buffer (waiting for threads
     /// recording this moment), writes and closes the file.
     pub(crate) fn stop(&self) -> Result<TraceSummary> {
+        if self.born.forked() {
+            return Err(Error::Forked);
+        }
         let _c = lock(&self.control);
         if lock(&self.session).is_none() {
             return Err(Error::Trace("no trace is running on this allocator".into()));
