@@ -23,147 +23,14 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Event, Result, Stream};
 use cuarena_testkit::{HostConfig, HostDevice, Interpose, Interposed, Stall};
 
-unsafe extern "C" {
-    fn fork() -> i32;
-    fn _exit(code: i32) -> !;
-    fn waitpid(pid: i32, status: *mut i32, options: i32) -> i32;
-    fn kill(pid: i32, sig: i32) -> i32;
-}
-
-const WNOHANG: i32 = 1;
-const SIGKILL: i32 = 9;
-
-/// One fork at a time: a child must not inherit another test's stalled thread.
-fn serial() -> MutexGuard<'static, ()> {
-    static S: Mutex<()> = Mutex::new(());
-    S.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// How the child ends once its work is done.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum End {
-    /// `_exit`: no destructor, no `atexit` handler (Python's multiprocessing workers).
-    Raw,
-    /// `std::process::exit`, i.e. glibc's `exit()`: this thread's TLS destructors
-    /// (`__call_tls_dtors`), then the `atexit` handlers. What returning from `main` does.
-    Normal,
-}
-
-/// What became of a child.
-#[derive(Debug)]
-enum Outcome {
-    Exited {
-        code: i32,
-        after: Duration,
-    },
-    #[allow(dead_code)] // shown through Debug
-    Signaled {
-        signal: i32,
-        after: Duration,
-    },
-    /// Still running at the time limit (then killed): its `/proc` state, and its notes.
-    Hung {
-        state: String,
-    },
-}
-
-/// Where a child writes notes (what it is about to do, what it got) for the parent to read.
-struct Notes(PathBuf);
-
-impl Notes {
-    fn new(name: &str) -> Notes {
-        let p = std::env::temp_dir().join(format!("cuarena-s29-{}-{name}.notes", std::process::id()));
-        let _ = std::fs::remove_file(&p);
-        Notes(p)
-    }
-    fn note(&self, s: &str) {
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(&self.0) {
-            let _ = writeln!(f, "{s}");
-        }
-    }
-    fn read(&self) -> String {
-        std::fs::read_to_string(&self.0).unwrap_or_default()
-    }
-}
-
-/// The state of process `pid` from `/proc` (R running, S sleeping; wchan names the kernel wait).
-fn proc_state(pid: i32) -> String {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("?").to_string();
-    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
-    let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.count()).unwrap_or(0);
-    format!("state {state}, wchan {wchan:?}, {threads} thread(s)")
-}
-
-/// Forks; the child runs `work` (its return value is the exit code, 101 if it panicked) and ends
-/// as `end` says; the parent waits up to `limit`.
-fn in_child(limit: Duration, end: End, work: impl FnOnce() -> i32) -> Outcome {
-    // SAFETY: fork is called from a thread of a multi-threaded process: the child only runs the
-    // closure (allocations through glibc's fork-safe malloc) and exits.
-    let pid = unsafe { fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or(101);
-        match end {
-            // SAFETY: ends the child at once.
-            End::Raw => unsafe { _exit(code) },
-            End::Normal => std::process::exit(code),
-        }
-    }
-    let t0 = Instant::now();
-    loop {
-        let mut status = 0;
-        // SAFETY: `pid` is our child; `status` is a valid out-pointer.
-        let r = unsafe { waitpid(pid, &mut status, WNOHANG) };
-        if r == pid {
-            let after = t0.elapsed();
-            return if status & 0x7f == 0 {
-                Outcome::Exited { code: (status >> 8) & 0xff, after }
-            } else {
-                Outcome::Signaled { signal: status & 0x7f, after }
-            };
-        }
-        if t0.elapsed() > limit {
-            let mut state = proc_state(pid);
-            // CUARENA_S29_GDB=1: the hung child's stack, from gdb, for the report.
-            if std::env::var_os("CUARENA_S29_GDB").is_some()
-                && let Ok(o) = std::process::Command::new("gdb")
-                    .args(["-batch", "-p", &pid.to_string(), "-ex", "bt 30"])
-                    .output()
-            {
-                let bt = String::from_utf8_lossy(&o.stdout);
-                let frames: Vec<&str> = bt.lines().filter(|l| l.starts_with('#')).collect();
-                state = format!("{state}\n{}", frames.join("\n"));
-            }
-            // SAFETY: our own child.
-            unsafe {
-                kill(pid, SIGKILL);
-                waitpid(pid, &mut status, 0);
-            }
-            return Outcome::Hung { state };
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-/// Asserts the child exited with 0, quickly.
-#[track_caller]
-fn assert_quick_success(what: &str, o: &Outcome, notes: &Notes) {
-    match o {
-        Outcome::Exited { code: 0, after } if *after < Duration::from_secs(2) => {}
-        Outcome::Hung { state } => {
-            panic!("{what}: child hung ({state}); its notes:\n{}", notes.read())
-        }
-        o => panic!("{what}: child ended {o:?}; its notes:\n{}", notes.read()),
-    }
-}
+include!("common/fork.rs");
 
 /// A simulated device whose `reserve` (made under the global pool's lock) and `record_event`
 /// can stop the one thread armed for it.
@@ -213,13 +80,6 @@ fn rig() -> Rig {
     }));
     let a = Allocator::new(dev.clone(), Config::default()).unwrap();
     Rig { sim, dev, a }
-}
-
-/// Lets the simulator's stream workers finish and exit (they idle out after 20 ms), so that the
-/// child, which inherits none of them, can start its own.
-fn quiesce(sim: &HostDevice) {
-    sim.synchronize();
-    std::thread::sleep(Duration::from_millis(80));
 }
 
 /// The forking thread uses the allocator: its slot holds arenas with superblocks, a few live
@@ -604,23 +464,6 @@ fn a_new_allocator_in_the_child_announces_captures_though_a_parent_thread_was_sy
     });
     r.dev.sync.wait_stalled();
     fork_and_begin_capture(&r, syncer);
-}
-
-/// A fresh simulated device that names itself as another (`id`): a new allocator in the child
-/// over it shares the parent's device's entry in the process-wide capture table, as every CUDA
-/// allocator of one ordinal does.
-struct SameId {
-    sim: HostDevice,
-    id: u64,
-}
-
-impl Interpose for SameId {
-    fn base(&self) -> &dyn Device {
-        &self.sim
-    }
-    fn device_id(&self) -> u64 {
-        self.id
-    }
 }
 
 fn fork_and_begin_capture(r: &Rig, syncer: std::thread::JoinHandle<()>) {
