@@ -31,7 +31,7 @@ pub struct Hooked {
     pub hooks: Hooks,
 }
 
-/// [`Hooked`] as a [`Device`](cuarena::Device); its fields are reached through `Deref`.
+/// [`Hooked`] as a [`Device`]; its fields are reached through `Deref`.
 pub type HookedDevice = Interposed<Hooked>;
 
 impl Interposed<Hooked> {
