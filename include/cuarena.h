@@ -49,6 +49,10 @@
  *    device's allocator (no driver, bad ordinal, invalid CUARENA_CONF) is retried by later calls.
  *  - Once process exit has begun, cuarena makes no CUDA call: frees do nothing and
  *    allocations return NULL.
+ *  - In a child of fork(), a device's allocator made before the fork is not used: calls fail
+ *    ("the allocator was made before this process forked ..."), frees return -1, and the
+ *    child's exit touches nothing of it. One is made in the child for a device not used before
+ *    the fork (CUDA itself is unusable in a child whose parent initialised it).
  *
  * THREADS: every function may be called from any thread at any time.
  */
