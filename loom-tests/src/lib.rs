@@ -57,6 +57,42 @@ pub mod common {
         (dev, a)
     }
 
+    /// One superblock of room in all, so a second thread can only get memory a parked arena
+    /// gives back; no superblock goes back by the return rule (`keep_empty` 8).
+    pub fn setup_one_superblock() -> (Arc<ModelDevice>, Allocator) {
+        setup_one_superblock_batched(1)
+    }
+
+    /// [`setup_one_superblock`] with remote frees in batches of `batch` blocks.
+    pub fn setup_one_superblock_batched(batch: usize) -> (Arc<ModelDevice>, Allocator) {
+        let dev = Arc::new(ModelDevice::new(SB as u64, SB as u64));
+        let cfg = Config::builder()
+            .superblock(SB)
+            .small_max(SB / 2)
+            .chunk(SB)
+            .max_bytes(SB)
+            .batch_blocks(batch)
+            .keep_empty(8)
+            .build()
+            .expect("a valid model config");
+        (dev.clone(), Allocator::new(dev, cfg).expect("allocator"))
+    }
+
+    /// A thread allocates half a superblock on the user stream `s`, frees it there (no event:
+    /// the fast path), destroys the stream and ends: its arena is parked until a device
+    /// synchronise.
+    pub fn park_an_arena(a: &Allocator, dev: &Arc<ModelDevice>, s: cuarena::Stream) {
+        let (a, dev) = (a.clone(), dev.clone());
+        loom::thread::spawn(move || {
+            let p = a.allocate(SB / 2, s).unwrap();
+            a.deallocate(p, SB / 2, s).unwrap();
+            dev.destroy_stream(s);
+            a.release_thread().unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+
     /// [`setup_batched`] with superblocks of `sb` bytes and room for `superblocks` of them.
     pub fn setup_sized(
         sb: usize,

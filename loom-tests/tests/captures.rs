@@ -9,9 +9,11 @@
 //! (`ModelDevice::begin_capture`).
 #![cfg(loom)]
 
-use cuarena::{Allocator, Config, Stream};
+use cuarena::{Allocator, Stream};
 use loom::thread;
-use loom_tests::common::{SB, assert_all_returned, model, setup_legacy_pool};
+use loom_tests::common::{
+    SB, assert_all_returned, model, park_an_arena, setup_legacy_pool, setup_one_superblock,
+};
 use loom_tests::model::ModelDevice;
 use std::sync::Arc;
 
@@ -34,30 +36,11 @@ fn capture(a: Allocator, dev: Arc<ModelDevice>) -> thread::JoinHandle<()> {
 #[test]
 fn a_synchronise_never_runs_inside_an_announced_capture() {
     model(|| {
-        let dev = Arc::new(ModelDevice::new(SB as u64, SB as u64));
-        let cfg = Config::builder()
-            .superblock(SB)
-            .small_max(SB / 2)
-            .chunk(SB)
-            .max_bytes(SB)
-            .keep_empty(8)
-            .build()
-            .expect("a valid model config");
-        let a = Allocator::new(dev.clone(), cfg).expect("allocator");
+        let (dev, a) = setup_one_superblock();
         let s = Stream::from_raw(0x100);
         // An arena of a user stream, destroyed with the memory freed on it: parked until a
         // device synchronise.
-        {
-            let (a, dev) = (a.clone(), dev.clone());
-            thread::spawn(move || {
-                let p = a.allocate(SB / 2, s).unwrap();
-                a.deallocate(p, SB / 2, s).unwrap();
-                dev.destroy_stream(s);
-                a.release_thread().unwrap();
-            })
-            .join()
-            .unwrap();
-        }
+        park_an_arena(&a, &dev, s);
         assert_eq!(a.parked_bytes(), SB);
         let c = capture(a.clone(), dev.clone());
         a.trim(true).unwrap();

@@ -6,30 +6,9 @@
 
 use cuarena::{Allocator, Config, Error, Stream};
 use loom::thread;
-use loom_tests::common::{SB, model};
+use loom_tests::common::{SB, model, park_an_arena, setup_one_superblock, setup_one_superblock_batched};
 use loom_tests::model::ModelDevice;
 use std::sync::Arc;
-
-/// One superblock of room in all, so a second thread can only get memory the parked arena
-/// gives back; no superblock goes back by the return rule (`keep_empty` 8).
-fn setup_one_superblock() -> (Arc<ModelDevice>, Allocator) {
-    setup_one_superblock_batched(1)
-}
-
-/// [`setup_one_superblock`] with remote frees in batches of `batch` blocks.
-fn setup_one_superblock_batched(batch: usize) -> (Arc<ModelDevice>, Allocator) {
-    let dev = Arc::new(ModelDevice::new(SB as u64, SB as u64));
-    let cfg = Config::builder()
-        .superblock(SB)
-        .small_max(SB / 2)
-        .chunk(SB)
-        .max_bytes(SB)
-        .batch_blocks(batch)
-        .keep_empty(8)
-        .build()
-        .expect("a valid model config");
-    (dev.clone(), Allocator::new(dev, cfg).expect("allocator"))
-}
 
 #[test]
 fn a_destroyed_streams_arena_is_reused_only_after_a_synchronise() {
@@ -38,17 +17,7 @@ fn a_destroyed_streams_arena_is_reused_only_after_a_synchronise() {
         let s = Stream::from_raw(0x100);
         // The owner: a block on its user stream, freed there (no event: the fast path), the
         // stream destroyed, the thread gone: its arena must be parked.
-        {
-            let (a, dev) = (a.clone(), dev.clone());
-            thread::spawn(move || {
-                let p = a.allocate(SB / 2, s).unwrap();
-                a.deallocate(p, SB / 2, s).unwrap();
-                dev.destroy_stream(s);
-                a.release_thread().unwrap();
-            })
-            .join()
-            .unwrap();
-        }
+        park_an_arena(&a, &dev, s);
         assert_eq!(a.parked_bytes(), SB, "the arena of the destroyed stream is parked");
         // Two threads race to give it back: an allocation that finds the pool empty, and a
         // blocking trim. Whoever gets the memory must have synchronised the device first.
