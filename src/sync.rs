@@ -161,8 +161,9 @@ fn captures() -> MutexGuard<'static, CaptureTable> {
 
 /// Registers the capture table's fork handlers (`shutdown.rs`, "Fork"): the table is locked
 /// across a fork (a leaf lock, held briefly: the prepare handler waits at most for one
-/// check), and emptied in the child of every reader and announcement but the forking thread's
-/// own readers (a device may fork inside a synchronise), whose threads the child lacks.
+/// check), and emptied in the child, whose readers and announcing allocators were the
+/// parent's (a reader of the forking thread's own, when a device forks inside a synchronise,
+/// ends on an emptied entry: [`CaptureReader`] saturates).
 pub(crate) fn install_fork_handlers() {
     #[cfg(not(loom))]
     crate::shutdown::at_fork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
@@ -173,28 +174,6 @@ std::thread_local! {
     /// The table's guard, held by the forking thread from `fork_prepare` to the fork's end.
     static HELD_ACROSS_FORK: std::cell::RefCell<Option<MutexGuard<'static, CaptureTable>>> =
         const { std::cell::RefCell::new(None) };
-    /// This thread's running readers, per device: the fork's child keeps them (the fork may be
-    /// made inside a reader, by a device's synchronise).
-    static READING_HERE: std::cell::RefCell<Vec<(u64, usize)>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Counts a reader of `device` on this thread in (`up`) or out.
-#[cfg(not(loom))]
-fn reading_here(device: u64, up: bool) {
-    let _ = READING_HERE.try_with(|r| {
-        let mut r = r.borrow_mut();
-        match r.iter().position(|e| e.0 == device) {
-            Some(i) if up => r[i].1 += 1,
-            Some(i) => {
-                r[i].1 -= 1;
-                if r[i].1 == 0 {
-                    r.swap_remove(i);
-                }
-            }
-            None if up => r.push((device, 1)),
-            None => {}
-        }
-    });
 }
 
 #[cfg(not(loom))]
@@ -213,11 +192,6 @@ extern "C" fn fork_child() {
     let _ = HELD_ACROSS_FORK.try_with(|h| {
         if let Some(mut g) = h.borrow_mut().take() {
             g.clear();
-            // The mutation `fork_drops_own_readers` keeps none of this thread's: the test
-            // `adversarial_s29b_fork::fork_inside_a_device_synchronise_then_a_new_allocator_in_the_child_announces_a_capture`
-            // must then fail.
-            #[cfg(not(cuarena_mutant = "fork_drops_own_readers"))]
-            let _ = READING_HERE.try_with(|r| g.extend(r.borrow().iter().map(|&(d, n)| (d, n, 0))));
         }
     });
 }
@@ -270,11 +244,18 @@ struct CaptureReader(u64);
 
 impl Drop for CaptureReader {
     fn drop(&mut self) {
-        #[cfg(not(loom))]
-        reading_here(self.0, false);
         let mut c = captures();
         let i = capture_entry(&mut c, self.0);
-        c[i].1 -= 1;
+        // Saturating: in a forked child whose fork was made inside this reader (by a device's
+        // synchronise), the table was emptied under it. The mutation `fork_reader_wraps` wraps
+        // instead: the test
+        // `adversarial_s29b_fork::fork_inside_a_device_synchronise_then_a_new_allocator_in_the_child_announces_a_capture`
+        // must then fail (every announcement would wait for ever).
+        c[i].1 = if cfg!(cuarena_mutant = "fork_reader_wraps") {
+            c[i].1.wrapping_sub(1)
+        } else {
+            c[i].1.saturating_sub(1)
+        };
         let free = c[i].1 == 0;
         tidy_captures(&mut c, i);
         if free {
@@ -293,8 +274,6 @@ pub(crate) fn holding_off_announcements<R>(device: u64, f: impl FnOnce() -> R) -
         let i = capture_entry(&mut c, device);
         c[i].1 += 1;
     }
-    #[cfg(not(loom))]
-    reading_here(device, true);
     let _reader = CaptureReader(device);
     f()
 }
