@@ -444,17 +444,8 @@ fn a_new_allocator_in_the_child_announces_captures_though_a_parent_thread_was_sy
     let _s = serial();
     let r = rig();
     let _live = use_on_this_thread(&r.a);
-    // A thread that allocates on a user stream and exits holding its superblock parks its arena;
-    // a blocking trim then synchronises the device.
-    let stream = r.sim.create_stream();
-    let a2 = r.a.clone();
-    std::thread::spawn(move || {
-        let p = a2.allocate(4096, stream).unwrap();
-        a2.deallocate(p, 4096, stream).unwrap();
-    })
-    .join()
-    .unwrap();
-    assert!(r.a.parked_bytes() > 0, "a parked arena");
+    // A parked arena, which a blocking trim gives back after a device synchronise.
+    park_an_arena(&r.a, &r.sim);
     quiesce(&r.sim);
     let a = r.a.clone();
     let stall = Arc::clone(&r.dev.sync);

@@ -306,17 +306,8 @@ fn fork_inside_a_device_synchronise_then_a_new_allocator_in_the_child_announces_
     let _g = ChildGuard;
     let r = rig();
     churn(&r.a, 50);
-    // A thread that allocates on a user stream and exits holding its superblock parks its arena;
-    // a blocking trim then synchronises the device.
-    let stream = r.sim.create_stream();
-    let a2 = r.a.clone();
-    std::thread::spawn(move || {
-        let p = a2.allocate(4096, stream).unwrap();
-        a2.deallocate(p, 4096, stream).unwrap();
-    })
-    .join()
-    .unwrap();
-    assert!(r.a.parked_bytes() > 0, "a parked arena");
+    // A parked arena, which a blocking trim gives back after a device synchronise.
+    park_an_arena(&r.a, &r.sim);
     quiesce(&r.sim);
     let notes = Notes::new("sync-capture");
     r.dev.arm(At::Synchronize, || {

@@ -2,7 +2,7 @@
 // each with `include!` (its items stay the test's own). The includer provides the imports:
 // `std::io::Write`, `std::path::PathBuf`, `std::sync::atomic::{AtomicBool, AtomicI32,
 // Ordering}`, `std::sync::{Mutex, MutexGuard}`, `std::time::{Duration, Instant}`,
-// `cuarena::Device`, `cuarena_testkit::{HostDevice, Interpose}`.
+// `cuarena::{Allocator, Device}`, `cuarena_testkit::{HostDevice, Interpose}`.
 //
 // A test forks from its own (harness) thread with [`in_child`] (the child runs a closure and ends
 // with `_exit` or `exit`) or [`fork_continue`] (both processes go on from inside a call); the
@@ -237,3 +237,17 @@ fn assert_quick_success(what: &str, o: &Outcome, notes: &Notes) {
     }
 }
 
+
+/// A thread allocates on a new user stream, frees there and ends holding its superblock: its
+/// arena is parked (until a device synchronise gives it back).
+fn park_an_arena(a: &Allocator, sim: &HostDevice) {
+    let stream = sim.create_stream();
+    let a2 = a.clone();
+    std::thread::spawn(move || {
+        let p = a2.allocate(4096, stream).unwrap();
+        a2.deallocate(p, 4096, stream).unwrap();
+    })
+    .join()
+    .unwrap();
+    assert!(a.parked_bytes() > 0, "a parked arena");
+}
