@@ -98,6 +98,14 @@ fn use_on_this_thread(a: &Allocator) -> Vec<(DeviceAddr, usize)> {
     live
 }
 
+/// Frees the blocks [`use_on_this_thread`] left live, each on its stream.
+fn free_live(a: &Allocator, live: Vec<(DeviceAddr, usize)>) {
+    for (p, s) in live {
+        let stream = if s == 3 << 20 { Stream::LEGACY } else { Stream::PER_THREAD };
+        a.deallocate(p, s, stream).unwrap();
+    }
+}
+
 /// Another parent thread stopped inside the global pool's growth, i.e. holding the pool's lock
 /// (`GlobalPool::alloc_from` calls `Device::reserve` under `state`). Returns its handle.
 fn hold_pool_lock(r: &Rig) -> std::thread::JoinHandle<()> {
@@ -137,10 +145,7 @@ fn child_exits_quickly_after_the_parent_used_the_allocator_on_the_forking_thread
     // The parent's allocator is as it was, and goes on working.
     let after = r.a.stats();
     assert_eq!((before.live_bytes, before.reserved_bytes), (after.live_bytes, after.reserved_bytes));
-    for (p, s) in live {
-        let stream = if s == 3 << 20 { Stream::LEGACY } else { Stream::PER_THREAD };
-        r.a.deallocate(p, s, stream).unwrap();
-    }
+    free_live(&r.a, live);
     assert_eq!(r.a.stats().live_bytes, 0);
     assert!(r.sim.violations().is_empty(), "{:?}", r.sim.violations());
 }
@@ -220,7 +225,9 @@ fn child_calls_on_a_pre_fork_allocator_are_refused_as_forked() {
         let notes = Notes::new(&format!("calls-quiet-{end:?}"));
         let a = r.a.clone();
         let live = live.clone();
+        let notes_ref = &notes;
         let o = in_child(Duration::from_secs(10), end, move || {
+            let notes = notes_ref;
             let forked = |what: &str, r: cuarena::Result<()>| {
                 notes.note(what);
                 if !matches!(r, Err(Error::Forked)) {
@@ -257,19 +264,13 @@ fn child_calls_on_a_pre_fork_allocator_are_refused_as_forked() {
         });
         match (&o, end) {
             (Outcome::Exited { code: 0, .. }, _) => {}
-            _ => panic!(
-                "child end {end:?}: {o:?}; notes:\n{}",
-                Notes::new(&format!("calls-quiet-{end:?}")).read()
-            ),
+            _ => panic!("child end {end:?}: {o:?}; notes:\n{}", notes.read()),
         }
     }
     assert!(!r.a.forked(), "the parent's allocator is not forked");
     let after = r.a.stats();
     assert_eq!((before.live_bytes, before.reserved_bytes), (after.live_bytes, after.reserved_bytes));
-    for (p, s) in live {
-        let stream = if s == 3 << 20 { Stream::LEGACY } else { Stream::PER_THREAD };
-        r.a.deallocate(p, s, stream).unwrap();
-    }
+    free_live(&r.a, live);
     assert_eq!(r.a.stats().live_bytes, 0);
     assert!(r.sim.violations().is_empty(), "{:?}", r.sim.violations());
 }
@@ -661,10 +662,7 @@ fn gpu_a_cuda_allocator_in_a_forked_child() {
         report.push(format!("{what} [{end:?}]: {o:?}; child said: {}", notes.read().trim()));
     }
     eprintln!("GPU fork report:\n{}", report.join("\n"));
-    for (p, s) in live {
-        let stream = if s == 3 << 20 { Stream::LEGACY } else { Stream::PER_THREAD };
-        a.deallocate(p, s, stream).unwrap();
-    }
+    free_live(&a, live);
     a.deallocate(big.0, big.1, Stream::PER_THREAD).unwrap();
     assert!(report.iter().all(|r| !r.contains("Hung")), "{}", report.join("\n"));
 }
