@@ -214,7 +214,8 @@ fn a_last_try_waiting_on_a_gated_fence_ends_when_the_gate_opens() {
 
 /// Six threads run out of memory at once, each needing a chunk that lies wholly free behind a
 /// fence of a slow stream (4 MiB blocks freed on user streams with 50 ms of work queued
-/// first): their last tries wait concurrently under the pool's lock, one after another. Each
+/// first): their last tries wait concurrently (each gathers its fences under the pool's lock
+/// and waits without it: `GlobalPool::trim`). Each
 /// request either fits or fails cleanly with out of memory; no block is handed out twice, none
 /// is reused under running work, the statistics count each failure once, and everything comes
 /// back.
