@@ -141,7 +141,7 @@ extern "C" fn forget_slots_in_child() {
     });
 }
 
-/// After a call that held the thread's slots (`with_slot`, `release_thread`): forgets them if
+/// After a call of a pre-fork allocator that held the thread's slots (`with_slot`): forgets them if
 /// the process forked inside it (this is the child), before any fast path can find them.
 #[inline]
 fn forget_slots_if_forked_inside() {
@@ -1866,7 +1866,10 @@ fn with_slot<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut Slot, &Inner) -> R) -> R
         };
         Some((f.take().expect("called once"))(&mut slots[i], inner))
     });
-    forget_slots_if_forked_inside();
+    // Only a call of an allocator made before a fork can have been in flight at it.
+    if inner.born.forked() {
+        forget_slots_if_forked_inside();
+    }
     match r {
         Ok(Some(r)) => r,
         // The thread's slots are being destroyed (a late destructor), or another allocator's
