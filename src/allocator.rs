@@ -141,8 +141,8 @@ extern "C" fn forget_slots_in_child() {
     });
 }
 
-/// After a call of a pre-fork allocator that held the thread's slots (`with_slot`): forgets them if
-/// the process forked inside it (this is the child), before any fast path can find them.
+/// After a call of a pre-fork allocator that held the thread's slots (`with_slot`): forgets
+/// them if the process forked inside it (this is the child), before any fast path finds them.
 #[inline]
 fn forget_slots_if_forked_inside() {
     // The mutation `fork_inside_call_kept` never forgets them late: the test
