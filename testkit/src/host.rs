@@ -168,6 +168,9 @@ struct SimEvent {
     recorded: u64,
     completed: std::collections::HashSet<u64>,
     clock: Vec<u64>,
+    /// `destroy_event` has been called: any later use is refused and recorded as a violation
+    /// (CUDA's handle would be dangling, or another event's).
+    destroyed: bool,
 }
 
 impl SimEvent {
@@ -386,6 +389,11 @@ impl HostDevice {
             return Err(Error::Driver { call: "end_capture", code: 901 });
         }
         Ok(())
+    }
+
+    /// Events created and not yet destroyed.
+    pub fn live_events(&self) -> usize {
+        self.sh().lock().events.iter().filter(|e| !e.destroyed).count()
     }
 
     /// Race-checker findings so far (empty when every access was ordered).
@@ -673,6 +681,21 @@ impl State {
         Ok(())
     }
 
+    /// The slot of `event` for `call`: an event never created is refused
+    /// (`CUDA_ERROR_INVALID_HANDLE`), and so is one destroyed, which is also a violation: the
+    /// allocator used an event it had given back.
+    fn live_event(&mut self, event: u64, call: &'static str) -> Result<usize> {
+        let e = event as usize;
+        if e >= self.events.len() {
+            return Err(Error::Driver { call, code: 400 });
+        }
+        if self.events[e].destroyed {
+            self.violations.push(format!("{call} of event {e} after it was destroyed"));
+            return Err(Error::Driver { call, code: 400 });
+        }
+        Ok(e)
+    }
+
     fn event_done(&self, e: usize) -> bool {
         let ev = &self.events[e];
         ev.is_done(ev.recorded)
@@ -865,20 +888,31 @@ impl Device for HostDevice {
         // Slots are never reused: a destroyed event's last record may still be queued, and a
         // new event must not be completed by it.
         let n = st.streams.len();
-        st.events.push(SimEvent { recorded: 0, completed: Default::default(), clock: vec![0; n] });
+        st.events.push(SimEvent {
+            recorded: 0,
+            completed: Default::default(),
+            clock: vec![0; n],
+            destroyed: false,
+        });
         Ok(Event((st.events.len() - 1) as u64))
     }
 
-    fn destroy_event(&self, _event: Event) {}
+    fn destroy_event(&self, event: Event) {
+        let mut st = self.sh().lock();
+        // The slot stays (never reused, see `create_event`); work already queued that waits on
+        // its last record still completes, as CUDA releases a destroyed event's resources once
+        // the device is done with it.
+        if st.live_event(event.0, "destroy_event").is_err() {
+            return; // a violation if destroyed before; never created: nothing to do
+        }
+        st.events[event.0 as usize].destroyed = true;
+    }
 
     fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
         let sh = self.sh();
         let mut st = sh.lock();
         let idx = st.resolve(stream)?;
-        let e = event.0 as usize;
-        if e >= st.events.len() {
-            return Err(Error::Driver { call: "record_event", code: 400 });
-        }
+        let e = st.live_event(event.0, "record_event")?;
         st.use_legacy(idx, "an event recorded")?;
         if st.streams[idx].capturing {
             st.violations
@@ -896,20 +930,16 @@ impl Device for HostDevice {
     }
 
     fn query_event(&self, event: Event) -> Result<bool> {
-        let st = self.sh().lock();
-        if event.0 as usize >= st.events.len() {
-            return Err(Error::Driver { call: "query_event", code: 400 });
-        }
-        Ok(st.event_done(event.0 as usize))
+        let mut st = self.sh().lock();
+        let e = st.live_event(event.0, "query_event")?;
+        Ok(st.event_done(e))
     }
 
     fn sync_event(&self, event: Event) -> Result<()> {
         let sh = self.sh();
         let mut st = sh.lock();
-        if event.0 as usize >= st.events.len() {
-            return Err(Error::Driver { call: "sync_event", code: 400 });
-        }
-        while !st.event_done(event.0 as usize) {
+        let e = st.live_event(event.0, "sync_event")?;
+        while !st.event_done(e) {
             st = sh.wait(st);
         }
         Ok(())
@@ -925,10 +955,7 @@ impl Device for HostDevice {
         let sh = self.sh();
         let mut st = sh.lock();
         let idx = st.resolve(stream)?;
-        let e = event.0 as usize;
-        if e >= st.events.len() {
-            return Err(Error::Driver { call: "stream_wait_event", code: 400 });
-        }
+        let e = st.live_event(event.0, "stream_wait_event")?;
         st.use_legacy(idx, "an event waited on")?;
         if st.streams[idx].capturing {
             st.violations
