@@ -148,8 +148,9 @@ void cuarena_record_stream(void *ptr, cudaStream_t stream);
  * inside a block fences nothing, and stays (counting toward the caps) until a block is handed
  * out at that address. */
 int cuarena_record_stream_checked(void *ptr, cudaStream_t stream);
-/* PyTorch set_reset_fn (torch.cuda.empty_cache): sends this thread's pending remote frees and
- * releases every wholly free chunk to the driver, waiting for pending fences (host sync). */
+/* PyTorch set_reset_fn (torch.cuda.empty_cache): sends this thread's pending remote frees,
+ * releases every wholly free chunk to the driver, waiting for pending fences (host sync), and
+ * destroys the CUDA events kept for reuse that no fence holds. */
 void cuarena_empty_cache(void);
 /* PyTorch set_memory_fraction_fn: caps the device's reserved memory at fraction [0, 1] of its total
    (0: nothing more is reserved); another fraction is refused (cuarena_last_error) and changes nothing. */

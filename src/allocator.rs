@@ -2351,8 +2351,8 @@ impl Allocator {
     /// owner's help not needed), then every wholly free chunk is released. With `blocking`,
     /// waits for the chunks' pending fences (a host synchronisation); otherwise releases only
     /// chunks whose fences are done; blocking, it also gives back memory of arenas whose user
-    /// stream was destroyed, after a device synchronise. Returns the bytes released to the
-    /// device.
+    /// stream was destroyed, after a device synchronise. Last, it destroys the CUDA events kept
+    /// for reuse that no fence holds now. Returns the bytes released to the device.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
         self.usable()?;
         self.retry_held();
@@ -2375,7 +2375,10 @@ impl Allocator {
                 // tried again, the error returned this time.
                 inner.bury_zombies(&env)?;
             }
-            inner.pool.trim(&env.dev, blocking)
+            let released = inner.pool.trim(&env.dev, blocking)?;
+            // Last: the reclaims above release fences, whose events come back idle.
+            inner.pool.events.shrink(&env.dev);
+            Ok(released)
         })
     }
 

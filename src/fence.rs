@@ -29,6 +29,16 @@ use crate::sync::{AtomicBool, AtomicU64, Mutex, Ordering, lock, thread_id};
 use std::sync::Arc;
 
 /// Reusable events (creating one is a driver call).
+///
+/// Invariant: every event in `free` was created by `device`, is not destroyed, and is held by
+/// nothing else (no [`Fence`], no [`LegacyAction`]); one whose last record may still be
+/// pending is fine to record again or to destroy (a stream wait already queued keeps the state
+/// it captured, and CUDA frees a destroyed event's resources once its work completes).
+///
+/// `free` keeps the most events that were ever idle at once, so a burst (many batches of
+/// remote frees in flight) leaves them all here; [`EventPool::shrink`], on `trim`, destroys
+/// them. Nothing shrinks it on the way: a bound on `free` would make a workload whose fences
+/// in flight swing past it create and destroy an event per batch, two driver calls each.
 pub(crate) struct EventPool {
     device: Arc<dyn Device>,
     free: Mutex<Vec<Event>>,
@@ -51,6 +61,20 @@ impl EventPool {
 
     fn put(&self, e: Event) {
         lock(&self.free).push(e);
+    }
+
+    /// Destroys every idle event (a `trim`), returning how many. Events held by fences and by
+    /// the legacy action are not idle and stay; they come back here when released.
+    pub(crate) fn shrink(&self, dev: &Counted<'_>) -> usize {
+        // Taken out under the lock, destroyed without it (a driver call each).
+        let idle = std::mem::take(&mut *lock(&self.free));
+        let n = idle.len();
+        if !cfg!(cuarena_mutant = "shrink_leaks_events") {
+            for e in idle {
+                dev.destroy_event(e);
+            }
+        }
+        n
     }
 }
 
@@ -165,6 +189,14 @@ impl LegacyAction {
                 return Err(err);
             }
             e = match self.event.compare_exchange(NO_EVENT, fresh.0, Ordering::AcqRel, Ordering::Acquire) {
+                // The mutation `legacy_event_lent` also puts it back as idle, for a trim to
+                // destroy while it is still waited on: the test
+                // `events::a_trim_destroys_no_event_a_fence_or_the_legacy_action_still_holds`
+                // must then fail.
+                Ok(_) if cfg!(cuarena_mutant = "legacy_event_lent") => {
+                    self.pool.put(fresh);
+                    fresh.0
+                }
                 Ok(_) => fresh.0,
                 Err(theirs) => {
                     self.pool.put(fresh); // another thread's came first

@@ -56,6 +56,11 @@ impl<'a> Counted<'a> {
         self.device.create_event()
     }
 
+    pub(crate) fn destroy_event(&self, e: Event) {
+        self.call();
+        self.device.destroy_event(e)
+    }
+
     /// Refuses a stream being captured into a graph, where an event recorded or waited on
     /// would become a graph node instead of a fence (one `cuStreamIsCapturing`). The legacy
     /// stream cannot be captured, but it is refused while a blocking stream is, whose capture
