@@ -1,7 +1,7 @@
 //! An address-ordered map of free extents with O(log n) first fit: a treap augmented with the
 //! largest extent, and the largest aligned run, in each subtree.
 //!
-//! ## Invariants (checked by `check` in tests and debug builds)
+//! ## Invariants (checked by `check`: unit tests, `Allocator::check_invariants`)
 //! - In-order traversal is strictly increasing in `key` (the extent's start address).
 //! - Heap order: a node's `prio` is not below either child's.
 //! - `max_len` is the maximum `len` in the node's subtree; `max_aligned` the maximum

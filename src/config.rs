@@ -23,7 +23,8 @@
 //!   (4 times the request or more, kept while the thread may reuse them) cost a training run a
 //!   third more reserved memory, for a speed frameworks, at thousands of allocations a second,
 //!   do not need (`python/cuarena/__init__.py`, `FRAMEWORK_CONF`; `BENCHMARKS.md`).
-//! - `chunk = 32 MiB`: the pool grows by at least this much per driver call, enough to serve 16
+//! - `chunk = 32 MiB`: the pool grows by at least this much per driver call (less only where
+//!   the cap leaves less, and by just the request when the device is full), enough to serve 16
 //!   superblocks and keep driver calls rare, small next to a GPU shared with other processes.
 //! - `max = 100%`: the cap is the device's memory; nothing is reserved up front.
 //! - `keep_empty = 2`, `sparse = 0.6`: the superblock return rule (see `arena.rs`): an arena

@@ -1,7 +1,7 @@
 //! Interop with cudarc: a typed buffer that cudarc's copies and kernel launches accept.
 //!
 //! [`CudaBuffer<T>`] is a cuarena block on a cudarc [`CudaStream`]. It implements cudarc's
-//! `DeviceSlice`, `DeviceAddr` and `DevicePtrMut` (so `memcpy_htod`, `memcpy_dtov` and friends
+//! `DeviceSlice`, `DevicePtr` and `DevicePtrMut` (so `memcpy_htod`, `memcpy_dtov` and friends
 //! take it) and `PushKernelArg` (so `launch_builder(..).arg(&buf)` takes it). Copies on another
 //! stream are remembered and fenced at the free, like `record_stream`. Kernel launches cannot
 //! report their stream through cudarc's API: for a launch on another stream, call

@@ -10,9 +10,9 @@
 //!   superblock that fits every small class). One firing is a bug in cuarena, not a misuse.
 //!   The hidden test aid `Allocator::check_invariants` panics on a violation by design, and
 //!   the simulated device of the tests (`HostDevice`) panics if the OS refuses it a thread.
-//! - No panic crosses the C ABI: every entry point of `ffi.rs` runs under `catch_unwind` and
-//!   turns a panic into a failed call whose `cuarena_last_error` begins
-//!   "internal error (caught panic)".
+//! - No panic crosses the C ABI: every entry point of the C ABI (`capi/src/lib.rs`, through its
+//!   `guard`) runs under `catch_unwind` and turns a panic into a failed call whose
+//!   `cuarena_last_error` begins "internal error (caught panic)".
 
 use std::fmt;
 

@@ -24,9 +24,9 @@
 //! (taken when a superblock is lent, or a freed block's flag page made) and the event pool's
 //! lock (taken when a fence is recorded or dropped). No callback runs under it. Driver calls
 //! made under it are growth (`reserve`, and the non-blocking `trim` it runs when the cap or the
-//! device is full) and `trim`: event records for lazy legacy fences, event queries, with
-//! `blocking` host waits on events, and releases. Stream waits are issued after the lock is
-//! dropped.
+//! device is full) and `trim`: event records for lazy legacy fences, event queries and
+//! releases. A blocking `trim` waits on the host for its chunks' fences before it takes the
+//! lock to release them, and stream waits are issued after the lock is dropped.
 
 use std::collections::BTreeMap;
 

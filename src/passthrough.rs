@@ -211,10 +211,11 @@ impl Passthrough {
         if !used_on.is_empty() {
             let dev = &*self.device;
             let key = dev.stream_key(stream)?;
-            let mut calls = 1;
+            // An identity lookup is two driver calls on CUDA (`Device::stream_key_calls`).
+            let mut calls = dev.stream_key_calls(stream);
             let mut waits = 0;
             for &s in used_on {
-                calls += 1;
+                calls += dev.stream_key_calls(s);
                 if dev.stream_key(s)? == key {
                     continue;
                 }

@@ -8,13 +8,14 @@
 //!   `256·2^k <= b/8` bytes above it: waste below 12.5%.
 //!
 //! Class indices are dense (0, 1, 2, ..) and grow with size, so the arena keeps one bit per
-//! class in a `u128` and finds the smallest non-empty class that fits in O(1).
+//! class in a bitmap of two `u64` words (`free_lists.rs`) and finds the smallest non-empty
+//! class that fits in O(1).
 
 /// Minimum alignment and allocation unit, in bytes.
 pub const GRANULE: usize = 256;
 /// `log2(GRANULE)`.
 pub const GRANULE_SHIFT: u32 = 8;
-/// Classes representable in the arena's `u128` bitmap.
+/// Classes representable in the arena's bitmap (two `u64` words, `free_lists.rs`).
 pub const MAX_CLASSES: usize = 128;
 /// The largest block (in granules) whose class index is below [`MAX_CLASSES`]: 64 MiB.
 pub const MAX_CLASSED_GRANULES: usize = 1 << 18;

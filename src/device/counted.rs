@@ -1,7 +1,9 @@
 //! Device calls made on behalf of one thread, counted in that thread's statistics.
 //!
-//! Every driver operation the allocator makes goes through [`Counted`], so `driver_calls`,
-//! `fences_recorded`, `fence_waits`, `fence_polls` and `host_syncs` are exact. `driver_calls`
+//! Every driver operation the allocator makes outside pass-through mode (which counts its own,
+//! `passthrough.rs`) goes through [`Counted`], so `driver_calls`, `fences_recorded`,
+//! `fence_waits`, `fence_polls` and `host_syncs` are exact; the one exception is the
+//! allocator's drop, whose event destroys and releases are not counted. `driver_calls`
 //! counts the calls that do the work (a stream identity lookup on CUDA is two:
 //! `Device::stream_key_calls`), not the bookkeeping around each on CUDA (`cuCtxGetCurrent`,
 //! and the capture-mode switch around calls CUDA restricts during a capture: `CudaDevice::enter`).
