@@ -1306,7 +1306,18 @@ impl Slot {
     #[cold]
     #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
-        let key = Self::key_of(&mut self.ptds, &inner.env(&self.counters), stream)?;
+        // Inside a call on `stream`: on the legacy stream the identity is asked as part of the
+        // caller's own legacy call, as the arena path does (`Counted::on_stream`). The mutation
+        // `pool_legacy_key_outside_call` asks as if outside one, as before, which refuses every
+        // legacy pool allocation while a capture is announced: the test
+        // `adversarial_s30_events::a_legacy_stream_pool_allocation_is_served_during_an_announced_capture`
+        // must then fail.
+        let env = if cfg!(cuarena_mutant = "pool_legacy_key_outside_call") {
+            inner.env(&self.counters)
+        } else {
+            inner.env_on(&self.counters, stream)
+        };
+        let key = Self::key_of(&mut self.ptds, &env, stream)?;
         if stream.is_user() {
             self.send_due_user(inner, key, stream);
         }
