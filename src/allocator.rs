@@ -1306,10 +1306,11 @@ impl Slot {
     #[cold]
     #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
-        // Inside a call on `stream`: on the legacy stream the identity is asked as part of the
-        // caller's own legacy call, as the arena path does (`Counted::on_stream`). The mutation
-        // `pool_legacy_key_outside_call` asks as if outside one, as before, which refuses every
-        // legacy pool allocation while a capture is announced: the test
+        // Inside a call on `stream` (`Counted::on_stream`): on the legacy stream, a capture
+        // announced elsewhere does not refuse it (only the device's own answer, `key_of`), as
+        // it does not refuse the arena path. The mutation `pool_legacy_key_outside_call` asks
+        // as if outside one, as before, which refused every legacy pool allocation while a
+        // capture was announced: the test
         // `adversarial_s30_events::a_legacy_stream_pool_allocation_is_served_during_an_announced_capture`
         // must then fail.
         let env = if cfg!(cuarena_mutant = "pool_legacy_key_outside_call") {
@@ -1317,6 +1318,12 @@ impl Slot {
         } else {
             inner.env_on(&self.counters, stream)
         };
+        if stream.is_legacy() {
+            // The pool may record on the legacy stream in this call: asked of the device first
+            // (`refuse_capturing` inside a legacy call asks nothing), so that a blocking stream's
+            // capture refuses the allocation, changing nothing, rather than break.
+            env.dev.refuse_legacy_implicated()?;
+        }
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         if stream.is_user() {
             self.send_due_user(inner, key, stream);

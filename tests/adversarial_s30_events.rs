@@ -249,7 +249,7 @@ impl World {
             test_wait(&w.sim, e, Stream::PER_THREAD);
             w.free_on(Held { s: Stream::PER_THREAD, ..h }, Stream::PER_THREAD);
             w.hook_frees.fetch_add(1, Ordering::Relaxed);
-            w.a.trim(n.fetch_add(1, Ordering::Relaxed) % 2 == 0).unwrap();
+            w.a.trim(n.fetch_add(1, Ordering::Relaxed).is_multiple_of(2)).unwrap();
             true
         })));
     }
@@ -317,7 +317,7 @@ fn lifetime(w: &World, slot: usize, seed: u64, steps: usize) {
                 w.spill.lock().unwrap().push((h, e));
             }
             30 if w.mode.inline_trims => {
-                w.a.trim(rng(&mut x) % 4 == 0).unwrap();
+                w.a.trim(rng(&mut x).is_multiple_of(4)).unwrap();
             }
             _ => std::thread::yield_now(),
         }
@@ -325,7 +325,7 @@ fn lifetime(w: &World, slot: usize, seed: u64, steps: usize) {
     // The exit: blocks of the own stream freed there or sent on, the rest sent on or freed
     // (remote frees pending in the outbox at the exit), mail received last, no flush.
     for h in std::mem::take(&mut mine) {
-        if w.mode.remote && rng(&mut x) % 2 == 0 {
+        if w.mode.remote && rng(&mut x).is_multiple_of(2) {
             w.send(h, (slot + 1) % slots);
         } else {
             w.free_on(h, h.s);
@@ -333,7 +333,7 @@ fn lifetime(w: &World, slot: usize, seed: u64, steps: usize) {
     }
     w.receive(slot, own, &mut x);
     if let Some(s) = own {
-        if rng(&mut x) % 2 == 0 {
+        if rng(&mut x).is_multiple_of(2) {
             // The stream destroyed while this thread's arena for it still lives (given up at
             // the exit, parked: the handle must never reach the device again).
             w.sim.destroy_stream(s).unwrap();
@@ -349,12 +349,12 @@ fn trimmer(w: Arc<World>, k: u64, every: u64) -> std::thread::JoinHandle<u64> {
     std::thread::spawn(move || {
         let mut n = 0u64;
         while !w.stop.load(Ordering::Relaxed) {
-            let blocking = every > 0 && (n + k) % every == 0;
+            let blocking = every > 0 && (n + k).is_multiple_of(every);
             if let Err(e) = w.a.trim(blocking) {
                 panic!("trim({blocking}): {e}");
             }
             n += 1;
-            if n % 16 == 0 {
+            if n.is_multiple_of(16) {
                 w.a.flush().unwrap();
             }
             std::thread::yield_now();
@@ -577,7 +577,7 @@ fn a_trim_at_every_record_and_wait_destroys_nothing_in_use() {
             drop(dev2);
             let mut n = 0u64;
             while let Ok(done) = rx.recv() {
-                b.trim(n % 3 == 0).unwrap();
+                b.trim(n.is_multiple_of(3)).unwrap();
                 n += 1;
                 let _ = done.send(());
             }
@@ -781,7 +781,7 @@ fn trims_race_the_allocators_drop_and_thread_exits() {
             let trimmer = std::thread::spawn(move || {
                 let mut n = 0u64;
                 while !stop2.load(Ordering::Relaxed) || n < 5 {
-                    trim_clone.trim(n % 4 == 0).unwrap();
+                    trim_clone.trim(n.is_multiple_of(4)).unwrap();
                     n += 1;
                     std::thread::yield_now();
                 }
@@ -825,12 +825,12 @@ fn trims_race_the_allocators_drop_and_thread_exits() {
                 drop(c);
             });
             let mut a = Some(a);
-            if order % 2 == 0 {
+            if order.is_multiple_of(2) {
                 drop(a.take()); // the test's clone goes first
             }
             producer.join().unwrap();
             consumer.join().unwrap();
-            if order % 3 == 0 {
+            if order.is_multiple_of(3) {
                 drop(a.take());
             }
             stop.store(true, Ordering::Relaxed);
@@ -931,7 +931,7 @@ fn a_trim_after_each_out_of_memory_then_the_retry() {
                 Err(e) => panic!("{e}"),
             };
             held.push(Held::taken(&sim, &live, p, n, s, &mut tagn));
-            if rng(&mut x) % 3 == 0 {
+            if rng(&mut x).is_multiple_of(3) {
                 let h = held.swap_remove(rng(&mut x) as usize % held.len());
                 check(&sim, h.p, h.size, h.t, h.s);
                 live.remove(h.p);
