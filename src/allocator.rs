@@ -1306,27 +1306,48 @@ impl Slot {
     #[cold]
     #[inline(never)]
     fn alloc_pool(&mut self, inner: &Inner, bytes: usize, stream: Stream) -> Result<u64> {
-        // Inside a call on `stream` (`Counted::on_stream`): on the legacy stream, a capture
-        // announced elsewhere does not refuse it (only the device's own answer, `key_of`), as
-        // it does not refuse the arena path. The mutation `pool_legacy_key_outside_call` asks
-        // as if outside one, as before, which refused every legacy pool allocation while a
-        // capture was announced: the test
+        // On the legacy stream, the pool may record on it or wait there inside this call,
+        // which is itself a legacy-stream operation (`Counted::on_stream`), so nothing asks
+        // before those uses. First, then:
+        // - the device is asked whether a blocking stream is being captured (`refuse_capturing`
+        //   inside a legacy call asks nothing): then the allocation is refused, nothing changed,
+        //   and the capture survives;
+        // - while a capture is announced (it may be of a blocking stream, begun at any moment),
+        //   the pool serves memory that needs no call on the legacy stream at all
+        //   (`GlobalPool::alloc_clear`), outside the legacy call, so that its growth's trim and
+        //   an out-of-memory reclaim check their own legacy uses (and avoid them).
+        // Until the thirtieth session every legacy pool allocation was refused while a capture
+        // was announced (of a non-blocking stream, as PyTorch's are, too); the mutation
+        // `pool_legacy_refused_when_announced` does so again: the test
         // `adversarial_s30_events::a_legacy_stream_pool_allocation_is_served_during_an_announced_capture`
+        // must then fail. The mutation `pool_legacy_unclear_when_announced` serves it as when
+        // none is announced: `adversarial_s30b_legacy_pool::a_capture_announced_before_a_legacy_pool_allocation_and_begun_inside_it_survives`
         // must then fail.
-        let env = if cfg!(cuarena_mutant = "pool_legacy_key_outside_call") {
-            inner.env(&self.counters)
-        } else {
-            inner.env_on(&self.counters, stream)
-        };
+        let mut clear = false;
         if stream.is_legacy() {
-            // The pool may record on the legacy stream in this call: asked of the device first
-            // (`refuse_capturing` inside a legacy call asks nothing), so that a blocking stream's
-            // capture refuses the allocation, changing nothing, rather than break.
-            env.dev.refuse_legacy_implicated()?;
+            inner.env(&self.counters).dev.refuse_legacy_implicated()?;
+            let announced = crate::sync::captures_announced(inner.device.device_id());
+            if announced && cfg!(cuarena_mutant = "pool_legacy_refused_when_announced") {
+                return Err(Error::StreamCapturing { stream: Stream::LEGACY.as_raw() });
+            }
+            clear = announced && !cfg!(cuarena_mutant = "pool_legacy_unclear_when_announced");
         }
-        let key = Self::key_of(&mut self.ptds, &env, stream)?;
+        let key = Self::key_of(&mut self.ptds, &inner.env_on(&self.counters, stream), stream)?;
         if stream.is_user() {
             self.send_due_user(inner, key, stream);
+        }
+        if clear {
+            return match self
+                .alloc_pool_with(inner, None, bytes, |env| inner.pool.alloc_clear(&env.dev, bytes))
+            {
+                // Only memory that needs a legacy-stream call first would do (a lazy legacy
+                // fence, or a fence not yet complete): refused as the legacy stream's, as an
+                // allocation on another stream is when only such memory is left (README).
+                Err(e) if e.is_out_of_room() && inner.pool.has_fit(bytes) => {
+                    Err(Error::StreamCapturing { stream: Stream::LEGACY.as_raw() })
+                }
+                r => r,
+            };
         }
         self.alloc_pool_keyed(inner, bytes, stream, key)
     }
@@ -1341,15 +1362,34 @@ impl Slot {
         stream: Stream,
         key: StreamKey,
     ) -> Result<u64> {
-        let env = inner.env_on(&self.counters, stream);
         // CUDA graphs: the pool refuses a stream being captured (`GlobalPool::alloc`).
-        let pool = || inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences);
+        self.alloc_pool_with(inner, Some(stream), bytes, |env| {
+            inner.pool.alloc(&env.dev, bytes, stream, key, env.skip_fences)
+        })
+    }
+
+    /// A pool allocation by `pool`, inside a call on `on` (`Counted::on_stream`; `None`: as
+    /// outside any call), with the out-of-memory reclaim, one more try and the last try,
+    /// counted.
+    fn alloc_pool_with(
+        &mut self,
+        inner: &Inner,
+        on: Option<Stream>,
+        bytes: usize,
+        pool: impl Fn(&Env<'_>) -> Result<u64>,
+    ) -> Result<u64> {
+        let env = match on {
+            Some(s) => inner.env_on(&self.counters, s),
+            None => inner.env(&self.counters),
+        };
+        let env = &env;
+        let pool = || pool(env);
         let p = match pool() {
             Err(e) if e.is_out_of_room() => {
-                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, &env, true, true);
+                Self::reclaim(&mut self.arenas, &mut self.outbox, &mut self.ptds, inner, env, true, true);
                 self.counters.bump(&self.counters.alloc_retries, 1);
                 match pool() {
-                    Err(e) if e.is_out_of_room() => Self::last_try(inner, &env, (e, bytes), pool)?,
+                    Err(e) if e.is_out_of_room() => Self::last_try(inner, env, (e, bytes), pool)?,
                     r => r?,
                 }
             }

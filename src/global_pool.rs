@@ -331,6 +331,54 @@ impl GlobalPool {
         Ok(addr)
     }
 
+    /// True if a free extent of at least `bytes` exists, whatever its fences.
+    pub(crate) fn has_fit(&self, bytes: usize) -> bool {
+        lock(&self.state).free.first_fit(bytes as u64).is_some()
+    }
+
+    /// [`GlobalPool::alloc`] for a request on the legacy stream while a capture is announced
+    /// (`Slot::alloc_pool`): memory that needs no call on the legacy stream before its use
+    /// there, which a capture of a blocking stream, begun at any moment, would not survive.
+    /// That is the lowest free extent that fits, holds no lazy legacy fence and whose fences
+    /// have all completed (known, or seen by a query: `cuEventQuery` is no stream operation),
+    /// found by a scan of the free extents (only while a capture is announced), or else a new
+    /// chunk (its growth's trim, outside a legacy call, checks its own legacy uses:
+    /// `Counted::checked`).
+    pub(crate) fn alloc_clear(&self, dev: &Counted<'_>, bytes: usize) -> Result<u64> {
+        let fit = |st: &PoolState| -> Result<Option<u64>> {
+            let mut candidates = Vec::new();
+            st.free.for_each(|ext, l, v| {
+                if l >= bytes as u64 && !v.fences.has_lazy_legacy() {
+                    candidates.push((ext, v.fences.is_clear()));
+                }
+            });
+            for (ext, clear) in candidates {
+                if clear || st.free.get(ext).expect("listed").1.fences.poll_all(dev)? {
+                    return Ok(Some(ext));
+                }
+            }
+            Ok(None)
+        };
+        let mut st = lock(&self.state);
+        let addr = match fit(&st)? {
+            Some(a) => a,
+            None => {
+                let min =
+                    bytes.checked_next_multiple_of(self.superblock).ok_or_else(|| self.oom(&st, bytes))?;
+                self.grow(&mut st, dev, min, bytes, true, 0)?;
+                fit(&st)?.expect("a new chunk fits the request, with no fence")
+            }
+        };
+        let (chunk, fences) = Self::carve(&mut st, addr, addr, bytes);
+        debug_assert!(fences.is_clear());
+        st.used.insert(
+            addr,
+            Used { len: bytes, kind: UsedKind::Block, chunk, from_arena: false, freeing: false },
+        );
+        st.in_use += bytes;
+        Ok(addr)
+    }
+
     /// Hands out `bytes` (a multiple of [`GRANULE`]) as a segment of a CUDA graph's private
     /// pool (`graph_pool.rs`), starting on a multiple of `align` (a power of two): memory that
     /// needs no stream wait and no driver call before use, so that a pool may grow while its

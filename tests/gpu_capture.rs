@@ -145,6 +145,54 @@ fn a_thread_local_mode_capture_is_never_broken() {
 }
 
 /// `Device::stream_capturing` on the GPU follows `cuStreamBeginCapture`/`cuStreamEndCapture`.
+/// A capture announced (`graph_capture_begin`, as the PyTorch shim does) of a non-blocking
+/// stream in the global mode: allocations on the legacy stream that the pool serves (every
+/// request over `small_max` with `large_max=off`, the framework glue's setting), on this thread
+/// and another, are served, reusing blocks freed on the legacy stream before and during the
+/// capture, and the capture survives. Until the thirtieth session they were refused with
+/// `StreamCapturing` while any capture was announced (helper-45, `tests/adversarial_s30_events.rs`).
+#[test]
+#[ignore = "needs a CUDA GPU (run with --include-ignored)"]
+fn an_announced_capture_serves_legacy_pool_allocations_and_survives() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    make_current(&dev);
+    let cfg = Config::parse("large_max=off").unwrap();
+    let a = Allocator::new(Arc::clone(&dev) as Arc<dyn cuarena::Device>, cfg).unwrap();
+    let s = create_stream();
+    let target = a.allocate(1 << 20, s).unwrap();
+    let legacy_churn = |a: &Allocator| {
+        for i in 0..40usize {
+            let n = (2 << 20) + (i % 7) * (256 << 10);
+            let p = a.allocate(n, Stream::LEGACY).expect("a legacy pool allocation");
+            a.deallocate(p, n, Stream::LEGACY).unwrap();
+        }
+    };
+    legacy_churn(&a); // pool blocks freed on the legacy stream before the capture
+    a.graph_capture_begin();
+    // SAFETY: `s` is a live stream of the current context.
+    check("cuStreamBeginCapture", unsafe {
+        sys::cuStreamBeginCapture_v2(raw(s), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+    })
+    .unwrap();
+    // SAFETY: `target` is 1 MiB of device memory.
+    check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(target.0, 7, 1 << 20, raw(s)) }).unwrap();
+    legacy_churn(&a);
+    let (a2, d2) = (a.clone(), Arc::clone(&dev));
+    std::thread::spawn(move || {
+        make_current(&d2);
+        legacy_churn(&a2);
+        a2.release_thread().unwrap();
+    })
+    .join()
+    .unwrap();
+    end_and_run(s);
+    a.graph_capture_end().unwrap();
+    a.deallocate(target, 1 << 20, s).unwrap();
+    assert_eq!(a.take_deferred_error(), None);
+    // SAFETY: `s` is idle (synchronised in `end_and_run`) and destroyed once.
+    unsafe { sys::cuStreamDestroy_v2(raw(s)) };
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (run with --include-ignored)"]
 fn stream_capturing_follows_the_driver() {
