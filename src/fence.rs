@@ -425,6 +425,23 @@ impl FenceSet {
         Ok(())
     }
 
+    /// True if the set needs no call on the legacy stream before a reuse there
+    /// ([`FenceSet::order_before`] with the legacy stream would make none): its lazy legacy
+    /// fence, if any, is covered by a legacy action already queued, and every recorded fence
+    /// has completed (queried: an event query is no stream operation). For the pool's
+    /// allocations on the legacy stream while a capture is announced (`GlobalPool::alloc_clear`).
+    pub(crate) fn settled_for_legacy(&self, dev: &Counted<'_>, action: &LegacyAction) -> Result<bool> {
+        if self.legacy != 0 && !action.covers(self.legacy) {
+            return Ok(false);
+        }
+        for f in &self.fences {
+            if !f.poll(dev)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Replaces a lazy legacy fence by a recorded one, so that it can be polled or waited for
     /// (the pool's trim).
     pub(crate) fn materialize(&mut self, dev: &Counted<'_>, legacy: Legacy<'_>) -> Result<()> {

@@ -339,21 +339,28 @@ impl GlobalPool {
     /// [`GlobalPool::alloc`] for a request on the legacy stream while a capture is announced
     /// (`Slot::alloc_pool`): memory that needs no call on the legacy stream before its use
     /// there, which a capture of a blocking stream, begun at any moment, would not survive.
-    /// That is the lowest free extent that fits, holds no lazy legacy fence and whose fences
-    /// have all completed (known, or seen by a query: `cuEventQuery` is no stream operation),
-    /// found by a scan of the free extents (only while a capture is announced), or else a new
-    /// chunk (its growth's trim, outside a legacy call, checks its own legacy uses:
-    /// `Counted::checked`).
+    /// That is the lowest free extent that fits and whose fences are settled for the legacy
+    /// stream ([`FenceSet::settled_for_legacy`]: a lazy legacy fence only if a legacy action
+    /// already covers it, recorded fences complete, seen by a query), found by a scan of the
+    /// free extents (only while a capture is announced), or else a new chunk (its growth's
+    /// trim, outside a legacy call, checks its own legacy uses: `Counted::checked`).
     pub(crate) fn alloc_clear(&self, dev: &Counted<'_>, bytes: usize) -> Result<u64> {
         let fit = |st: &PoolState| -> Result<Option<u64>> {
             let mut candidates = Vec::new();
-            st.free.for_each(|ext, l, v| {
-                if l >= bytes as u64 && !v.fences.has_lazy_legacy() {
-                    candidates.push((ext, v.fences.is_clear()));
+            st.free.for_each(|ext, l, _| {
+                if l >= bytes as u64 {
+                    candidates.push(ext);
                 }
             });
-            for (ext, clear) in candidates {
-                if clear || st.free.get(ext).expect("listed").1.fences.poll_all(dev)? {
+            for ext in candidates {
+                let fences = &st.free.get(ext).expect("listed").1.fences;
+                // The mutation `clear_takes_unsettled` takes any extent that fits: the race
+                // checker must then fail
+                // `adversarial_s30_events::trims_during_an_announced_capture_of_a_user_stream`
+                // and `adversarial_s30b_legacy_pool::per_thread_captures_in_a_loop_race_legacy_pool_allocations`.
+                if cfg!(cuarena_mutant = "clear_takes_unsettled")
+                    || fences.settled_for_legacy(dev, &self.legacy_action)?
+                {
                     return Ok(Some(ext));
                 }
             }
