@@ -852,7 +852,9 @@ impl Inner {
                 if home.is_user() {
                     return env.reclaim_fence(home, key, may_block);
                 }
-                let k = env.dev.stream_key(Stream::LEGACY)?;
+                // Asked once per allocator (`GlobalPool::legacy_key`), and refused while a
+                // capture is announced (`Counted::legacy_key`), as the record after it would be.
+                let k = env.pool.legacy_key(&env.dev)?;
                 env.fence(Stream::LEGACY, k).map(HomeFence::Fence)
             });
         }
@@ -1332,22 +1334,25 @@ impl Slot {
             }
             clear = announced && !cfg!(cuarena_mutant = "pool_legacy_unclear_when_announced");
         }
-        let key = Self::key_of(&mut self.ptds, &inner.env_on(&self.counters, stream), stream)?;
-        if stream.is_user() {
-            self.send_due_user(inner, key, stream);
-        }
         if clear {
+            // No identity asked: the memory served needs no ordering (and asking the legacy
+            // stream's, if not known yet, is itself a use of it).
             return match self
                 .alloc_pool_with(inner, None, bytes, |env| inner.pool.alloc_clear(&env.dev, bytes))
             {
                 // Only memory that needs a legacy-stream call first would do (a lazy legacy
-                // fence, or a fence not yet complete): refused as the legacy stream's, as an
-                // allocation on another stream is when only such memory is left (README).
+                // fence no action covers yet, or a fence not yet complete): refused as the
+                // legacy stream's, as an allocation on another stream is when only such memory
+                // is left (README).
                 Err(e) if e.is_out_of_room() && inner.pool.has_fit(bytes) => {
                     Err(Error::StreamCapturing { stream: Stream::LEGACY.as_raw() })
                 }
                 r => r,
             };
+        }
+        let key = Self::key_of(&mut self.ptds, &inner.env_on(&self.counters, stream), stream)?;
+        if stream.is_user() {
+            self.send_due_user(inner, key, stream);
         }
         self.alloc_pool_keyed(inner, bytes, stream, key)
     }
@@ -2433,10 +2438,11 @@ impl Allocator {
                 // tried again, the error returned this time.
                 inner.bury_zombies(&env)?;
             }
-            let released = inner.pool.trim(&env.dev, blocking)?;
-            // Last: the reclaims above release fences, whose events come back idle.
+            let released = inner.pool.trim(&env.dev, blocking);
+            // Last, whatever the pool's trim answered: the reclaims above release fences, whose
+            // events come back idle.
             inner.pool.events.shrink(&env.dev);
-            Ok(released)
+            released
         })
     }
 

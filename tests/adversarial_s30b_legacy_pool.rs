@@ -1026,3 +1026,83 @@ fn a_capture_announced_before_a_legacy_pool_allocation_and_begun_inside_it_survi
         assert!(violations.is_empty(), "{violations:?}");
     });
 }
+
+// ---------------------------------------------------------------------------------------------
+// Added by the session after helper-48's review.
+
+/// The simulator, counting the legacy stream's identity lookups made while a flag is up.
+struct KeyCounting {
+    sim: HostDevice,
+    watching: AtomicBool,
+    legacy_keys: AtomicU64,
+}
+
+impl Interpose for KeyCounting {
+    fn base(&self) -> &dyn Device {
+        &self.sim
+    }
+    fn stream_key(&self, s: Stream) -> cuarena::Result<cuarena::StreamKey> {
+        if s.is_legacy() && self.watching.load(Ordering::SeqCst) {
+            self.legacy_keys.fetch_add(1, Ordering::SeqCst);
+        }
+        Device::stream_key(&self.sim, s)
+    }
+}
+
+/// While a capture is announced (which may be of a blocking stream, begun at any moment), the
+/// legacy stream's identity (`cuStreamGetId` of it, which would break such a capture) is never
+/// asked: not by a legacy pool allocation on an allocator that has not asked it before (it
+/// needs none for memory that needs no ordering), not by another thread's out-of-memory
+/// reclaim of idle arenas, not by a trim. helper-48 found the first two asking it.
+#[test]
+fn no_legacy_identity_is_asked_during_an_announcement() {
+    within(20, || {
+        for off in [false, true] {
+            let sim = host(10);
+            let dev = Arc::new(Interposed(KeyCounting {
+                sim: sim.clone(),
+                watching: AtomicBool::new(false),
+                legacy_keys: AtomicU64::new(0),
+            }));
+            let conf = if off { cfg_off() } else { cfg().build().unwrap() };
+            let a = Allocator::new(dev.clone() as Arc<dyn Device>, conf).unwrap();
+            // An idle thread's arena holding memory freed on its per-thread stream (a reclaim
+            // fences it on the legacy stream).
+            let idle = Worker::new(&a);
+            idle.run(|a| {
+                let ps: Vec<_> = (0..8).map(|_| a.allocate(4 * KIB, Stream::PER_THREAD).unwrap()).collect();
+                for p in ps {
+                    a.deallocate(p, 4 * KIB, Stream::PER_THREAD).unwrap();
+                }
+            });
+            a.graph_capture_begin();
+            dev.0.watching.store(true, Ordering::SeqCst);
+            let served = on_thread(&a, |a| {
+                let mut served = 0;
+                for i in 0..8usize {
+                    let n = 2 * MIB + i * 64 * KIB;
+                    if let Ok(p) = a.allocate(n, legacy(i)) {
+                        a.deallocate(p, n, Stream::LEGACY).unwrap();
+                        served += 1;
+                    }
+                }
+                served
+            });
+            // Out of memory on a per-thread stream under a cap: the reclaim reaches the idle
+            // arena.
+            let cap = a.stats().reserved_bytes as usize;
+            a.set_limit_bytes(cap);
+            let r = on_thread(&a, move |a| a.allocate(cap, Stream::PER_THREAD).map(|_| ()));
+            a.trim(false).unwrap();
+            dev.0.watching.store(false, Ordering::SeqCst);
+            a.graph_capture_end().unwrap();
+            a.set_limit_bytes(usize::MAX);
+            let asked = dev.0.legacy_keys.load(Ordering::SeqCst);
+            assert!(served > 0, "off={off}: no legacy pool allocation served");
+            assert!(r.is_err(), "off={off}: the whole cap served: {r:?}");
+            assert_eq!(asked, 0, "off={off}: the legacy stream's identity asked {asked} times");
+            idle.exit();
+            all_back(&a, &sim);
+        }
+    });
+}

@@ -2,8 +2,9 @@
 //!
 //! Every driver operation the allocator makes outside pass-through mode (which counts its own,
 //! `passthrough.rs`) goes through [`Counted`], so `driver_calls`, `fences_recorded`,
-//! `fence_waits`, `fence_polls` and `host_syncs` are exact; the one exception is the
-//! allocator's drop, whose event destroys and releases are not counted. `driver_calls`
+//! `fence_waits`, `fence_polls` and `host_syncs` are exact; the exceptions are the allocator's
+//! drop, whose event destroys and releases are not counted, and a trace's stream identities
+//! (`trace.rs`), asked of the device itself. `driver_calls`
 //! counts the calls that do the work (a stream identity lookup on CUDA is two:
 //! `Device::stream_key_calls`), not the bookkeeping around each on CUDA (`cuCtxGetCurrent`,
 //! and the capture-mode switch around calls CUDA restricts during a capture: `CudaDevice::enter`).
@@ -209,7 +210,8 @@ impl<'a> Counted<'a> {
     }
 
     /// The device checks for a capture first (`Device::stream_key`); of the legacy stream, with
-    /// announcements held off, so that an announced capture does not begin in between. Inlined
+    /// announcements held off, so that no capture is announced in between (see
+    /// [`Counted::legacy_key`] for one announced before). Inlined
     /// with that branch out of line, as [`Counted::stream_capturing`]: this runs at every
     /// user-stream allocation.
     #[inline]
@@ -221,11 +223,19 @@ impl<'a> Counted<'a> {
         self.device.stream_key(s)
     }
 
-    /// [`Counted::stream_key`] of the legacy stream.
+    /// [`Counted::stream_key`] of the legacy stream. Outside a call on it, refused while a
+    /// capture is announced, as any use of it is then ([`Counted::stream_capturing`]): the
+    /// hold keeps new announcements off, but one made before may begin its capture (of a
+    /// blocking stream) at any moment, and `cuStreamGetId` of the legacy stream would break it.
     #[inline(never)]
     fn legacy_key(&self) -> Result<StreamKey> {
         let s = Stream::LEGACY;
-        self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s));
-        crate::sync::holding_off_announcements(self.device.device_id(), || self.device.stream_key(s))
+        crate::sync::holding_off_announcements(self.device.device_id(), || {
+            if !self.legacy_call && crate::sync::captures_announced(self.device.device_id()) {
+                return Err(crate::error::Error::StreamCapturing { stream: s.as_raw() });
+            }
+            self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s));
+            self.device.stream_key(s)
+        })
     }
 }
