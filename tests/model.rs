@@ -339,6 +339,12 @@ enum Op {
         size: usize,
         keep: usize,
     },
+    /// Announces a capture (`graph_capture_begin`) and begins capturing a stream of its own on
+    /// the simulator, or, if one is underway, ends both: the capture must end intact (no device
+    /// synchronise ran meanwhile). While one is announced, an allocation may be refused with
+    /// `StreamCapturing` of the legacy stream (README, "Captures of blocking streams"). A
+    /// synchronisation of the model ([`Harness::sync`]) ends it first.
+    Announce,
     /// Frees every live block, synchronises, then asks thread `t` for as much on `s` as the cap
     /// and the device leave room for: it must succeed (nothing was lost), and is freed again.
     Drain {
@@ -384,6 +390,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => t.clone().prop_map(|t| Op::Exit { t }),
         1 => (t.clone(), stream_strategy()).prop_map(|(t, s)| Op::Drain { t, s }),
         1 => (t, any::<usize>(), 0..=SPRAY).prop_map(|(t, size, keep)| Op::Spray { t, size, keep }),
+        1 => Just(Op::Announce),
     ]
 }
 
@@ -436,6 +443,8 @@ struct Harness {
     deferred: Vec<Deferred>,
     allocations: u64,
     ooms: u64,
+    /// The stream being captured under an announcement ([`Op::Announce`]), if one is.
+    announced: Option<Stream>,
     next_tag: u32,
     /// Every operation run so far, for failure messages.
     log: Vec<String>,
@@ -489,6 +498,7 @@ impl Harness {
             deferred: Vec::new(),
             allocations: 0,
             ooms: 0,
+            announced: None,
             next_tag: 1,
             log: Vec::new(),
         }))
@@ -657,6 +667,13 @@ impl Harness {
                         prop_assert_eq!(requested, size, "out of memory names another size\n{}", self.ctx());
                         prop_assert_eq!(limit, self.limit, "out of memory names another cap\n{}", self.ctx());
                         self.ooms += 1;
+                        return Ok(Err(e));
+                    }
+                    // While a capture is announced: only memory that needs a call on the legacy
+                    // stream would do.
+                    Error::StreamCapturing { stream }
+                        if self.announced.is_some() && Stream::from_raw(stream).is_legacy() =>
+                    {
                         return Ok(Err(e));
                     }
                     e => {
@@ -869,6 +886,17 @@ impl Harness {
                     }
                 }
             }
+            Op::Announce => match self.announced {
+                Some(_) => self.end_announcement()?,
+                None => {
+                    let cs = self.dev.create_stream();
+                    self.a.graph_capture_begin();
+                    self.dev
+                        .begin_capture(cs)
+                        .map_err(|e| TestCaseError::fail(format!("begin_capture: {e}")))?;
+                    self.announced = Some(cs);
+                }
+            },
             Op::Spray { t, size, keep } => {
                 let size = 1 + size % self.small_max.min(64 * KIB);
                 let mut streams = Vec::new();
@@ -920,6 +948,18 @@ impl Harness {
         Ok(())
     }
 
+    /// Ends the announced capture, if one is underway: it must end intact.
+    fn end_announcement(&mut self) -> Outcome {
+        if let Some(cs) = self.announced.take() {
+            let ended = self.dev.end_capture(cs);
+            prop_assert!(ended.is_ok(), "the announced capture was broken: {ended:?}\n{}", self.ctx());
+            let r = self.a.graph_capture_end();
+            prop_assert!(r.is_ok(), "graph_capture_end: {r:?}\n{}", self.ctx());
+            self.dev.destroy_stream(cs).map_err(|e| TestCaseError::fail(format!("destroy_stream: {e}")))?;
+        }
+        Ok(())
+    }
+
     /// Every thread flushed, the device idle, parked frees given back (`trim(true)`), every
     /// thread flushed again: every remote free has reached its owner and been checked. Then the
     /// counts must match the model.
@@ -930,6 +970,7 @@ impl Harness {
     /// flush leaves frees parked (at most three trims: each empties what is parked, and the
     /// outboxes are emptied by the flush after it).
     fn sync(&mut self) -> Outcome {
+        self.end_announcement()?;
         let mut trims = 0;
         loop {
             for w in &self.workers {
