@@ -229,6 +229,16 @@ impl GlobalPool {
         Ok(base)
     }
 
+    /// Hands out `[start, start+bytes)` of the free extent starting at `ext` as a `kind`
+    /// ([`GlobalPool::carve`], then entered in `used` and counted in `in_use`). Returns the
+    /// extent's fences, which the caller orders the use after (or knows settled).
+    fn hand_out(st: &mut PoolState, ext: u64, start: u64, bytes: usize, kind: UsedKind) -> FenceSet {
+        let (chunk, fences) = Self::carve(st, ext, start, bytes);
+        st.used.insert(start, Used { len: bytes, kind, chunk, from_arena: false, freeing: false });
+        st.in_use += bytes;
+        fences
+    }
+
     /// Takes `[take, take+len)` out of the free extent starting at `ext`, putting the
     /// pieces before and after back. Returns the chunk and the extent's fences.
     fn carve(st: &mut PoolState, ext: u64, take: u64, len: usize) -> (u64, FenceSet) {
@@ -314,13 +324,7 @@ impl GlobalPool {
                     fit(&st).expect("a new chunk fits the request")
                 }
             };
-            let (chunk, fences) = Self::carve(&mut st, addr, addr, bytes);
-            st.used.insert(
-                addr,
-                Used { len: bytes, kind: UsedKind::Block, chunk, from_arena: false, freeing: false },
-            );
-            st.in_use += bytes;
-            (addr, fences)
+            (addr, Self::hand_out(&mut st, addr, addr, bytes, UsedKind::Block))
         };
         if !skip_fences && let Err(e) = fences.order_before(dev, stream, key, || self.legacy(dev)) {
             let mut st = lock(&self.state);
@@ -378,12 +382,7 @@ impl GlobalPool {
             }
         };
         // Settled for the legacy stream: nothing to order (`FenceSet::settled_for_legacy`).
-        let (chunk, _settled) = Self::carve(&mut st, addr, addr, bytes);
-        st.used.insert(
-            addr,
-            Used { len: bytes, kind: UsedKind::Block, chunk, from_arena: false, freeing: false },
-        );
-        st.in_use += bytes;
+        let _settled = Self::hand_out(&mut st, addr, addr, bytes, UsedKind::Block);
         Ok(addr)
     }
 
@@ -431,12 +430,7 @@ impl GlobalPool {
             }
         };
         let start = ext.next_multiple_of(a);
-        let (chunk, _clear) = Self::carve(&mut st, ext, start, bytes);
-        st.used.insert(
-            start,
-            Used { len: bytes, kind: UsedKind::GraphSegment, chunk, from_arena: false, freeing: false },
-        );
-        st.in_use += bytes;
+        let _clear = Self::hand_out(&mut st, ext, start, bytes, UsedKind::GraphSegment);
         Ok(start)
     }
 
