@@ -1327,7 +1327,7 @@ impl Slot {
         // must then fail.
         let mut clear = false;
         if stream.is_legacy() {
-            inner.env(&self.counters).dev.refuse_legacy_implicated()?;
+            Counted::new(&*inner.device, &self.counters).refuse_legacy_implicated()?;
             let announced = crate::sync::captures_announced(inner.device.device_id());
             if announced && cfg!(cuarena_mutant = "pool_legacy_refused_when_announced") {
                 return Err(Error::StreamCapturing { stream: Stream::LEGACY.as_raw() });

@@ -231,7 +231,7 @@ impl<'a> Counted<'a> {
     fn legacy_key(&self) -> Result<StreamKey> {
         let s = Stream::LEGACY;
         crate::sync::holding_off_announcements(self.device.device_id(), || {
-            if !self.legacy_call && crate::sync::captures_announced(self.device.device_id()) {
+            if !self.legacy_call && self.legacy_announced() {
                 return Err(crate::error::Error::StreamCapturing { stream: s.as_raw() });
             }
             self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s));
