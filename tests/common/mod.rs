@@ -323,6 +323,13 @@ pub fn no_violations(sim: &HostDevice) {
     assert_eq!(sim.stale_handle_calls(), 0);
 }
 
+/// After the allocator and every clone of its device are dropped: [`no_violations`], and every
+/// CUDA event the allocator created has been destroyed.
+pub fn all_events_destroyed(sim: &HostDevice) {
+    no_violations(sim);
+    assert_eq!(sim.live_events(), 0, "events alive after the allocator's drop");
+}
+
 /// The end of a test: [`no_violations`], then a blocking trim, then everything returned
 /// (`assert_all_returned`).
 pub fn all_back(a: &Allocator, sim: &HostDevice) {
