@@ -97,6 +97,41 @@ pub(crate) fn at_fork(
     }
 }
 
+/// Defines `pub(crate) fn $install()`, which registers `pthread_atfork` handlers ([`at_fork`])
+/// that hold a guard across a fork: the prepare handler takes it (`$prepare`, an expression
+/// of type `$ty`) on the forking thread, the parent's handler drops it, and the child's hands
+/// it (`None` if the forking thread's thread-locals were gone) to `$child`, a closure that
+/// cleans up the child's copy. The guard lives in a thread-local of the forking thread between
+/// the handlers. Nothing is registered under loom, which has no fork.
+macro_rules! hold_across_fork {
+    ($(#[$doc:meta])* fn $install:ident, $ty:ty, prepare: $prepare:expr, child: $child:expr $(,)?) => {
+        $(#[$doc])*
+        pub(crate) fn $install() {
+            #[cfg(not(loom))]
+            {
+                std::thread_local! {
+                    /// The guard, held by the forking thread from `prepare` to the fork's end.
+                    static HELD_ACROSS_FORK: std::cell::RefCell<Option<$ty>> =
+                        const { std::cell::RefCell::new(None) };
+                }
+                extern "C" fn prepare() {
+                    let g: $ty = $prepare;
+                    let _ = HELD_ACROSS_FORK.try_with(move |h| *h.borrow_mut() = Some(g));
+                }
+                extern "C" fn parent() {
+                    let _ = HELD_ACROSS_FORK.try_with(|h| drop(h.borrow_mut().take()));
+                }
+                extern "C" fn child() {
+                    let g: Option<$ty> = HELD_ACROSS_FORK.try_with(|h| h.borrow_mut().take()).ok().flatten();
+                    ($child)(g);
+                }
+                crate::shutdown::at_fork(Some(prepare), Some(parent), Some(child));
+            }
+        }
+    };
+}
+pub(crate) use hold_across_fork;
+
 /// The fork generation an object was made in: it is of a forked child's parent (unusable
 /// there) once the process has forked since.
 #[derive(Clone, Copy, Debug)]

@@ -159,42 +159,21 @@ fn captures() -> MutexGuard<'static, CaptureTable> {
     lock(&CAPTURES)
 }
 
-/// Registers the capture table's fork handlers (`shutdown.rs`, "Fork"): the table is locked
-/// across a fork (a leaf lock, held briefly: the prepare handler waits at most for one
-/// check), and emptied in the child, whose readers and announcing allocators were the
-/// parent's (a reader of the forking thread's own, when a device forks inside a synchronise,
-/// ends on an emptied entry: [`CaptureReader`] saturates).
-pub(crate) fn install_fork_handlers() {
-    #[cfg(not(loom))]
-    crate::shutdown::at_fork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
-}
-
-#[cfg(not(loom))]
-std::thread_local! {
-    /// The table's guard, held by the forking thread from `fork_prepare` to the fork's end.
-    static HELD_ACROSS_FORK: std::cell::RefCell<Option<MutexGuard<'static, CaptureTable>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-#[cfg(not(loom))]
-extern "C" fn fork_prepare() {
-    let g = captures();
-    let _ = HELD_ACROSS_FORK.try_with(move |h| *h.borrow_mut() = Some(g));
-}
-
-#[cfg(not(loom))]
-extern "C" fn fork_parent() {
-    let _ = HELD_ACROSS_FORK.try_with(|h| drop(h.borrow_mut().take()));
-}
-
-#[cfg(not(loom))]
-extern "C" fn fork_child() {
-    let _ = HELD_ACROSS_FORK.try_with(|h| {
-        if let Some(mut g) = h.borrow_mut().take() {
+crate::shutdown::hold_across_fork!(
+    /// Registers the capture table's fork handlers (`shutdown.rs`, "Fork"): the table is locked
+    /// across a fork (a leaf lock, held briefly: the prepare handler waits at most for one
+    /// check), and emptied in the child, whose readers and announcing allocators were the
+    /// parent's (a reader of the forking thread's own, when a device forks inside a synchronise,
+    /// ends on an emptied entry: [`CaptureReader`] saturates).
+    fn install_fork_handlers,
+    MutexGuard<'static, CaptureTable>,
+    prepare: captures(),
+    child: |g: Option<MutexGuard<'static, CaptureTable>>| {
+        if let Some(mut g) = g {
             g.clear();
         }
-    });
-}
+    },
+);
 
 /// The index of `device`'s entry, made if there is none.
 fn capture_entry(c: &mut CaptureTable, device: u64) -> usize {

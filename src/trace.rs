@@ -487,53 +487,36 @@ fn install_exit_hook() {
     }
 }
 
-/// Registers the trace's fork handlers (`shutdown.rs`, "Fork"): the process-wide lists are
-/// locked across a fork (in their order: `RUNNING`, then `BUSY`); in the child the running
-/// traces, all the parent's, are dropped from the exit hook's list (their files are the
-/// parent's: the child writes nothing to them, and they stay busy there), and the forking
-/// thread's logs are forgotten rather than written out at its exit.
-pub(crate) fn install_fork_handlers() {
-    #[cfg(not(loom))]
-    crate::shutdown::at_fork(Some(fork_prepare), Some(fork_parent), Some(fork_child));
-}
-
-#[cfg(not(loom))]
-type ForkGuards =
-    (std::sync::MutexGuard<'static, Option<Vec<Weak<Shared>>>>, std::sync::MutexGuard<'static, Vec<FileId>>);
-
-#[cfg(not(loom))]
-thread_local! {
-    /// The lists' guards, held by the forking thread from `fork_prepare` to the fork's end.
-    static HELD_ACROSS_FORK: std::cell::RefCell<Option<ForkGuards>> = const { std::cell::RefCell::new(None) };
-}
-
-#[cfg(not(loom))]
-extern "C" fn fork_prepare() {
-    let running = RUNNING.lock().unwrap_or_else(|p| p.into_inner());
-    let busy = BUSY.lock().unwrap_or_else(|p| p.into_inner());
-    let _ = HELD_ACROSS_FORK.try_with(move |h| *h.borrow_mut() = Some((running, busy)));
-}
-
-#[cfg(not(loom))]
-extern "C" fn fork_parent() {
-    let _ = HELD_ACROSS_FORK.try_with(|h| drop(h.borrow_mut().take()));
-}
-
-#[cfg(not(loom))]
-extern "C" fn fork_child() {
-    let _ = HELD_ACROSS_FORK.try_with(|h| {
-        if let Some((mut running, _busy)) = h.borrow_mut().take()
+crate::shutdown::hold_across_fork!(
+    /// Registers the trace's fork handlers (`shutdown.rs`, "Fork"): the process-wide lists are
+    /// locked across a fork (in their order: `RUNNING`, then `BUSY`); in the child the running
+    /// traces, all the parent's, are dropped from the exit hook's list (their files are the
+    /// parent's: the child writes nothing to them, and they stay busy there), and the forking
+    /// thread's logs are forgotten rather than written out at its exit.
+    fn install_fork_handlers,
+    ForkGuards,
+    prepare: (
+        RUNNING.lock().unwrap_or_else(|p| p.into_inner()),
+        BUSY.lock().unwrap_or_else(|p| p.into_inner()),
+    ),
+    child: |g: Option<ForkGuards>| {
+        if let Some((mut running, _busy)) = g
             && let Some(r) = running.as_mut()
         {
             r.clear();
         }
-    });
-    let _ = LOGS.try_with(|cell| {
-        if let Ok(mut logs) = cell.try_borrow_mut() {
-            std::mem::forget(std::mem::take(&mut *logs));
-        }
-    });
-}
+        let _ = LOGS.try_with(|cell| {
+            if let Ok(mut logs) = cell.try_borrow_mut() {
+                std::mem::forget(std::mem::take(&mut *logs));
+            }
+        });
+    },
+);
+
+/// The file lists' guards (`RUNNING`, then `BUSY`), held across a fork.
+#[cfg(not(loom))]
+type ForkGuards =
+    (std::sync::MutexGuard<'static, Option<Vec<Weak<Shared>>>>, std::sync::MutexGuard<'static, Vec<FileId>>);
 
 impl Shared {
     /// A tracer with buffers of `cap` records, not recording.

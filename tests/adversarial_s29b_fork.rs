@@ -292,13 +292,13 @@ fn oom_hook_that_forks_child_returns_true_and_its_retry_is_refused_not_hung() {
 /// WAS A DEFECT, mended (hang in a new allocator). The forking thread forks inside a device
 /// synchronise (`trim(true)` with a parked arena: `Counted::synchronize` runs it as a *reader* of
 /// the process-wide capture table, `sync::holding_off_announcements`). The fork's child handler
-/// (`sync::fork_child`) empties the table, the forking thread's own reader entry with it; then the
+/// (`sync::install_fork_handlers`'s child handler) empties the table, the forking thread's own reader entry with it; then the
 /// child finishes the call and the reader's drop (`CaptureReader::drop`, src/sync.rs) finds no
 /// entry, makes one with 0 readers and subtracts 1: it wraps to `usize::MAX` (release build; a
 /// debug build panics in that drop). From then on `graph_capture_begin` of any allocator of that
 /// device id in the child (a new one included: every CUDA allocator of ordinal 0 shares it) waits
 /// for ever for the readers to drop to 0. Fix: keep the forking thread's own running readers in the
-/// child (count them in a thread-local and restore them in `fork_child` instead of clearing the
+/// child (count them in a thread-local and restore them in the child handler instead of clearing the
 /// entry), or at least make the drop saturate.
 #[test]
 fn fork_inside_a_device_synchronise_then_a_new_allocator_in_the_child_announces_a_capture() {
@@ -429,7 +429,7 @@ fn fork_inside_a_traced_free_child_exit_hangs_when_a_parent_thread_was_stopping_
 /// parent has written 6 buffers (983,056 bytes buffered, the writer holds 1 MiB): the child's write
 /// overflows the copy, which flushes the parent's buffered header and records through the shared
 /// descriptor; the parent writes them again at its stop. The parent's trace no longer reads. Root
-/// cause as above (`trace::fork_child` forgets `LOGS` only if it can borrow them; `Local::drop` →
+/// cause as above (`trace::install_fork_handlers`'s child handler forgets `LOGS` only if it can borrow them; `Local::drop` →
 /// `Shared::exit` → `write_out` does not know the tracer is the parent's).
 #[test]
 fn fork_inside_a_traced_free_child_exit_writes_into_the_parents_trace_file() {
