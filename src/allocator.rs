@@ -3055,6 +3055,19 @@ impl Allocator {
         }
     }
 
+    /// A stream's identity for the trace, 0 where it cannot be told: asked through `Counted` on
+    /// the calling thread's counters, as the allocator asks every identity, so the lookups are
+    /// counted in `driver_calls`, and the legacy stream's comes from the pool's cache, or is not
+    /// asked while a capture is announced (`Counted::stream_key`: `cuStreamGetId` of it could
+    /// break a capture of a blocking stream, begun at any moment).
+    fn trace_key(&self, stream: Stream) -> u64 {
+        with_slot(&self.inner, |slot, inner| {
+            let dev = Counted::new(&*inner.device, &slot.counters);
+            let key = if stream.is_legacy() { inner.pool.legacy_key(&dev) } else { dev.stream_key(stream) };
+            key.map_or(0, |k| k.0)
+        })
+    }
+
     /// Records the allocation that returned `r` (a trace records).
     #[cold]
     #[inline(never)]
@@ -3063,7 +3076,7 @@ impl Allocator {
         if size == 0 {
             return r; // no request: nothing to record
         }
-        crate::trace::record(&self.inner.trace, &*self.inner.device, stream, false, || {
+        crate::trace::record(&self.inner.trace, &|s| self.trace_key(s), stream, false, || {
             let ev = match &r {
                 Ok(p) => Event { action: Action::Alloc, ptr: p.0, size, path: self.trace_path(p.0, size) },
                 Err(_) => Event { action: Action::FailedAlloc, ptr: 0, size, path: TracePath::None },
@@ -3079,7 +3092,7 @@ impl Allocator {
         if ptr.is_null() && size == 0 {
             return Ok(()); // no request: nothing to record
         }
-        crate::trace::record(&self.inner.trace, &*self.inner.device, stream, true, || {
+        crate::trace::record(&self.inner.trace, &|s| self.trace_key(s), stream, true, || {
             let path = self.trace_path(ptr.0, size); // before the free changes it
             let r = self.deallocate_untraced(ptr, size, stream);
             let ev = match &r {

@@ -15,7 +15,7 @@
 //! | 0 | `u64` | time: nanoseconds since the trace started (one monotonic clock for all threads) |
 //! | 8 | `u64` | pointer (the block's device address; 0 for a failed allocation) |
 //! | 16 | `u64` | size: the bytes asked for (as given to allocate or free) |
-//! | 24 | `u64` | stream identity: the stream's [`StreamKey`] (`cuStreamGetId`), never its handle; for the per-thread stream `0x2`, the calling thread's own per-thread stream's key; 0 if the device could not say |
+//! | 24 | `u64` | stream identity: the stream's [`StreamKey`] (`cuStreamGetId`), never its handle; for the per-thread stream `0x2`, the calling thread's own per-thread stream's key; 0 if it could not be told (a destroyed stream; the legacy stream's while a capture is announced, until it is known) |
 //! | 32 | `u32` | thread: a small index per allocator, in order of each thread's first record ([`LATE_THREAD`] for a record made in a thread's late destructors) |
 //! | 36 | `u8` | action: [`Action`] (0 alloc, 1 free, 2 failed alloc, 3 refused free) |
 //! | 37 | `u8` | path: [`TracePath`] (0 none, 1 arena, 2 large block in an arena, 3 global pool, 4 pass-through) |
@@ -59,7 +59,6 @@ use std::io::Write;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
 
-use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::stream::{Stream, StreamKey};
 use crate::sync::{
@@ -133,7 +132,7 @@ pub struct Record {
     pub ptr: u64,
     /// The size given to allocate or free.
     pub size: u64,
-    /// The stream's identity (0 if the device could not say).
+    /// The stream's identity (0 if it could not be told: see the format's table).
     pub stream: StreamKey,
     /// The thread's index in this trace's allocator.
     pub thread: u32,
@@ -862,9 +861,14 @@ pub(crate) struct Event {
 /// records of one address alternate alloc, free in time order. With no trace running `f` runs
 /// all the same; with this thread's buffer busy (a nested call) or gone (late destructors), the
 /// record goes straight to the file, a free's still stamped before it ran.
+///
+/// `key` gives a stream's identity, 0 where it cannot say; the allocator asks it as it asks
+/// every identity (counted in `driver_calls`, and never of the legacy stream while a capture is
+/// announced: `Allocator::trace_key`). A 0 for the per-thread or the legacy stream is not kept,
+/// so a later record asks again.
 pub(crate) fn record<R>(
     shared: &Arc<Shared>,
-    dev: &dyn Device,
+    key: &dyn Fn(Stream) -> u64,
     stream: Stream,
     stamp_before: bool,
     f: impl FnOnce() -> (R, Event),
@@ -907,9 +911,9 @@ pub(crate) fn record<R>(
             }
         };
         let key = match kind {
-            StreamKind::PerThread => *local.ptds.get_or_insert_with(|| key_of(dev, stream)),
-            StreamKind::Legacy => *local.legacy.get_or_insert_with(|| key_of(dev, stream)),
-            StreamKind::User => key_of(dev, stream),
+            StreamKind::PerThread => asked_once(&mut local.ptds, || key(stream)),
+            StreamKind::Legacy => asked_once(&mut local.legacy, || key(stream)),
+            StreamKind::User => key(stream),
         };
         let rec = Record {
             time_ns,
@@ -944,7 +948,7 @@ pub(crate) fn record<R>(
                 time_ns: 0,
                 ptr: ev.ptr,
                 size: ev.size as u64,
-                stream: StreamKey(key_of(dev, stream)),
+                stream: StreamKey(key(stream)),
                 thread: LATE_THREAD,
                 action: ev.action,
                 path: ev.path,
@@ -955,9 +959,16 @@ pub(crate) fn record<R>(
     result.expect("`f` ran")
 }
 
-/// The stream's identity, or 0 if the device cannot say (a destroyed stream).
-fn key_of(dev: &dyn Device, stream: Stream) -> u64 {
-    dev.stream_key(stream).map_or(0, |k| k.0)
+/// `*known`, or `ask()` kept there unless it is 0 (the identity could not be told this time).
+fn asked_once(known: &mut Option<u64>, ask: impl FnOnce() -> u64) -> u64 {
+    if let Some(k) = *known {
+        return k;
+    }
+    let k = ask();
+    if k != 0 {
+        *known = Some(k);
+    }
+    k
 }
 
 #[cfg(all(test, not(loom)))]

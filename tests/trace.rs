@@ -228,3 +228,142 @@ fn bad_use_is_refused_clearly() {
     assert!(Config::parse("trace=").is_err());
     std::fs::remove_file(&p).unwrap();
 }
+
+/// The simulator, counting identity lookups: all of them, and the legacy stream's while a flag
+/// is up.
+struct KeyCounting {
+    sim: cuarena_testkit::HostDevice,
+    watching: std::sync::atomic::AtomicBool,
+    legacy_keys: std::sync::atomic::AtomicU64,
+    keys: std::sync::atomic::AtomicU64,
+}
+
+impl cuarena_testkit::Interpose for KeyCounting {
+    fn base(&self) -> &dyn cuarena::Device {
+        &self.sim
+    }
+    fn stream_key(&self, s: Stream) -> cuarena::Result<cuarena::StreamKey> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.keys.fetch_add(1, SeqCst);
+        if s.is_legacy() && self.watching.load(SeqCst) {
+            self.legacy_keys.fetch_add(1, SeqCst);
+        }
+        cuarena::Device::stream_key(&self.sim, s)
+    }
+}
+
+fn key_counting() -> Arc<cuarena_testkit::Interposed<KeyCounting>> {
+    Arc::new(cuarena_testkit::Interposed(KeyCounting {
+        sim: common::host(0),
+        watching: Default::default(),
+        legacy_keys: Default::default(),
+        keys: Default::default(),
+    }))
+}
+
+/// While a capture is announced, a trace never asks the legacy stream's identity
+/// (`cuStreamGetId` of it could break a capture of a blocking stream begun at any moment): a
+/// thread's legacy-stream allocation and free ask it exactly as often traced as untraced (the
+/// allocation itself may, inside its own legacy-stream call), the records carry the identity the
+/// allocator knows or 0, and once the announcement ends the next thread's records carry the real
+/// one. Before the thirty-first session the trace asked the raw device, announcement or not.
+#[test]
+fn a_trace_asks_no_legacy_identity_while_a_capture_is_announced() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let on_new_thread = |a: &Allocator, size: usize| {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            let q = a.allocate(size, Stream::LEGACY).unwrap();
+            a.deallocate(q, size, Stream::LEGACY).unwrap();
+            q
+        })
+        .join()
+        .unwrap()
+    };
+    let run = |traced: bool| {
+        let dev = key_counting();
+        let a = Allocator::new(dev.clone(), common::small().build().unwrap()).unwrap();
+        let p = path(if traced { "announced" } else { "announced-untraced" });
+        if traced {
+            a.start_trace(&p).unwrap();
+        }
+        a.graph_capture_begin();
+        dev.0.watching.store(true, SeqCst);
+        let during = on_new_thread(&a, 4096);
+        dev.0.watching.store(false, SeqCst);
+        a.graph_capture_end().unwrap();
+        let after = on_new_thread(&a, 8192);
+        let recs = if traced {
+            a.stop_trace().unwrap();
+            let r = trace::read(&p).unwrap();
+            std::fs::remove_file(&p).unwrap();
+            r
+        } else {
+            Vec::new()
+        };
+        let legacy = cuarena::Device::stream_key(&dev.0.sim, Stream::LEGACY).unwrap();
+        (dev.0.legacy_keys.load(SeqCst), recs, during, after, legacy)
+    };
+    let (untraced, ..) = run(false);
+    let (asked, recs, during, after, legacy) = run(true);
+    assert_eq!(
+        asked, untraced,
+        "the legacy stream's identity asked {asked} times traced, {untraced} untraced"
+    );
+    let of = |q: DeviceAddr, size: u64| -> Vec<&trace::Record> {
+        recs.iter().filter(|r| r.ptr == q.0 && r.size == size).collect()
+    };
+    let (d, l) = (of(during, 4096), of(after, 8192));
+    assert_eq!((d.len(), l.len()), (2, 2), "{recs:?}");
+    for r in d.iter().chain(&l) {
+        assert_eq!(r.stream_kind, StreamKind::Legacy, "{r:?}");
+        assert!(r.stream.0 == 0 || r.stream == legacy, "{r:?}: neither unknown nor the legacy stream");
+    }
+    for r in &l {
+        assert_eq!(r.stream, legacy, "{r:?}: after the announcement the identity is known");
+    }
+}
+
+/// The trace's identity lookups are driver calls like the allocator's own (on CUDA a lookup is
+/// `cuStreamIsCapturing` and `cuStreamGetId`) and `driver_calls` counts them: the same pairs on
+/// a user stream, traced and not, differ in `driver_calls` by exactly the lookups the device saw.
+/// Before the thirty-first session the trace asked the raw device, uncounted.
+#[test]
+fn a_traces_identity_lookups_are_counted_in_driver_calls() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let dev = key_counting();
+    let a = Allocator::new(dev.clone(), common::small().build().unwrap()).unwrap();
+    let user = dev.0.sim.create_stream();
+    let p = path("counted");
+    let pairs = |a: &Allocator| {
+        for i in 0..64usize {
+            let n = 4096 + (i % 4) * 256;
+            let q = a.allocate(n, user).unwrap();
+            a.deallocate(q, n, user).unwrap();
+        }
+    };
+    pairs(&a); // warm: the arena's superblock taken
+    let phase = |traced: bool| {
+        if traced {
+            a.start_trace(&p).unwrap();
+        }
+        let (k0, c0) = (dev.0.keys.load(SeqCst), a.stats().driver_calls);
+        pairs(&a);
+        let (k1, c1) = (dev.0.keys.load(SeqCst), a.stats().driver_calls);
+        if traced {
+            a.stop_trace().unwrap();
+        }
+        (k1 - k0, c1 - c0)
+    };
+    let (plain_keys, plain_calls) = phase(false);
+    let (traced_keys, traced_calls) = phase(true);
+    assert!(traced_keys > plain_keys, "the trace asked no identity: {traced_keys} vs {plain_keys}");
+    assert_eq!(
+        traced_calls - plain_calls,
+        traced_keys - plain_keys,
+        "driver calls {plain_calls} -> {traced_calls}, identity lookups {plain_keys} -> {traced_keys}"
+    );
+    assert_eq!(trace::read(&p).unwrap().len(), 128);
+    std::fs::remove_file(&p).unwrap();
+    dev.0.sim.destroy_stream(user).unwrap();
+}
