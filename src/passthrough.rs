@@ -200,7 +200,8 @@ impl Passthrough {
     }
 
     /// [`Passthrough::deallocate`] after making `stream` wait for the work queued so far on each
-    /// stream of `used_on` (one event each; no host block).
+    /// stream of `used_on` (one event each; no host block). A bad free is refused before any
+    /// driver call, as by `deallocate`; every driver call made is counted, a failed one too.
     pub(crate) fn deallocate_used_on(
         &self,
         ptr: DeviceAddr,
@@ -208,30 +209,59 @@ impl Passthrough {
         stream: Stream,
         used_on: &[Stream],
     ) -> Result<()> {
-        if !used_on.is_empty() {
-            let dev = &*self.device;
-            let key = dev.stream_key(stream)?;
-            // An identity lookup is two driver calls on CUDA (`Device::stream_key_calls`).
-            let mut calls = dev.stream_key_calls(stream);
-            let mut waits = 0;
-            for &s in used_on {
-                calls += dev.stream_key_calls(s);
-                if dev.stream_key(s)? == key {
-                    continue;
-                }
-                let e = dev.create_event()?;
-                let r = dev.record_event(e, s).and_then(|()| dev.stream_wait_event(stream, e));
-                dev.destroy_event(e);
-                calls += 3;
-                r?;
-                waits += 1;
+        if used_on.is_empty() || (ptr.is_null() && size == 0) {
+            return self.deallocate(ptr, size, stream);
+        }
+        {
+            let mut st = lock(&self.state);
+            if let Err(reason) = self.check_free(&st, ptr.0, size) {
+                st.invalid_frees += 1;
+                return Err(Error::InvalidFree { ptr: ptr.0, size, reason });
             }
+        }
+        let (mut calls, mut waits) = (0, 0);
+        let r = self.order_after(stream, used_on, &mut calls, &mut waits);
+        {
             let mut st = lock(&self.state);
             st.driver_calls += calls;
             st.fences_recorded += waits;
             st.fence_waits += waits;
         }
+        r?;
         self.deallocate(ptr, size, stream)
+    }
+
+    /// Makes `stream` wait for the work queued so far on each stream of `used_on` that is not
+    /// `stream` itself, adding to `calls` every driver call made (an identity lookup is two on
+    /// CUDA: `Device::stream_key_calls`) and to `waits` every wait made.
+    fn order_after(
+        &self,
+        stream: Stream,
+        used_on: &[Stream],
+        calls: &mut u64,
+        waits: &mut u64,
+    ) -> Result<()> {
+        let dev = &*self.device;
+        *calls += dev.stream_key_calls(stream);
+        let key = dev.stream_key(stream)?;
+        for &s in used_on {
+            *calls += dev.stream_key_calls(s);
+            if dev.stream_key(s)? == key {
+                continue;
+            }
+            *calls += 1;
+            let e = dev.create_event()?;
+            *calls += 1;
+            let r = dev.record_event(e, s).and_then(|()| {
+                *calls += 1;
+                dev.stream_wait_event(stream, e)
+            });
+            *calls += 1;
+            dev.destroy_event(e);
+            r?;
+            *waits += 1;
+        }
+        Ok(())
     }
 
     /// True if a live block starts at `ptr`.

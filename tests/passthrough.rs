@@ -219,3 +219,96 @@ fn the_builder_switch_and_the_parse_key_agree() {
     assert_eq!(a.stats().reserved_bytes, 0, "pass-through reserves nothing");
     assert_all_returned(&a, Some(&dev), 0);
 }
+
+/// The simulator, counting the calls `deallocate_used_on` makes (identity lookups and the
+/// event's create, record, wait and destroy) and failing every event record while asked to.
+struct Calls {
+    sim: HostDevice,
+    calls: std::sync::atomic::AtomicU64,
+    fail_records: std::sync::atomic::AtomicBool,
+}
+
+impl cuarena_testkit::Interpose for Calls {
+    fn base(&self) -> &dyn cuarena::Device {
+        &self.sim
+    }
+    fn create_event(&self) -> cuarena::Result<cuarena::Event> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        cuarena::Device::create_event(&self.sim)
+    }
+    fn destroy_event(&self, e: cuarena::Event) {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        cuarena::Device::destroy_event(&self.sim, e)
+    }
+    fn record_event(&self, e: cuarena::Event, s: Stream) -> cuarena::Result<()> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.fail_records.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Driver { call: "cuEventRecord", code: 700 });
+        }
+        cuarena::Device::record_event(&self.sim, e, s)
+    }
+    fn stream_wait_event(&self, s: Stream, e: cuarena::Event) -> cuarena::Result<()> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        cuarena::Device::stream_wait_event(&self.sim, s, e)
+    }
+    fn stream_key(&self, s: Stream) -> cuarena::Result<cuarena::StreamKey> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        cuarena::Device::stream_key(&self.sim, s)
+    }
+}
+
+/// `deallocate_used_on` in pass-through mode refuses a bad free before any driver call (a
+/// foreign pointer, a size mismatch, a double free: each an invalid free, no event made), and
+/// counts in `driver_calls` every call it makes, those of a failed ordering too; that failure
+/// frees nothing, and the block is freed whole afterwards. Before the thirty-first session it
+/// made its events first, and a failure lost their count.
+#[test]
+fn a_free_used_on_other_streams_refuses_bad_frees_first_and_counts_every_call() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let sim = device(0);
+    let dev = std::sync::Arc::new(cuarena_testkit::Interposed(Calls {
+        sim: sim.clone(),
+        calls: Default::default(),
+        fail_records: Default::default(),
+    }));
+    let a = Allocator::new(
+        dev.clone(),
+        Config::parse("passthrough,small_max=64KiB,superblock=256KiB,chunk=1MiB").unwrap(),
+    )
+    .unwrap();
+    let (s1, s2) = (sim.create_stream(), sim.create_stream());
+    let p = a.allocate(4096, s1).unwrap();
+    let seen = || (dev.0.calls.load(SeqCst), a.stats().driver_calls, a.stats().invalid_frees);
+    let (c0, d0, i0) = seen();
+    let bad = [
+        (DeviceAddr(p.0 + 256), 4096, InvalidFree::UnknownPointer),
+        (p, 1 << 20, InvalidFree::SizeMismatch { allocated: 4096, given: 1 << 20 }),
+    ];
+    for (q, n, want) in bad {
+        assert_eq!(reason(a.deallocate_used_on(q, n, s2, &[s1])), want);
+    }
+    let (c1, d1, i1) = seen();
+    assert_eq!((c1 - c0, d1 - d0, i1 - i0), (0, 0, 2), "a bad free made driver calls or went uncounted");
+
+    dev.0.fail_records.store(true, SeqCst);
+    let r = a.deallocate_used_on(p, 4096, s2, &[s1]);
+    assert!(matches!(r, Err(Error::Driver { .. })), "{r:?}");
+    let (c2, d2, _) = seen();
+    assert!(c2 > c1, "no driver call made");
+    assert_eq!(d2 - d1, c2 - c1, "the failed ordering's calls were not all counted");
+    assert_eq!(a.stats().live_bytes, 4096, "a failed ordering freed the block");
+
+    dev.0.fail_records.store(false, SeqCst);
+    a.deallocate_used_on(p, 4096, s2, &[s1]).unwrap();
+    let (c3, d3, _) = seen();
+    // The free itself is one more call the device's `free_async` makes (not counted above).
+    assert_eq!(d3 - d2, c3 - c2 + 1, "calls {c2} -> {c3}, driver_calls {d2} -> {d3}");
+    assert_eq!(reason(a.deallocate_used_on(p, 4096, s2, &[s1])), InvalidFree::DoubleFree);
+    assert_eq!(seen().0, c3, "a double free made driver calls");
+    sim.synchronize();
+    assert_eq!(sim.violations(), Vec::<String>::new());
+    let st = a.stats();
+    assert_eq!((st.live_bytes, st.deallocations, st.invalid_frees), (0, 1, 3), "{st:?}");
+    assert_eq!((st.fences_recorded, st.fence_waits), (1, 1), "only the ordering that ran: {st:?}");
+    assert_eq!(sim.reserved_bytes(), 0, "the block went back to the device");
+}
