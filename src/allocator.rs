@@ -2302,8 +2302,12 @@ impl Allocator {
         {
             return r;
         }
-        if let Some(p) = &self.inner.passthrough {
-            return p.deallocate_used_on(ptr, size, stream, used_on); // pass-through mode
+        // Pass-through mode orders the declared streams as this mode does, for a free it will
+        // accept: a bad one is refused (traced and counted) without a driver call.
+        if let Some(p) = &self.inner.passthrough
+            && !p.is_valid_free(ptr, size)
+        {
+            return self.deallocate(ptr, size, stream);
         }
         if !used_on.is_empty() {
             with_slot(&self.inner, |slot, inner| -> Result<()> {
@@ -2463,11 +2467,16 @@ impl Allocator {
         let pool = &self.inner.pool;
         let mut s = if let Some(p) = &self.inner.passthrough {
             // Pass-through mode; the OOM path's counts are kept per thread as usual, and so are
-            // refused frees of graph pools' blocks (`free_graph`; pass-through's own are its).
+            // refused frees of graph pools' blocks (`free_graph`; pass-through's own are its),
+            // and the driver calls and fences made outside `passthrough.rs` (the declared
+            // streams' fences of `deallocate_used_on`, the trace's identity lookups, graph pools).
             let (mut s, mut c) = (p.stats(), Stats::default());
             self.inner.counters.fill(&mut c);
             (s.alloc_retries, s.ooms, s.oom_hook_calls) = (c.alloc_retries, c.ooms, c.oom_hook_calls);
             s.invalid_frees += c.invalid_frees;
+            s.driver_calls += c.driver_calls;
+            (s.fences_recorded, s.fence_waits, s.fence_polls, s.host_syncs) =
+                (c.fences_recorded, c.fence_waits, c.fence_polls, c.host_syncs);
             s
         } else {
             let mut s = Stats::default();

@@ -14,8 +14,12 @@
 //! valid in the other) is `SizeMismatch`. Every check is made at the call: nothing is deferred.
 //! A refused free, or one the driver fails, changes nothing.
 //!
+//! A free declared used on other streams (`Allocator::deallocate_used_on`) is ordered after
+//! their work by the normal mode's fences, with its capture checks, before this mode's free.
+//!
 //! Statistics: `allocations`, `deallocations`, `invalid_frees`, `driver_calls` and the event
-//! counters are exact; `live_bytes` is the sum of the sizes asked for (no rounding happens), and
+//! counters are exact (the fences' counts, and the calls made outside this module, are kept per
+//! thread as in the normal mode and added by `Allocator::stats`); `live_bytes` is the sum of the sizes asked for (no rounding happens), and
 //! `reserved_bytes` is the same figure: what the allocator holds from the driver (the driver's
 //! pool may keep more). The arena and pool figures are zero.
 
@@ -58,8 +62,6 @@ struct State {
     deallocations: u64,
     invalid_frees: u64,
     driver_calls: u64,
-    fences_recorded: u64,
-    fence_waits: u64,
     size_hist: [u64; crate::stats::SIZE_HISTOGRAM_BUCKETS],
 }
 
@@ -199,69 +201,11 @@ impl Passthrough {
         }
     }
 
-    /// [`Passthrough::deallocate`] after making `stream` wait for the work queued so far on each
-    /// stream of `used_on` (one event each; no host block). A bad free is refused before any
-    /// driver call, as by `deallocate`; every driver call made is counted, a failed one too.
-    pub(crate) fn deallocate_used_on(
-        &self,
-        ptr: DeviceAddr,
-        size: usize,
-        stream: Stream,
-        used_on: &[Stream],
-    ) -> Result<()> {
-        if used_on.is_empty() || (ptr.is_null() && size == 0) {
-            return self.deallocate(ptr, size, stream);
-        }
-        {
-            let mut st = lock(&self.state);
-            if let Err(reason) = self.check_free(&st, ptr.0, size) {
-                st.invalid_frees += 1;
-                return Err(Error::InvalidFree { ptr: ptr.0, size, reason });
-            }
-        }
-        let (mut calls, mut waits) = (0, 0);
-        let r = self.order_after(stream, used_on, &mut calls, &mut waits);
-        {
-            let mut st = lock(&self.state);
-            st.driver_calls += calls;
-            st.fences_recorded += waits;
-            st.fence_waits += waits;
-        }
-        r?;
-        self.deallocate(ptr, size, stream)
-    }
-
-    /// Makes `stream` wait for the work queued so far on each stream of `used_on` that is not
-    /// `stream` itself, adding to `calls` every driver call made (an identity lookup is two on
-    /// CUDA: `Device::stream_key_calls`) and to `waits` every wait made.
-    fn order_after(
-        &self,
-        stream: Stream,
-        used_on: &[Stream],
-        calls: &mut u64,
-        waits: &mut u64,
-    ) -> Result<()> {
-        let dev = &*self.device;
-        *calls += dev.stream_key_calls(stream);
-        let key = dev.stream_key(stream)?;
-        for &s in used_on {
-            *calls += dev.stream_key_calls(s);
-            if dev.stream_key(s)? == key {
-                continue;
-            }
-            *calls += 1;
-            let e = dev.create_event()?;
-            *calls += 1;
-            let r = dev.record_event(e, s).and_then(|()| {
-                *calls += 1;
-                dev.stream_wait_event(stream, e)
-            });
-            *calls += 1;
-            dev.destroy_event(e);
-            r?;
-            *waits += 1;
-        }
-        Ok(())
+    /// True if freeing `ptr` with `size` would be accepted now (`Allocator::deallocate_used_on`
+    /// orders the declared streams only for such a free: a bad one is refused by
+    /// [`Passthrough::deallocate`] without a driver call).
+    pub(crate) fn is_valid_free(&self, ptr: DeviceAddr, size: usize) -> bool {
+        self.check_free(&lock(&self.state), ptr.0, size).is_ok()
     }
 
     /// True if a live block starts at `ptr`.
@@ -281,8 +225,6 @@ impl Passthrough {
             deallocations: st.deallocations,
             invalid_frees: st.invalid_frees,
             driver_calls: st.driver_calls,
-            fences_recorded: st.fences_recorded,
-            fence_waits: st.fence_waits,
             peak_live_bytes_upper: st.peak_live as u64,
             peak_exact: 1,
             ..Stats::default()
@@ -303,8 +245,6 @@ impl Passthrough {
         st.deallocations = 0;
         st.invalid_frees = 0;
         st.driver_calls = 0;
-        st.fences_recorded = 0;
-        st.fence_waits = 0;
         st.size_hist = Default::default();
     }
 

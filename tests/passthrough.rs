@@ -220,8 +220,9 @@ fn the_builder_switch_and_the_parse_key_agree() {
     assert_all_returned(&a, Some(&dev), 0);
 }
 
-/// The simulator, counting the calls `deallocate_used_on` makes (identity lookups and the
-/// event's create, record, wait and destroy) and failing every event record while asked to.
+/// The simulator, counting the calls `deallocate_used_on` makes (capture checks, identity
+/// lookups, the fences' event create, record, poll, wait and destroy) and failing every event
+/// record while asked to.
 struct Calls {
     sim: HostDevice,
     calls: std::sync::atomic::AtomicU64,
@@ -254,6 +255,14 @@ impl cuarena_testkit::Interpose for Calls {
     fn stream_key(&self, s: Stream) -> cuarena::Result<cuarena::StreamKey> {
         self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         cuarena::Device::stream_key(&self.sim, s)
+    }
+    fn stream_capturing(&self, s: Stream) -> cuarena::Result<bool> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        cuarena::Device::stream_capturing(&self.sim, s)
+    }
+    fn query_event(&self, e: cuarena::Event) -> cuarena::Result<bool> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        cuarena::Device::query_event(&self.sim, e)
     }
 }
 

@@ -1,11 +1,12 @@
 //! Device calls made on behalf of one thread, counted in that thread's statistics.
 //!
-//! Every driver operation the allocator makes outside pass-through mode (which counts its own,
-//! `passthrough.rs`) goes through [`Counted`], so `driver_calls`, `fences_recorded`,
-//! `fence_waits`, `fence_polls` and `host_syncs` are exact; the exceptions are the allocator's
-//! drop, whose event destroys and releases are not counted, and a trace's stream identities
-//! (`trace.rs`), asked of the device itself. `driver_calls`
-//! counts the calls that do the work (a stream identity lookup on CUDA is two:
+//! Every driver operation the allocator makes goes through [`Counted`] (pass-through mode's
+//! allocations and frees excepted: it counts its own, `passthrough.rs`), a trace's stream
+//! identities too (`Allocator::trace_key`), so `driver_calls`, `fences_recorded`,
+//! `fence_waits`, `fence_polls` and `host_syncs` are exact; the exception is the allocator's
+//! drop, whose event destroys and releases are not counted. `driver_calls` counts every call
+//! made, a failed one too; `fences_recorded` and `fence_waits` count the records and waits
+//! that succeeded. `driver_calls` counts the calls that do the work (a stream identity lookup on CUDA is two:
 //! `Device::stream_key_calls`), not the bookkeeping around each on CUDA (`cuCtxGetCurrent`,
 //! and the capture-mode switch around calls CUDA restricts during a capture: `CudaDevice::enter`).
 
@@ -96,8 +97,11 @@ impl<'a> Counted<'a> {
     pub(crate) fn record_fence(&self, e: Event, s: Stream) -> Result<()> {
         self.checked(s, || {
             self.call();
-            self.counters.bump(&self.counters.fences_recorded, 1);
-            self.device.record_event(e, s)
+            let r = self.device.record_event(e, s);
+            if r.is_ok() {
+                self.counters.bump(&self.counters.fences_recorded, 1);
+            }
+            r
         })
     }
 
@@ -161,8 +165,11 @@ impl<'a> Counted<'a> {
     pub(crate) fn wait_fence(&self, s: Stream, e: Event) -> Result<()> {
         self.checked(s, || {
             self.call();
-            self.counters.bump(&self.counters.fence_waits, 1);
-            self.device.stream_wait_event(s, e)
+            let r = self.device.stream_wait_event(s, e);
+            if r.is_ok() {
+                self.counters.bump(&self.counters.fence_waits, 1);
+            }
+            r
         })
     }
 
