@@ -19,9 +19,10 @@
 //!
 //! Statistics: `allocations`, `deallocations`, `invalid_frees`, `driver_calls` and the event
 //! counters are exact (the fences' counts, and the calls made outside this module, are kept per
-//! thread as in the normal mode and added by `Allocator::stats`); `live_bytes` is the sum of the sizes asked for (no rounding happens), and
-//! `reserved_bytes` is the same figure: what the allocator holds from the driver (the driver's
-//! pool may keep more). The arena and pool figures are zero.
+//! thread as in the normal mode and added by `Allocator::stats`); `live_bytes` is the sum of
+//! the sizes asked for (no rounding happens), and `reserved_bytes` is the same figure: what the
+//! allocator holds from the driver (the driver's pool may keep more). The arena and pool
+//! figures are zero.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;

@@ -5,10 +5,11 @@
 //! identities too (`Allocator::trace_key`), so `driver_calls`, `fences_recorded`,
 //! `fence_waits`, `fence_polls` and `host_syncs` are exact; the exception is the allocator's
 //! drop, whose event destroys and releases are not counted. `driver_calls` counts every call
-//! made, a failed one too; `fences_recorded` and `fence_waits` count the records and waits
-//! that succeeded. `driver_calls` counts the calls that do the work (a stream identity lookup on CUDA is two:
+//! that does the work, a failed one too (a stream identity lookup on CUDA is two:
 //! `Device::stream_key_calls`), not the bookkeeping around each on CUDA (`cuCtxGetCurrent`,
-//! and the capture-mode switch around calls CUDA restricts during a capture: `CudaDevice::enter`).
+//! and the capture-mode switch around calls CUDA restricts during a capture:
+//! `CudaDevice::enter`); `fences_recorded` and `fence_waits` count the records and waits that
+//! succeeded.
 
 use super::{Device, Event};
 use crate::error::Result;
