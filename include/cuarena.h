@@ -100,7 +100,7 @@ typedef struct cuarena_stats {
     uint64_t cross_thread_frees;    /* arena blocks freed by a thread other than their owner */
     uint64_t cross_stream_frees;    /* own arena blocks freed the batched way, on another stream than the arena's */
     uint64_t fences_recorded;       /* CUDA events recorded as fences */
-    uint64_t fence_waits;           /* cuStreamWaitEvent calls */
+    uint64_t fence_waits;           /* cuStreamWaitEvent calls that succeeded */
     uint64_t fence_polls;           /* cuEventQuery calls */
     uint64_t driver_calls;          /* CUDA driver calls of every kind */
     uint64_t host_syncs;            /* host-blocking waits: out-of-memory reclaim, empty_cache, thread exit past the parked bound */

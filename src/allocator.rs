@@ -2305,6 +2305,7 @@ impl Allocator {
         // Pass-through mode orders the declared streams as this mode does, for a free it will
         // accept: a bad one is refused (traced and counted) without a driver call.
         if let Some(p) = &self.inner.passthrough
+            && !used_on.is_empty()
             && !p.is_valid_free(ptr, size)
         {
             return self.deallocate(ptr, size, stream);
@@ -3064,16 +3065,35 @@ impl Allocator {
         }
     }
 
-    /// A stream's identity for the trace, 0 where it cannot be told: asked through `Counted` on
-    /// the calling thread's counters, as the allocator asks every identity, so the lookups are
-    /// counted in `driver_calls`, and the legacy stream's comes from the pool's cache, or is not
-    /// asked while a capture is announced (`Counted::stream_key`: `cuStreamGetId` of it could
-    /// break a capture of a blocking stream, begun at any moment).
+    /// A stream's identity for the trace, 0 where it cannot be told: asked through `Counted`, as
+    /// the allocator asks every identity, so the lookups are counted in `driver_calls`; the
+    /// legacy stream's comes from the pool's cache, or is not asked while a capture is announced
+    /// (`Counted::stream_key`: `cuStreamGetId` of it could break a capture of a blocking stream,
+    /// begun at any moment), and the per-thread stream's from the thread's slot where it knows
+    /// it. Charged to the calling thread's counters; where its slots are busy (a call of another
+    /// allocator further up this thread's stack) or gone (late destructors), to counters
+    /// registered for this lookup alone: no slot is made for it.
     fn trace_key(&self, stream: Stream) -> u64 {
-        with_slot(&self.inner, |slot, inner| {
-            let dev = Counted::new(&*inner.device, &slot.counters);
-            let key = if stream.is_legacy() { inner.pool.legacy_key(&dev) } else { dev.stream_key(stream) };
+        let inner = &*self.inner;
+        let ask = |counters: &Counters, ptds: Option<StreamKey>| {
+            let dev = Counted::new(&*inner.device, counters);
+            let key = match ptds {
+                Some(k) if stream.is_per_thread() => Ok(k),
+                _ if stream.is_legacy() => inner.pool.legacy_key(&dev),
+                _ => dev.stream_key(stream),
+            };
             key.map_or(0, |k| k.0)
+        };
+        let in_slot = SLOTS.try_with(|cell| {
+            let slots = cell.try_borrow().ok()?;
+            let slot = slots.iter().find(|s| s.id == inner.id)?;
+            Some(ask(&slot.counters, slot.ptds))
+        });
+        in_slot.ok().flatten().unwrap_or_else(|| {
+            let counters = inner.counters.register();
+            let key = ask(&counters, None);
+            inner.counters.retire(&counters);
+            key
         })
     }
 

@@ -3,7 +3,7 @@
 //!
 //! Each allocation is one `cuMemAllocAsync` of exactly the size asked for, and each free one
 //! `cuMemFreeAsync` on the free's stream, so compute-sanitizer (memcheck, initcheck) sees every
-//! block at its true size and catches an access past its end or after its free. Nothing is
+//! block at its true size and catches an access past its end or after its free. No memory is
 //! cached, no arena or pool is used, and the stream-ordering contract is the driver's own.
 //!
 //! Frees are still checked, against a map of the live blocks (a mutex: this is a debug mode),
@@ -15,7 +15,13 @@
 //! A refused free, or one the driver fails, changes nothing.
 //!
 //! A free declared used on other streams (`Allocator::deallocate_used_on`) is ordered after
-//! their work by the normal mode's fences, with its capture checks, before this mode's free.
+//! their work by the normal mode's fences (events from the allocator's event pool, kept idle
+//! there until `trim` or the drop), with its capture checks, before this mode's free. So, as
+//! in the normal mode, such a free is refused with `StreamCapturing` while its stream or a
+//! declared one is being captured, or names the legacy stream while a capture is announced;
+//! a plain free on a capturing stream goes to `cuMemFreeAsync`, which the capture records. A
+//! declared-stream free the driver fails part-way leaves the waits already queued (harmless)
+//! and the block live.
 //!
 //! Statistics: `allocations`, `deallocations`, `invalid_frees`, `driver_calls` and the event
 //! counters are exact (the fences' counts, and the calls made outside this module, are kept per

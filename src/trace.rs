@@ -15,7 +15,7 @@
 //! | 0 | `u64` | time: nanoseconds since the trace started (one monotonic clock for all threads) |
 //! | 8 | `u64` | pointer (the block's device address; 0 for a failed allocation) |
 //! | 16 | `u64` | size: the bytes asked for (as given to allocate or free) |
-//! | 24 | `u64` | stream identity: the stream's [`StreamKey`] (`cuStreamGetId`), never its handle; for the per-thread stream `0x2`, the calling thread's own per-thread stream's key; 0 if it could not be told (a destroyed stream; the legacy stream's while a capture is announced, until it is known) |
+//! | 24 | `u64` | stream identity: the stream's [`StreamKey`] (`cuStreamGetId`), never its handle; for the per-thread stream `0x2`, the calling thread's own per-thread stream's key; 0 if it could not be told (a destroyed stream, a stream being captured, the legacy stream while a blocking stream is captured or, until its identity is known, while a capture is announced; any failed lookup) |
 //! | 32 | `u32` | thread: a small index per allocator, in order of each thread's first record ([`LATE_THREAD`] for a record made in a thread's late destructors) |
 //! | 36 | `u8` | action: [`Action`] (0 alloc, 1 free, 2 failed alloc, 3 refused free) |
 //! | 37 | `u8` | path: [`TracePath`] (0 none, 1 arena, 2 large block in an arena, 3 global pool, 4 pass-through) |

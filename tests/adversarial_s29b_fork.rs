@@ -379,7 +379,8 @@ fn fork_inside_a_call_leaves_the_forked_allocators_fast_paths_serving_in_the_chi
 
 /// WAS A DEFECT, mended (hang at the child's exit). A traced free on a user stream runs inside the
 /// thread's trace log (`trace::record`: `LOGS` borrowed, between `enter` and `leave`); its stream's
-/// identity is asked there (`key_of` → `Device::stream_key`), and the device forks in that call.
+/// identity is asked there (then `key_of` → `Device::stream_key`; now `Allocator::trace_key` →
+/// `Counted::stream_key`), and the device forks in that call.
 /// Meanwhile another parent thread is in `stop_trace`, holding the tracer's `control` lock and
 /// waiting for this thread's log to leave. The child handler cannot forget the borrowed `LOGS`, so
 /// at the child's `exit()` the log's destructor (`Local::drop` → `Shared::exit`, src/trace.rs) runs

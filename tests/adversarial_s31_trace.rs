@@ -911,6 +911,9 @@ fn a_free_used_on_other_streams_is_traced_in_passthrough_mode() {
 fn passthrough_free_used_on_fails_cleanly_at_every_call() {
     let (sim, spy, a) = passthrough();
     let (s1, s2) = (sim.create_stream(), sim.create_stream());
+    // s1's work held: its fences stay pending, so the free's stream waits on them (a fence seen
+    // complete is not waited on, and whether one is would depend on the device's timing).
+    let gate = sim.gate(s1).unwrap();
     let used_on = [s1, Stream::PER_THREAD, s2, Stream::LEGACY];
     let mut failures = 0;
     let mut failed = std::collections::BTreeSet::new();
@@ -954,6 +957,7 @@ fn passthrough_free_used_on_fails_cleanly_at_every_call() {
     for kind in kinds {
         assert!(failed.contains(kind), "no {kind} failed: {failed:?} over {failures} failures");
     }
+    gate.open();
     sim.synchronize();
     assert_eq!(sim.violations(), Vec::<String>::new());
     let st = a.stats();
@@ -975,9 +979,12 @@ fn passthrough_fence_counters_match_the_records_and_waits_made() {
             let (sim, spy, a) = passthrough();
             let (s1, s2) = (sim.create_stream(), sim.create_stream());
             let q = a.allocate(4096, s1).unwrap();
+            // s1's work held, so its fence is pending and waited on (not seen complete).
+            let gate = sim.gate(s1).unwrap();
             spy.fail_at.store(spy.calls() + k, SeqCst);
             let r = a.deallocate_used_on(q, 4096, s2, &[s1]);
             spy.fail_at.store(u64::MAX, SeqCst);
+            gate.open();
             matches!(r, Err(Error::Driver { call: "stream_wait_event", .. }))
                 .then_some((sim, spy, a, s1, s2, q))
         })
@@ -1010,7 +1017,7 @@ fn passthrough_free_used_on_same_and_destroyed_streams() {
         let st = a.stats();
         (st.fences_recorded, st.fence_waits)
     };
-    let (e0, w0) = (ev(&a), spy.waits.load(SeqCst));
+    let (e0, w0, r0) = (ev(&a), spy.waits.load(SeqCst), spy.records.load(SeqCst));
     a.deallocate_used_on(q1, 4096, s1, &[s1, s1]).unwrap();
     let q2 = a.allocate(4096, Stream::PER_THREAD).unwrap();
     a.deallocate_used_on(q2, 4096, Stream::PER_THREAD, &[Stream::PER_THREAD]).unwrap();
@@ -1028,13 +1035,19 @@ fn passthrough_free_used_on_same_and_destroyed_streams() {
         assert_eq!(a.stats().live_bytes, 8192);
     }
     assert_eq!(sim.live_events(), 0, "an event leaked");
+    // The failed frees recorded and waited on nothing: every declared stream's capture check
+    // comes before any ordering, and a dead stream fails there, so a refused free changes nothing.
+    assert_eq!((spy.records.load(SeqCst), spy.waits.load(SeqCst)), (r0, w0), "a failed free ordered");
+    // s1's work held, so its fence is pending and waited on.
+    let gate = sim.gate(s1).unwrap();
     a.deallocate_used_on(q3, 8192, s2, &[s1, Stream::PER_THREAD, Stream::LEGACY]).unwrap();
-    // Three waits, all by the last free: the failed frees made none (every declared stream's
-    // capture check comes before any ordering, and a dead stream fails there, so a refused free
-    // changes nothing), each counted once.
-    let w = spy.waits.load(SeqCst) - w0;
-    assert_eq!(w, 3);
-    assert_eq!(ev(&a), (e0.0 + w, e0.1 + w));
+    gate.open();
+    // Three fences, one a declared stream, each counted once; a wait for each not already seen
+    // complete (`Fence::order_before` polls first): s1's at least; the others' by timing.
+    let (r, w) = (spy.records.load(SeqCst) - r0, spy.waits.load(SeqCst) - w0);
+    assert_eq!(r, 3);
+    assert!((1..=3).contains(&w), "{w} waits for 3 fences, one of them pending");
+    assert_eq!(ev(&a), (e0.0 + r, e0.1 + w));
     let r = a.deallocate_used_on(q3, 8192, s2, &[dead]);
     assert!(common::is_double(&r), "a double free refused first: {r:?}");
     // A bad free makes no call, even with a dead stream declared.

@@ -491,8 +491,8 @@ impl cuarena::Device for Watch {
     fn stream_key(&self, stream: Stream) -> cuarena::Result<StreamKey> {
         self.after(|| format!("stream_key of {stream:?}"), self.dev.stream_key(stream))
     }
-    fn stream_key_calls(&self, stream: Stream) -> u64 {
-        self.dev.stream_key_calls(stream)
+    fn stream_key_calls(&self, stream: Stream, answer: &cuarena::Result<StreamKey>) -> u64 {
+        self.dev.stream_key_calls(stream, answer)
     }
     fn stream_capturing(&self, stream: Stream) -> cuarena::Result<bool> {
         self.after(|| format!("stream_capturing of {stream:?}"), self.dev.stream_capturing(stream))

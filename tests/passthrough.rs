@@ -221,8 +221,8 @@ fn the_builder_switch_and_the_parse_key_agree() {
 }
 
 /// The simulator, counting the calls `deallocate_used_on` makes (capture checks, identity
-/// lookups, the fences' event create, record, poll, wait and destroy) and failing every event
-/// record while asked to.
+/// lookups, the fences' event create where the event pool has none idle, record, poll and wait;
+/// the destroy of an idle event at a trim) and failing every event record while asked to.
 struct Calls {
     sim: HostDevice,
     calls: std::sync::atomic::AtomicU64,
@@ -308,7 +308,10 @@ fn a_free_used_on_other_streams_refuses_bad_frees_first_and_counts_every_call() 
     assert_eq!(a.stats().live_bytes, 4096, "a failed ordering freed the block");
 
     dev.0.fail_records.store(false, SeqCst);
+    // s1's work held, so its fence is pending and waited on (a fence seen complete is not).
+    let gate = sim.gate(s1).unwrap();
     a.deallocate_used_on(p, 4096, s2, &[s1]).unwrap();
+    gate.open();
     let (c3, d3, _) = seen();
     // The free itself is one more call the device's `free_async` makes (not counted above).
     assert_eq!(d3 - d2, c3 - c2 + 1, "calls {c2} -> {c3}, driver_calls {d2} -> {d3}");

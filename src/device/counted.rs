@@ -4,12 +4,12 @@
 //! allocations and frees excepted: it counts its own, `passthrough.rs`), a trace's stream
 //! identities too (`Allocator::trace_key`), so `driver_calls`, `fences_recorded`,
 //! `fence_waits`, `fence_polls` and `host_syncs` are exact; the exception is the allocator's
-//! drop, whose event destroys and releases are not counted. `driver_calls` counts every call
+//! drop, whose event destroys, releases and device synchronise are not counted. `driver_calls` counts every call
 //! that does the work, a failed one too (a stream identity lookup on CUDA is two:
 //! `Device::stream_key_calls`), not the bookkeeping around each on CUDA (`cuCtxGetCurrent`,
 //! and the capture-mode switch around calls CUDA restricts during a capture:
 //! `CudaDevice::enter`); `fences_recorded` and `fence_waits` count the records and waits that
-//! succeeded.
+//! succeeded, `fence_polls` and `host_syncs` every one made.
 
 use super::{Device, Event};
 use crate::error::Result;
@@ -227,8 +227,9 @@ impl<'a> Counted<'a> {
         if s.is_legacy() {
             return self.legacy_key();
         }
-        self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s));
-        self.device.stream_key(s)
+        let key = self.device.stream_key(s);
+        self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s, &key));
+        key
     }
 
     /// [`Counted::stream_key`] of the legacy stream. Outside a call on it, refused while a
@@ -242,8 +243,9 @@ impl<'a> Counted<'a> {
             if !self.legacy_call && self.legacy_announced() {
                 return Err(crate::error::Error::StreamCapturing { stream: s.as_raw() });
             }
-            self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s));
-            self.device.stream_key(s)
+            let key = self.device.stream_key(s);
+            self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s, &key));
+            key
         })
     }
 }

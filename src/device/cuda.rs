@@ -310,8 +310,8 @@ impl Device for CudaDevice {
         Ok(implicated || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    fn stream_key_calls(&self, _stream: Stream) -> u64 {
-        2 // `cuStreamIsCapturing` first, below
+    fn stream_key_calls(&self, _stream: Stream, answer: &Result<StreamKey>) -> u64 {
+        key_calls(answer)
     }
 
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
@@ -328,5 +328,27 @@ impl Device for CudaDevice {
             unsafe { sys::cuStreamGetId(raw_stream(stream), &mut id) }
         })?;
         Ok(StreamKey(id))
+    }
+}
+
+/// The driver calls one `CudaDevice::stream_key` made, given its answer: `cuStreamIsCapturing`
+/// first, then `cuStreamGetId` only where that query let the lookup on.
+fn key_calls(answer: &Result<StreamKey>) -> u64 {
+    match answer {
+        Err(Error::StreamCapturing { .. }) | Err(Error::Driver { call: "cuStreamIsCapturing", .. }) => 1,
+        _ => 2,
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod key_calls_tests {
+    use super::*;
+
+    #[test]
+    fn a_lookup_the_capture_query_stopped_made_one_call() {
+        assert_eq!(key_calls(&Ok(StreamKey(7))), 2);
+        assert_eq!(key_calls(&Err(Error::Driver { call: "cuStreamGetId", code: 400 })), 2);
+        assert_eq!(key_calls(&Err(Error::StreamCapturing { stream: 0x1 })), 1);
+        assert_eq!(key_calls(&Err(Error::Driver { call: "cuStreamIsCapturing", code: 400 })), 1);
     }
 }

@@ -100,11 +100,12 @@ pub trait Device: Send + Sync + 'static {
     /// The identity of `stream` as seen from the calling thread. A stream being captured may
     /// be refused (`Error::StreamCapturing`), as CUDA's is.
     fn stream_key(&self, stream: Stream) -> Result<StreamKey>;
-    /// The driver calls one [`Device::stream_key`] of `stream` makes, for the statistics'
-    /// `driver_calls`: 1 unless a device says otherwise (CUDA asks `cuStreamIsCapturing`
-    /// before `cuStreamGetId`: 2).
-    fn stream_key_calls(&self, stream: Stream) -> u64 {
-        let _ = stream;
+    /// The driver calls one [`Device::stream_key`] of `stream` made, given its `answer`, for
+    /// the statistics' `driver_calls`: 1 unless a device says otherwise (CUDA asks
+    /// `cuStreamIsCapturing` before `cuStreamGetId`: 2, or 1 where that first query refused
+    /// the lookup or failed).
+    fn stream_key_calls(&self, stream: Stream, answer: &Result<StreamKey>) -> u64 {
+        let _ = (stream, answer);
         1
     }
     /// True while `stream` is being captured into a CUDA graph (`cuStreamIsCapturing`): an

@@ -67,8 +67,8 @@ pub trait Interpose: Send + Sync {
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
         self.base().stream_key(stream)
     }
-    fn stream_key_calls(&self, stream: Stream) -> u64 {
-        self.base().stream_key_calls(stream)
+    fn stream_key_calls(&self, stream: Stream, answer: &Result<StreamKey>) -> u64 {
+        self.base().stream_key_calls(stream, answer)
     }
     fn stream_capturing(&self, stream: Stream) -> Result<bool> {
         self.base().stream_capturing(stream)
@@ -136,8 +136,8 @@ impl<T: Interpose + 'static> Device for Interposed<T> {
     fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
         self.0.stream_key(stream)
     }
-    fn stream_key_calls(&self, stream: Stream) -> u64 {
-        self.0.stream_key_calls(stream)
+    fn stream_key_calls(&self, stream: Stream, answer: &Result<StreamKey>) -> u64 {
+        self.0.stream_key_calls(stream, answer)
     }
     fn stream_capturing(&self, stream: Stream) -> Result<bool> {
         self.0.stream_capturing(stream)
