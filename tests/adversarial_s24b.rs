@@ -18,7 +18,7 @@ use std::time::Duration;
 use common::{
     Live, Worker, all_back, host, is_double, is_invalid, no_violations, on_thread, rng, small, within,
 };
-use cuarena::{Allocator, Device, DeviceAddr, Error, Event, Stream};
+use cuarena::{Allocator, Device, DeviceAddr, Error, Event, InvalidFree, Stream};
 use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
 
 /// Small blocks up to 64 KiB, large ones up to 2 MiB from large superblocks, the rest from the
@@ -264,9 +264,20 @@ fn remote_frees_on_a_reused_handle_after_the_owner_exited() {
                 let on = [y, own, Stream::PER_THREAD, Stream::LEGACY][(i + t as usize) % 4];
                 live.remove(p);
                 a.deallocate(p, n, on).unwrap();
-                // An ordered second free is refused at once, on any stream.
+                // An ordered second free is refused at once, on any stream: as a double free,
+                // or as an unknown pointer where the memory went on meanwhile into another block
+                // (the pool may lend a freed extent to another stream at once, behind a wait on
+                // its fence: seen in about one run in forty on two cores).
                 let again = [Stream::PER_THREAD, y, own, Stream::LEGACY][i % 4];
-                assert!(is_double(&a.deallocate(p, n, again)), "a double free accepted");
+                let r2 = a.deallocate(p, n, again);
+                let refused = matches!(
+                    r2,
+                    Err(Error::InvalidFree {
+                        reason: InvalidFree::DoubleFree | InvalidFree::UnknownPointer,
+                        ..
+                    })
+                );
+                assert!(refused, "a double free accepted: {r2:?} (freed on {on:?}, again on {again:?})");
                 i += 1;
             }
             // Half flush (parks their user-stream batches), half just exit.
