@@ -4,11 +4,11 @@
 //! allocations and frees excepted: it counts its own, `passthrough.rs`), a trace's stream
 //! identities too (`Allocator::trace_key`), so `driver_calls`, `fences_recorded`,
 //! `fence_waits`, `fence_polls` and `host_syncs` are exact; the exception is the allocator's
-//! drop, whose event destroys, releases and device synchronise are not counted. `driver_calls` counts every call
-//! that does the work, a failed one too (a stream identity lookup on CUDA is two:
-//! `Device::stream_key_calls`), not the bookkeeping around each on CUDA (`cuCtxGetCurrent`,
-//! and the capture-mode switch around calls CUDA restricts during a capture:
-//! `CudaDevice::enter`); `fences_recorded` and `fence_waits` count the records and waits that
+//! drop, whose event destroys, releases and device synchronise are not counted. `driver_calls`
+//! counts every call that does the work, a failed one too (a stream identity lookup on CUDA is
+//! two: `Device::stream_key_calls`), not the bookkeeping around each on CUDA
+//! (`cuCtxGetCurrent`, and the capture-mode switch around calls CUDA restricts during a
+//! capture: `CudaDevice::enter`); `fences_recorded` and `fence_waits` count the records and waits that
 //! succeeded, `fence_polls` and `host_syncs` every one made.
 
 use super::{Device, Event};
@@ -227,6 +227,12 @@ impl<'a> Counted<'a> {
         if s.is_legacy() {
             return self.legacy_key();
         }
+        self.asked_key(s)
+    }
+
+    /// The device's answer for `s`'s identity, its calls counted (`Device::stream_key_calls`).
+    #[inline]
+    fn asked_key(&self, s: Stream) -> Result<StreamKey> {
         let key = self.device.stream_key(s);
         self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s, &key));
         key
@@ -243,9 +249,7 @@ impl<'a> Counted<'a> {
             if !self.legacy_call && self.legacy_announced() {
                 return Err(crate::error::Error::StreamCapturing { stream: s.as_raw() });
             }
-            let key = self.device.stream_key(s);
-            self.counters.bump(&self.counters.driver_calls, self.device.stream_key_calls(s, &key));
-            key
+            self.asked_key(s)
         })
     }
 }
