@@ -7,8 +7,9 @@
 //! 2. Pass-through mode's `deallocate_used_on` refuses a bad free before any driver call, counts
 //!    every driver call it makes (a failed one too) and frees nothing on a failure.
 //!
-//! Every test runs on the simulated device. `Spy` counts every device call (and can fail the
-//! n-th, watch the legacy stream, or run a hook after the legacy stream's identity is asked).
+//! Every test runs on the simulated device. `Spy` (the test kit's, `testkit/src/spy.rs`) counts
+//! every device call (and can fail the n-th, watch the legacy stream, or run a hook after the
+//! legacy stream's identity is asked).
 
 mod common;
 
@@ -18,8 +19,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Barrier, Mutex, mpsc};
 
 use cuarena::trace::{self, Action, LATE_THREAD, Record, StreamKind};
-use cuarena::{Allocator, Config, Device, DeviceAddr, Error, Event, InvalidFree, Stream, StreamKey};
-use cuarena_testkit::{HostDevice, Interpose, Interposed, assert_all_returned};
+use cuarena::{Allocator, Config, Device, DeviceAddr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostDevice, Interpose, Interposed, Spy, assert_all_returned};
 
 type CuResult<T> = cuarena::Result<T>;
 
@@ -38,151 +39,6 @@ fn take(p: &std::path::Path) -> Vec<Record> {
 
 fn key(d: &dyn Device, s: Stream) -> u64 {
     d.stream_key(s).unwrap().0
-}
-
-/// A hook run once, after the legacy stream's identity was asked while it is set.
-type Hook = Box<dyn FnOnce() + Send>;
-
-/// A device that counts every call made of it, and can fail the call with a chosen index,
-/// note every use of the legacy stream while watching (its capture query excepted: CUDA allows
-/// it during any capture), and run a hook right after a lookup of the legacy stream's
-/// identity.
-struct Spy {
-    base: Arc<dyn Device>,
-    /// Every call, a failed one too.
-    calls: AtomicU64,
-    /// The index (a value of `calls` before the call) of the call to fail; `u64::MAX`: none.
-    fail_at: AtomicU64,
-    /// Calls that succeeded, by kind.
-    records: AtomicU64,
-    waits: AtomicU64,
-    frees: AtomicU64,
-    watch: AtomicBool,
-    legacy_uses: Mutex<Vec<String>>,
-    after_legacy_key: Mutex<Option<Hook>>,
-}
-
-impl Spy {
-    fn over(base: Arc<dyn Device>) -> Arc<Interposed<Spy>> {
-        Arc::new(Interposed(Spy {
-            base,
-            calls: AtomicU64::new(0),
-            fail_at: AtomicU64::new(u64::MAX),
-            records: AtomicU64::new(0),
-            waits: AtomicU64::new(0),
-            frees: AtomicU64::new(0),
-            watch: AtomicBool::new(false),
-            legacy_uses: Mutex::new(Vec::new()),
-            after_legacy_key: Mutex::new(None),
-        }))
-    }
-    fn new(sim: &HostDevice) -> Arc<Interposed<Spy>> {
-        Spy::over(Arc::new(sim.clone()))
-    }
-    fn calls(&self) -> u64 {
-        self.calls.load(SeqCst)
-    }
-    /// Counts a call; fails it if it is the chosen one.
-    fn tick(&self, what: &'static str) -> CuResult<()> {
-        let n = self.calls.fetch_add(1, SeqCst);
-        if self.fail_at.load(SeqCst) == n {
-            return Err(Error::Driver { call: what, code: 999 });
-        }
-        Ok(())
-    }
-    fn legacy(&self, s: Stream, what: &str) {
-        if s.is_legacy() && self.watch.load(SeqCst) {
-            self.legacy_uses.lock().unwrap().push(what.to_string());
-        }
-    }
-    fn legacy_uses(&self) -> Vec<String> {
-        self.legacy_uses.lock().unwrap().clone()
-    }
-}
-
-impl Interpose for Spy {
-    fn base(&self) -> &dyn Device {
-        &*self.base
-    }
-    fn reserve(&self, bytes: usize) -> CuResult<Option<u64>> {
-        self.tick("reserve")?;
-        self.base.reserve(bytes)
-    }
-    unsafe fn release(&self, ptr: u64, bytes: usize) -> CuResult<()> {
-        self.tick("release")?;
-        // SAFETY: forwarded from the caller.
-        unsafe { self.base.release(ptr, bytes) }
-    }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> CuResult<Option<u64>> {
-        self.legacy(stream, "alloc_async");
-        self.tick("alloc_async")?;
-        self.base.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> CuResult<()> {
-        self.legacy(stream, "free_async");
-        self.tick("free_async")?;
-        // SAFETY: forwarded from the caller.
-        let r = unsafe { self.base.free_async(ptr, bytes, stream) };
-        if r.is_ok() {
-            self.frees.fetch_add(1, SeqCst);
-        }
-        r
-    }
-    fn create_event(&self) -> CuResult<Event> {
-        self.tick("create_event")?;
-        self.base.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        // Cannot fail: counted, never failed.
-        self.calls.fetch_add(1, SeqCst);
-        self.base.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> CuResult<()> {
-        self.legacy(stream, "record_event");
-        self.tick("record_event")?;
-        let r = self.base.record_event(event, stream);
-        if r.is_ok() {
-            self.records.fetch_add(1, SeqCst);
-        }
-        r
-    }
-    fn query_event(&self, event: Event) -> CuResult<bool> {
-        self.tick("query_event")?;
-        self.base.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> CuResult<()> {
-        self.tick("sync_event")?;
-        self.base.sync_event(event)
-    }
-    fn synchronize(&self) -> CuResult<()> {
-        self.tick("synchronize")?;
-        self.base.synchronize()
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
-        self.legacy(stream, "stream_wait_event");
-        self.tick("stream_wait_event")?;
-        let r = self.base.stream_wait_event(stream, event);
-        if r.is_ok() {
-            self.waits.fetch_add(1, SeqCst);
-        }
-        r
-    }
-    fn stream_key(&self, stream: Stream) -> CuResult<StreamKey> {
-        self.legacy(stream, "stream_key");
-        self.tick("stream_key")?;
-        let r = self.base.stream_key(stream);
-        if stream.is_legacy()
-            && r.is_ok()
-            && let Some(hook) = self.after_legacy_key.lock().unwrap().take()
-        {
-            hook();
-        }
-        r
-    }
-    fn stream_capturing(&self, stream: Stream) -> CuResult<bool> {
-        self.tick("stream_capturing")?;
-        self.base.stream_capturing(stream)
-    }
 }
 
 /// A thread that begins and ends captures of its own per-thread stream (a blocking stream) on

@@ -1,119 +1,17 @@
 //! Thirty-first session, helper-51: adversarial tests of `Allocator::deallocate_used_on` in the
 //! normal (non-pass-through) mode.
 //!
-//! Every test runs on the simulated device. `Spy` counts every device call (and can fail the
-//! call with a chosen index), and counts the records and waits that succeeded.
+//! Every test runs on the simulated device. `Spy` (the test kit's) counts every device call
+//! (and can fail the call with a chosen index), and counts the records and waits that succeeded.
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cuarena::{Allocator, Device, DeviceAddr, Error, Event, InvalidFree, Stream, StreamKey};
-use cuarena_testkit::{HostDevice, Interpose, Interposed, assert_all_returned};
-
-type CuResult<T> = cuarena::Result<T>;
-
-/// A device that counts every call made of it and can fail the call with a chosen index.
-struct Spy {
-    base: Arc<dyn Device>,
-    calls: AtomicU64,
-    /// The index (a value of `calls` before the call) of the call to fail; `u64::MAX`: none.
-    fail_at: AtomicU64,
-    records: AtomicU64,
-    waits: AtomicU64,
-}
-
-impl Spy {
-    fn new(sim: &HostDevice) -> Arc<Interposed<Spy>> {
-        Arc::new(Interposed(Spy {
-            base: Arc::new(sim.clone()),
-            calls: AtomicU64::new(0),
-            fail_at: AtomicU64::new(u64::MAX),
-            records: AtomicU64::new(0),
-            waits: AtomicU64::new(0),
-        }))
-    }
-    fn calls(&self) -> u64 {
-        self.calls.load(SeqCst)
-    }
-    fn tick(&self, what: &'static str) -> CuResult<()> {
-        let n = self.calls.fetch_add(1, SeqCst);
-        if self.fail_at.load(SeqCst) == n {
-            return Err(Error::Driver { call: what, code: 999 });
-        }
-        Ok(())
-    }
-}
-
-impl Interpose for Spy {
-    fn base(&self) -> &dyn Device {
-        &*self.base
-    }
-    fn reserve(&self, bytes: usize) -> CuResult<Option<u64>> {
-        self.tick("reserve")?;
-        self.base.reserve(bytes)
-    }
-    unsafe fn release(&self, ptr: u64, bytes: usize) -> CuResult<()> {
-        self.tick("release")?;
-        // SAFETY: forwarded from the caller.
-        unsafe { self.base.release(ptr, bytes) }
-    }
-    fn alloc_async(&self, bytes: usize, stream: Stream) -> CuResult<Option<u64>> {
-        self.tick("alloc_async")?;
-        self.base.alloc_async(bytes, stream)
-    }
-    unsafe fn free_async(&self, ptr: u64, bytes: usize, stream: Stream) -> CuResult<()> {
-        self.tick("free_async")?;
-        // SAFETY: forwarded from the caller.
-        unsafe { self.base.free_async(ptr, bytes, stream) }
-    }
-    fn create_event(&self) -> CuResult<Event> {
-        self.tick("create_event")?;
-        self.base.create_event()
-    }
-    fn destroy_event(&self, event: Event) {
-        self.calls.fetch_add(1, SeqCst);
-        self.base.destroy_event(event)
-    }
-    fn record_event(&self, event: Event, stream: Stream) -> CuResult<()> {
-        self.tick("record_event")?;
-        let r = self.base.record_event(event, stream);
-        if r.is_ok() {
-            self.records.fetch_add(1, SeqCst);
-        }
-        r
-    }
-    fn query_event(&self, event: Event) -> CuResult<bool> {
-        self.tick("query_event")?;
-        self.base.query_event(event)
-    }
-    fn sync_event(&self, event: Event) -> CuResult<()> {
-        self.tick("sync_event")?;
-        self.base.sync_event(event)
-    }
-    fn synchronize(&self) -> CuResult<()> {
-        self.tick("synchronize")?;
-        self.base.synchronize()
-    }
-    fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
-        self.tick("stream_wait_event")?;
-        let r = self.base.stream_wait_event(stream, event);
-        if r.is_ok() {
-            self.waits.fetch_add(1, SeqCst);
-        }
-        r
-    }
-    fn stream_key(&self, stream: Stream) -> CuResult<StreamKey> {
-        self.tick("stream_key")?;
-        self.base.stream_key(stream)
-    }
-    fn stream_capturing(&self, stream: Stream) -> CuResult<bool> {
-        self.tick("stream_capturing")?;
-        self.base.stream_capturing(stream)
-    }
-}
+use cuarena::{Allocator, Device, DeviceAddr, Error, InvalidFree, Stream};
+use cuarena_testkit::{HostDevice, Interposed, Spy, assert_all_returned};
 
 /// Makes later work on `to` wait for the work queued so far on `from` (the caller's own
 /// ordering of a block's use on a stream other than the one it was allocated on).

@@ -18,6 +18,7 @@ mod harness;
 pub mod hooked;
 pub mod host;
 pub mod interpose;
+pub mod spy;
 
 use std::sync::Arc;
 
@@ -27,6 +28,7 @@ pub use harness::*;
 pub use hooked::{Hooked, HookedDevice, Hooks, Stall};
 pub use host::{HostConfig, HostDevice, StreamGate};
 pub use interpose::{Interpose, Interposed};
+pub use spy::Spy;
 
 /// An allocator over a simulated device (a clone of `device` shares its state, so keep one to
 /// ask the race checker).
