@@ -1506,7 +1506,18 @@ impl Slot {
         bytes + inner.reclaim_others(env, &arenas.shells(), dissolve, may_block)
     }
 
-    fn free(&mut self, inner: &Inner, ptr: u64, size: usize, stream: Stream) -> Result<()> {
+    /// Frees a block on `stream`, also used on the streams `used_on` (empty for a plain free;
+    /// see [`Allocator::deallocate_used_on`]): each branch validates the free first, then
+    /// orders the declared streams before `stream` ([`order_for_free`]), then takes it. A free
+    /// refused, by its validation or by the ordering, changes nothing.
+    fn free(
+        &mut self,
+        inner: &Inner,
+        ptr: u64,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+    ) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = if size == 0 { None } else { block_bytes(size, inner.cfg.small_max) };
         if size > 0
@@ -1515,7 +1526,7 @@ impl Slot {
         {
             let owner = sb.owner.load(Ordering::Acquire);
             if !owner.is_null() {
-                return self.free_arena_block(inner, sb, owner, (ptr, size, stream));
+                return self.free_arena_block(inner, sb, owner, (ptr, size, stream), used_on);
             }
         }
         let Some(bytes) = bytes else {
@@ -1528,9 +1539,9 @@ impl Slot {
             let ptds = Self::ptds_key(&mut self.ptds, &env)?;
             inner.pool.begin_free(ptr, size)?;
             let fr = Freed { ptr, size };
-            if let Err(e) =
+            if let Err(e) = order_for_free(inner, &self.counters, stream, used_on).and_then(|()| {
                 Self::push_batchable(&mut self.outbox, inner, &env, ptds, std::ptr::null(), fr, stream)
-            {
+            }) {
                 inner.pool.cancel_free(ptr); // not taken: nothing changed
                 return Err(e);
             }
@@ -1539,6 +1550,7 @@ impl Slot {
         }
         // Validate before recording the fence: a bad free costs no event.
         inner.pool.check_free(ptr, size)?;
+        order_for_free(inner, &self.counters, stream, used_on)?;
         let key = Self::key_of(&mut self.ptds, &env, stream)?;
         let fence = env.fence(stream, key)?;
         inner.pool.free(ptr, size, fence, Origin::Caller)?;
@@ -1559,6 +1571,7 @@ impl Slot {
         sb: &Superblock,
         owner: *mut ArenaShell,
         (ptr, size, stream): (u64, usize, Stream),
+        used_on: &[Stream],
     ) -> Result<()> {
         let invalid = |reason| Error::InvalidFree { ptr, size, reason };
         let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
@@ -1586,8 +1599,18 @@ impl Slot {
                 let env = inner.env(&self.counters);
                 self.arenas.get_mut(w).and_then(|a| {
                     a.with(|a| {
+                        // A free with declared streams is validated, then ordered, then taken.
+                        let ordered = || {
+                            Arena::check_live(sb, ptr, size, bytes)
+                                .and_then(|()| order_for_free(inner, &self.counters, stream, used_on))
+                        };
                         if !a.owns(sb) {
                             Local::NotOurs
+                        } else if (home || legacy)
+                            && !used_on.is_empty()
+                            && let Err(e) = ordered()
+                        {
+                            Local::Freed(Err(e))
                         } else if home {
                             Local::Freed(a.free_local(|| env, sb, ptr, size, bytes, true))
                         } else if legacy {
@@ -1608,7 +1631,7 @@ impl Slot {
                     return Ok(());
                 }
                 // A reclaimer gave the superblock back meanwhile: route the free afresh.
-                Some(Local::NotOurs) => return self.free(inner, ptr, size, stream),
+                Some(Local::NotOurs) => return self.free(inner, ptr, size, stream, used_on),
                 Some(Local::Checked(r)) => r?,
                 // A reclaimer holds our arena right now: the free goes the remote way, and
                 // the drain checks it.
@@ -1619,6 +1642,10 @@ impl Slot {
         let g = sb.granule_of(ptr).ok_or(invalid(InvalidFree::UnknownPointer))?;
         if !sb.claim_free(g) {
             return Err(invalid(InvalidFree::DoubleFree));
+        }
+        if let Err(e) = order_for_free(inner, &self.counters, stream, used_on) {
+            sb.unfree(g); // not taken: nothing changed
+            return Err(e);
         }
         let fr = Freed { ptr, size };
         if Outbox::batchable(stream) {
@@ -2225,23 +2252,35 @@ impl Allocator {
             return r;
         }
         if refused.is_none() && self.inner.trace.on() {
-            return self.deallocate_traced(ptr, size, stream); // a trace records (trace.rs)
+            return self.deallocate_traced(ptr, size, stream, &[]); // a trace records (trace.rs)
         }
-        self.deallocate_rest(ptr, size, stream, refused)
+        self.deallocate_rest(ptr, size, stream, refused, &[])
     }
 
-    /// [`Allocator::deallocate`] without the trace (what a traced free runs).
-    fn deallocate_untraced(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+    /// [`Allocator::deallocate_used_on`] without the trace (what a traced free runs), in
+    /// either mode for a plain free (`used_on` empty), in the normal mode for a declared one:
+    /// that never takes the fast path, which orders nothing.
+    fn deallocate_untraced(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+    ) -> Result<()> {
         let mut refused = None;
-        if self.inner.passthrough.is_none() && free_fast(&self.inner, stream, ptr.0, size, &mut refused) {
+        if self.inner.passthrough.is_none()
+            && used_on.is_empty()
+            && free_fast(&self.inner, stream, ptr.0, size, &mut refused)
+        {
             return Ok(());
         }
-        self.deallocate_rest(ptr, size, stream, refused)
+        self.deallocate_rest(ptr, size, stream, refused, used_on)
     }
 
     /// A free the fast path did not take, without the trace: its refusal (`refused`: the
-    /// stream is being captured, or its handle is refused), pass-through mode, the free of
-    /// null, and the slow path.
+    /// stream is being captured, or its handle is refused), pass-through mode (never with
+    /// `used_on`: [`Allocator::deallocate_used_on`] orders those itself), the free of null,
+    /// and the slow path.
     #[inline(always)]
     fn deallocate_rest(
         &self,
@@ -2249,28 +2288,36 @@ impl Allocator {
         size: usize,
         stream: Stream,
         refused: Option<Error>,
+        used_on: &[Stream],
     ) -> Result<()> {
         if let Some(e) = refused {
             return Err(e);
         }
         if let Some(p) = &self.inner.passthrough {
+            debug_assert!(used_on.is_empty(), "pass-through mode orders declared streams before");
             return p.deallocate(ptr, size, stream); // pass-through mode
         }
         if ptr.is_null() && size == 0 {
             return Ok(());
         }
-        self.deallocate_cold(ptr, size, stream)
+        self.deallocate_cold(ptr, size, stream, used_on)
     }
 
     /// Every free the fast path did not take, and every invalid one.
     #[cold]
     #[inline(never)]
-    fn deallocate_cold(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+    fn deallocate_cold(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+    ) -> Result<()> {
         with_slot(&self.inner, |slot, inner| {
             let r = if ptr.is_null() {
                 Err(Error::InvalidFree { ptr: 0, size, reason: InvalidFree::UnknownPointer })
             } else {
-                slot.free(inner, ptr.0, size, stream)
+                slot.free(inner, ptr.0, size, stream, used_on)
             };
             if let Err(Error::InvalidFree { .. }) = r {
                 slot.counters.bump(&slot.counters.invalid_frees, 1);
@@ -2302,25 +2349,23 @@ impl Allocator {
         {
             return r;
         }
-        // Pass-through mode orders the declared streams as this mode does, for a free it will
-        // accept: a bad one is refused (traced and counted) without a driver call.
-        if let Some(p) = &self.inner.passthrough
-            && !used_on.is_empty()
-            && !p.is_valid_free(ptr, size)
-        {
+        if used_on.is_empty() {
             return self.deallocate(ptr, size, stream);
         }
-        if !used_on.is_empty() {
-            with_slot(&self.inner, |slot, inner| -> Result<()> {
-                let env = inner.env(&slot.counters);
-                // CUDA graphs: no event on a stream being captured; checked first, so a refused
-                // free changes nothing.
-                env.dev.refuse_capturing(stream)?;
-                for &s in used_on {
-                    env.dev.refuse_capturing(s)?;
-                }
-                order_declared(&env, stream, env.dev.stream_key(stream)?, used_on)
-            })?;
+        let Some(p) = &self.inner.passthrough else {
+            // The normal mode validates the free first, with the owner's knowledge of the
+            // block, then orders the declared streams, then takes it (`Slot::free`).
+            if self.inner.trace.on() {
+                return self.deallocate_traced(ptr, size, stream, used_on);
+            }
+            return self.deallocate_untraced(ptr, size, stream, used_on);
+        };
+        // Pass-through mode orders the declared streams as the normal mode does, for a free it
+        // will accept: a bad one is refused (traced and counted) without a driver call. (A free
+        // of the same block racing this one may still win between the check and the free: the
+        // ordering is then spent on waits, and nothing else changes.)
+        if p.is_valid_free(ptr, size) {
+            with_slot(&self.inner, |slot, inner| order_for_free(inner, &slot.counters, stream, used_on))?;
         }
         self.deallocate(ptr, size, stream)
     }
@@ -2599,26 +2644,47 @@ impl Allocator {
         *lock(&self.inner.deferred) = Some(e);
     }
 
-    /// The free of an owning buffer's drop ([`crate::DeviceBuffer`], `CudaBuffer`), which
-    /// cannot be made again by its caller: refused because a stream is being captured into a
-    /// CUDA graph, it is held and made again by the next [`Allocator::flush`], [`Allocator::trim`]
-    /// or [`Allocator::release_thread`] after the capture, on whatever thread makes that call
-    /// (its streams kept as [`StreamUse`]s). Any other refusal is deferred
-    /// ([`Allocator::take_deferred_error`]).
-    pub(crate) fn free_or_hold(&self, ptr: DeviceAddr, size: usize, stream: Stream, used_on: &[Stream]) {
+    /// [`Allocator::deallocate_used_on`] for a caller that cannot make a refused free again
+    /// (an owning buffer's drop, the C ABI's `cuarena_free`, which answers nothing, as
+    /// PyTorch's deleter calls it): a free refused because a stream is being captured into a
+    /// CUDA graph is held, and made again by the next [`Allocator::graph_capture_end`],
+    /// [`Allocator::flush`], [`Allocator::trim`] or [`Allocator::release_thread`], on whatever
+    /// thread makes that call (its streams kept as [`StreamUse`]s: another thread's per-thread
+    /// stream is fenced through the legacy stream), until it is taken or refused otherwise.
+    /// True if the free was taken now, false if held; any other refusal is returned, and the
+    /// block stays live. A held free's later refusal (other than for a capture, which holds it
+    /// again) is deferred ([`Allocator::take_deferred_error`]).
+    pub fn deallocate_or_hold(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+    ) -> Result<bool> {
         match self.deallocate_used_on(ptr, size, stream, used_on) {
-            Ok(()) => {}
-            Err(Error::StreamCapturing { .. }) => lock(&self.inner.held).push(HeldFree {
-                ptr,
-                size,
-                stream: StreamUse::here(stream),
-                used_on: used_on.iter().map(|&s| StreamUse::here(s)).collect(),
-            }),
-            Err(e) => self.defer_error(e),
+            Ok(()) => Ok(true),
+            Err(Error::StreamCapturing { .. }) => {
+                lock(&self.inner.held).push(HeldFree {
+                    ptr,
+                    size,
+                    stream: StreamUse::here(stream),
+                    used_on: used_on.iter().map(|&s| StreamUse::here(s)).collect(),
+                });
+                Ok(false)
+            }
+            Err(e) => Err(e),
         }
     }
 
-    /// Makes the held frees again (see [`Allocator::free_or_hold`]).
+    /// [`Allocator::deallocate_or_hold`] for an owning buffer's drop ([`crate::DeviceBuffer`],
+    /// `CudaBuffer`), whose refusal is deferred ([`Allocator::take_deferred_error`]).
+    pub(crate) fn free_or_hold(&self, ptr: DeviceAddr, size: usize, stream: Stream, used_on: &[Stream]) {
+        if let Err(e) = self.deallocate_or_hold(ptr, size, stream, used_on) {
+            self.defer_error(e);
+        }
+    }
+
+    /// Makes the held frees again (see [`Allocator::deallocate_or_hold`]).
     fn retry_held(&self) {
         let held = std::mem::take(&mut *lock(&self.inner.held));
         for h in held {
@@ -2843,11 +2909,18 @@ impl Allocator {
         self.inner.graphs.capture_begin();
     }
 
-    /// Ends a capture begun with [`Allocator::graph_capture_begin`]. [`Error::Unsupported`],
-    /// changing nothing, if none is underway.
+    /// Ends a capture begun with [`Allocator::graph_capture_begin`], and makes again the frees
+    /// held for a capture ([`Allocator::deallocate_or_hold`]). [`Error::Unsupported`], changing
+    /// nothing, if none is underway.
     pub fn graph_capture_end(&self) -> Result<()> {
         self.usable()?;
         if self.inner.graphs.capture_end() {
+            // Frees held for a capture (`deallocate_or_hold`) are made again: PyTorch ends the
+            // stream's capture before this call; one refused again is held again. The mutation
+            // `capture_end_keeps_held` skips this: `c_abi_capture_frees` must then fail.
+            if !cfg!(cuarena_mutant = "capture_end_keeps_held") {
+                self.retry_held();
+            }
             Ok(())
         } else {
             Err(Error::Unsupported(
@@ -2927,6 +3000,32 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
     let key = env.dev.stream_key(stream)?;
     order_declared(env, stream, key, &others)?;
     Ok(FreeAs::Stream(key.0, FenceSet::one(env.fence(stream, key)?)))
+}
+
+/// For a free on `stream` of a block also used on `used_on`, validated and not yet taken:
+/// refuses it if any of the streams is being captured (no event on a stream being captured),
+/// then orders the declared streams' work before later work on `stream` ([`order_declared`]),
+/// its calls counted on `counters`. Nothing to do for an empty `used_on` (a plain free).
+///
+/// The calls are not taken as the caller's own use of `stream` (`Counted::on_stream`): the
+/// free's stream may be one cuarena chose, the legacy stream for another thread's per-thread
+/// stream (`StreamUse`), a held free retried at thread exit (`Allocator::free_or_hold`). So a
+/// wait on the legacy stream is refused (`Error::StreamCapturing`) while a capture is announced
+/// or a blocking stream is being captured, as a declared legacy stream is, in every branch of
+/// `Slot::free` alike: an event or wait there would break such a capture.
+fn order_for_free(inner: &Inner, counters: &Counters, stream: Stream, used_on: &[Stream]) -> Result<()> {
+    // The mutation `declared_free_unordered` orders nothing: the tests of declared frees
+    // (`adversarial_s31b_used_on`, `legacy_frees`) must then see a block reused before the
+    // declared streams' work.
+    if used_on.is_empty() || cfg!(cuarena_mutant = "declared_free_unordered") {
+        return Ok(());
+    }
+    let env = &inner.env(counters);
+    env.dev.refuse_capturing(stream)?;
+    for &s in used_on {
+        env.dev.refuse_capturing(s)?;
+    }
+    order_declared(env, stream, env.dev.stream_key(stream)?, used_on)
 }
 
 /// Orders the work on each of `used_on` (streams a block was declared used on) before later work
@@ -3116,14 +3215,20 @@ impl Allocator {
 
     #[cold]
     #[inline(never)]
-    fn deallocate_traced(&self, ptr: DeviceAddr, size: usize, stream: Stream) -> Result<()> {
+    fn deallocate_traced(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+    ) -> Result<()> {
         use crate::trace::{Action, Event, TracePath};
         if ptr.is_null() && size == 0 {
             return Ok(()); // no request: nothing to record
         }
         crate::trace::record(&self.inner.trace, &|s| self.trace_key(s), stream, true, || {
             let path = self.trace_path(ptr.0, size); // before the free changes it
-            let r = self.deallocate_untraced(ptr, size, stream);
+            let r = self.deallocate_untraced(ptr, size, stream, used_on);
             let ev = match &r {
                 Ok(()) => Event { action: Action::Free, ptr: ptr.0, size, path },
                 Err(_) => Event { action: Action::RefusedFree, ptr: ptr.0, size, path: TracePath::None },

@@ -82,6 +82,10 @@ fn use_on_side(sim: &HostDevice, a: &Allocator, rec: &Recorded, p: u64, len: usi
 /// (size `usize::MAX`) is paused inside its fences while the owner frees `p` validly and
 /// allocates until `p` comes back; `while_paused` runs with those blocks before the invalid
 /// free goes on, which must then be refused. The blocks allocated, `p` last if it came back.
+/// Since the thirty-second session a free is validated before its declared streams are
+/// ordered, so the invalid free makes no driver call and the window cannot open inside it: it
+/// is then paused just after its refusal (its own `Stall::here`), and the tests check that the
+/// owner's free and the block's next use are right after it.
 fn race_an_invalid_free_with_the_owners(
     a: &Allocator,
     rec: &Recorded,
@@ -93,6 +97,7 @@ fn race_an_invalid_free_with_the_owners(
         let bad = sc.spawn(|| {
             stall.arm();
             let r = free_with(a, rec, p, usize::MAX, u);
+            stall.here(true); // still armed if the free made no driver call
             a.release_thread().unwrap();
             r
         });
