@@ -3015,8 +3015,8 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
 /// `Slot::free` alike: an event or wait there would break such a capture.
 fn order_for_free(inner: &Inner, counters: &Counters, stream: Stream, used_on: &[Stream]) -> Result<()> {
     // The mutation `declared_free_unordered` orders nothing: the tests of declared frees
-    // (`adversarial_s31b_used_on`, `legacy_frees`) must then see a block reused before the
-    // declared streams' work.
+    // (`adversarial_s31b_used_on`, `adversarial_s32_declared`, `c_abi_capture_frees`) must then
+    // see a block reused before the declared streams' work.
     if used_on.is_empty() || cfg!(cuarena_mutant = "declared_free_unordered") {
         return Ok(());
     }
@@ -3031,13 +3031,18 @@ fn order_for_free(inner: &Inner, counters: &Counters, stream: Stream, used_on: &
 /// Orders the work on each of `used_on` (streams a block was declared used on) before later work
 /// on `stream` (identity `key`): an event on each other stream, which `stream` waits for. None of
 /// them may be being captured (the callers ask first).
+///
+/// A fence just recorded is waited on, never polled first (`Fence::wait_for`): it has almost
+/// never completed yet, and a stream wait costs less than an event query, which, unlike the
+/// wait, does not scale across threads (measured on the H200: 32 ns against 237 ns on one
+/// thread, 36 ns against 9.5 µs on 16).
 fn order_declared(env: &Env<'_>, stream: Stream, key: StreamKey, used_on: &[Stream]) -> Result<()> {
     for &s in used_on {
         let ks = env.dev.stream_key(s)?;
         if ks != key
             && let Some(f) = env.fence(s, ks)?
         {
-            f.order_before(&env.dev, stream, key)?;
+            f.wait_for(&env.dev, stream, key)?;
         }
     }
     Ok(())
