@@ -130,17 +130,10 @@ typedef struct cuarena_stats {
 
 /* PyTorch CUDAPluggableAllocator: alloc and free. */
 void *cuarena_malloc(size_t size, int device, cudaStream_t stream);
-/* A free refused because its stream, or a stream declared with cuarena_record_stream, is being
- * captured into a CUDA graph is held, not lost (PyTorch's deleter cannot free again): it is made
- * when a capture announced to cuarena ends (cuarena_graph_capture_end: PyTorch's
- * endAllocateToPool) or by the next cuarena_empty_cache, and the block stays live until then.
- * Any other refusal changes nothing (the reason is in cuarena_last_error). */
 void cuarena_free(void *ptr, size_t size, int device, cudaStream_t stream);
 /* cuarena_free that says whether the free was accepted: 0 if it was (or was a no-op: NULL with
- * size 0, or after process exit began), -1 if it was refused (see cuarena_last_error), a refusal
- * for a capture too: nothing is held, and the block stays live for the caller to free again. A
- * free of another thread's block that its owner later finds invalid still returns 0
- * (invalid_frees). */
+ * size 0, or after process exit began), -1 if it was refused (see cuarena_last_error). A free of
+ * another thread's block that its owner later finds invalid still returns 0 (invalid_frees). */
 int cuarena_free_checked(void *ptr, size_t size, int device, cudaStream_t stream);
 /* PyTorch set_record_stream_fn. A refusal sets cuarena_last_error and nothing else. */
 void cuarena_record_stream(void *ptr, cudaStream_t stream);

@@ -180,8 +180,9 @@ pub(crate) struct Inner {
     zombies: Mutex<Zombies>,
     deferred: Mutex<Option<Error>>,
     /// Frees of dropped buffers refused because a stream was being captured into a CUDA graph
-    /// (see [`Allocator::free_or_hold`]): made again by the next `flush`, `trim` or
-    /// `release_thread`, until no capture refuses them. Their blocks count as live meanwhile.
+    /// (see [`Allocator::free_or_hold`]): made again by the next `graph_capture_end`, `flush`,
+    /// `trim` or `release_thread`, until no capture refuses them. Their blocks count as live
+    /// meanwhile. At most one entry a block.
     held: Mutex<Vec<HeldFree>>,
     arenas: AtomicUsize,
     /// Pass-through mode (passthrough.rs): when set, every request goes straight to it.
@@ -2644,47 +2645,45 @@ impl Allocator {
         *lock(&self.inner.deferred) = Some(e);
     }
 
-    /// [`Allocator::deallocate_used_on`] for a caller that cannot make a refused free again
-    /// (an owning buffer's drop, the C ABI's `cuarena_free`, which answers nothing, as
-    /// PyTorch's deleter calls it): a free refused because a stream is being captured into a
-    /// CUDA graph is held, and made again by the next [`Allocator::graph_capture_end`],
+    /// The free of an owning buffer's drop ([`crate::DeviceBuffer`], `CudaBuffer`), which
+    /// cannot be made again by its caller: refused because a stream is being captured into a
+    /// CUDA graph, it is held and made again by the next [`Allocator::graph_capture_end`],
     /// [`Allocator::flush`], [`Allocator::trim`] or [`Allocator::release_thread`], on whatever
-    /// thread makes that call (its streams kept as [`StreamUse`]s: another thread's per-thread
-    /// stream is fenced through the legacy stream), until it is taken or refused otherwise.
-    /// True if the free was taken now, false if held; any other refusal is returned, and the
-    /// block stays live. A held free's later refusal (other than for a capture, which holds it
-    /// again) is deferred ([`Allocator::take_deferred_error`]).
-    pub fn deallocate_or_hold(
-        &self,
-        ptr: DeviceAddr,
-        size: usize,
-        stream: Stream,
-        used_on: &[Stream],
-    ) -> Result<bool> {
+    /// thread makes that call (its streams kept as [`StreamUse`]s), until no capture refuses
+    /// it. A free of a block already held is a double free, refused (and counted) at once:
+    /// holding must not let two frees of one block be made later. Any other refusal is
+    /// deferred ([`Allocator::take_deferred_error`]).
+    pub(crate) fn free_or_hold(&self, ptr: DeviceAddr, size: usize, stream: Stream, used_on: &[Stream]) {
         match self.deallocate_used_on(ptr, size, stream, used_on) {
-            Ok(()) => Ok(true),
+            Ok(()) => {}
             Err(Error::StreamCapturing { .. }) => {
-                lock(&self.inner.held).push(HeldFree {
+                let mut held = lock(&self.inner.held);
+                if held.iter().any(|h| h.ptr == ptr) {
+                    drop(held);
+                    self.count(|c| &c.invalid_frees);
+                    self.defer_error(Error::InvalidFree {
+                        ptr: ptr.0,
+                        size,
+                        reason: InvalidFree::DoubleFree,
+                    });
+                    return;
+                }
+                held.push(HeldFree {
                     ptr,
                     size,
                     stream: StreamUse::here(stream),
                     used_on: used_on.iter().map(|&s| StreamUse::here(s)).collect(),
                 });
-                Ok(false)
             }
-            Err(e) => Err(e),
+            Err(e) => self.defer_error(e),
         }
     }
 
-    /// [`Allocator::deallocate_or_hold`] for an owning buffer's drop ([`crate::DeviceBuffer`],
-    /// `CudaBuffer`), whose refusal is deferred ([`Allocator::take_deferred_error`]).
-    pub(crate) fn free_or_hold(&self, ptr: DeviceAddr, size: usize, stream: Stream, used_on: &[Stream]) {
-        if let Err(e) = self.deallocate_or_hold(ptr, size, stream, used_on) {
-            self.defer_error(e);
-        }
-    }
-
-    /// Makes the held frees again (see [`Allocator::deallocate_or_hold`]).
+    /// Makes the held frees again (see [`Allocator::free_or_hold`]). A retry that became a
+    /// plain free on the legacy stream (another thread's per-thread stream is fenced through
+    /// it, `StreamUse::fence_stream`) goes the way of any legacy free towards another thread's
+    /// arena or the pool: into the outbox, whose legacy event is parked while a capture forbids
+    /// one (`tests/held_frees.rs`).
     fn retry_held(&self) {
         let held = std::mem::take(&mut *lock(&self.inner.held));
         for h in held {
@@ -2910,14 +2909,14 @@ impl Allocator {
     }
 
     /// Ends a capture begun with [`Allocator::graph_capture_begin`], and makes again the frees
-    /// held for a capture ([`Allocator::deallocate_or_hold`]). [`Error::Unsupported`], changing
-    /// nothing, if none is underway.
+    /// of dropped buffers held for a capture. [`Error::Unsupported`], changing nothing, if none
+    /// is underway.
     pub fn graph_capture_end(&self) -> Result<()> {
         self.usable()?;
         if self.inner.graphs.capture_end() {
-            // Frees held for a capture (`deallocate_or_hold`) are made again: PyTorch ends the
+            // Frees held for a capture (`free_or_hold`) are made again: PyTorch ends the
             // stream's capture before this call; one refused again is held again. The mutation
-            // `capture_end_keeps_held` skips this: `c_abi_capture_frees` must then fail.
+            // `capture_end_keeps_held` skips this: `held_frees` must then fail.
             if !cfg!(cuarena_mutant = "capture_end_keeps_held") {
                 self.retry_held();
             }
@@ -3009,7 +3008,7 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
 ///
 /// The calls are not taken as the caller's own use of `stream` (`Counted::on_stream`): the
 /// free's stream may be one cuarena chose, the legacy stream for another thread's per-thread
-/// stream (`StreamUse`), a held free retried at thread exit (`Allocator::free_or_hold`). So a
+/// stream (`StreamUse`), a held free retried by another call (`Allocator::free_or_hold`). So a
 /// wait on the legacy stream is refused (`Error::StreamCapturing`) while a capture is announced
 /// or a blocking stream is being captured, as a declared legacy stream is, in every branch of
 /// `Slot::free` alike: an event or wait there would break such a capture.

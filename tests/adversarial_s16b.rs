@@ -85,7 +85,9 @@ fn use_on_side(sim: &HostDevice, a: &Allocator, rec: &Recorded, p: u64, len: usi
 /// Since the thirty-second session a free is validated before its declared streams are
 /// ordered, so the invalid free makes no driver call and the window cannot open inside it: it
 /// is then paused just after its refusal (its own `Stall::here`), and the tests check that the
-/// owner's free and the block's next use are right after it.
+/// owner's free and the block's next use are right after it. (So they no longer open the window
+/// they were written for, and would not catch `free_with` taking a block's declarations again:
+/// helper-53's review.)
 fn race_an_invalid_free_with_the_owners(
     a: &Allocator,
     rec: &Recorded,

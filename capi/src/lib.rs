@@ -110,7 +110,7 @@ pub(crate) fn malloc_with(
 /// no-op on any device, even with no driver.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) {
-    free(ptr, size, device, stream_, Refused::Hold);
+    free(ptr, size, device, stream_);
 }
 
 /// [`cuarena_free`] that says whether the free was accepted: 0 if it was (or was a no-op), -1
@@ -123,20 +123,10 @@ pub extern "C" fn cuarena_free_checked(
     device: c_int,
     stream_: *mut c_void,
 ) -> c_int {
-    free(ptr, size, device, stream_, Refused::Answer)
+    free(ptr, size, device, stream_)
 }
 
-/// What a free refused because a stream is being captured into a CUDA graph does.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Refused {
-    /// `cuarena_free`, which answers nothing (PyTorch's deleter calls it and cannot free
-    /// again): the free is held and made after the capture (`Allocator::deallocate_or_hold`).
-    Hold,
-    /// `cuarena_free_checked`: answered -1, the block stays live, the caller frees it again.
-    Answer,
-}
-
-fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void, refused: Refused) -> c_int {
+fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) -> c_int {
     if ptr.is_null() && size == 0 {
         return 0;
     }
@@ -145,12 +135,7 @@ fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void, refu
             return Ok(0);
         }
         let a = global(device).map_err(|e| e.to_string())?;
-        match refused {
-            Refused::Answer => free_with(a, &RECORDED, ptr as u64, size, stream(stream_)),
-            Refused::Hold => free_or_hold_with(a, &RECORDED, ptr as u64, size, stream(stream_)),
-        }
-        .map(|()| 0)
-        .map_err(|e| e.to_string())
+        free_with(a, &RECORDED, ptr as u64, size, stream(stream_)).map(|()| 0).map_err(|e| e.to_string())
     })
 }
 
@@ -170,25 +155,6 @@ pub(crate) fn free_with(
     // Another thread's per-thread stream is fenced through the legacy stream (`StreamUse`).
     a.deallocate_used_on(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s))?;
     if !used.is_empty() {
-        recorded.freed(p);
-    }
-    Ok(())
-}
-
-/// [`free_with`] for `cuarena_free`: a free refused for a capture is held and made after it
-/// (`Allocator::deallocate_or_hold`). A held free keeps the block's declarations in `recorded`
-/// (read again by nobody: the held free carries its streams) until a block is next handed out
-/// at that address, as a refused free's are.
-pub(crate) fn free_or_hold_with(
-    a: &Allocator,
-    recorded: &Recorded,
-    p: u64,
-    size: usize,
-    s: Stream,
-) -> cuarena::Result<()> {
-    let used = if p == 0 { Vec::new() } else { recorded.uses(p) };
-    let taken = a.deallocate_or_hold(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s))?;
-    if taken && !used.is_empty() {
         recorded.freed(p);
     }
     Ok(())

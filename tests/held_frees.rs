@@ -1,0 +1,130 @@
+//! Frees of dropped buffers held for a CUDA graph capture (`Allocator::free_or_hold`), thirty-
+//! second session: made again when the capture's announcement ends (`graph_capture_end`, as
+//! PyTorch's route to a pool closes after the stream's capture), fenced after the streams the
+//! buffer was declared used on, and, retried on the legacy stream, without breaking a blocking
+//! stream's capture (helper-53's review asked whether a retry turned into a plain legacy free
+//! could: its outbox parks the legacy event while the capture runs, so it does not).
+
+use cuarena::{Allocator, Stream};
+use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+
+mod common;
+use common::{host, parse};
+
+fn allocator(sim: &HostDevice) -> Allocator {
+    host_allocator(sim.clone(), parse("superblock=256KiB,small_max=64KiB,chunk=1MiB,large_max=1MiB,batch=1"))
+        .unwrap()
+}
+
+/// Small, arena large and pool blocks.
+const SIZES: [usize; 3] = [4096, 300 << 10, 3 << 20];
+
+/// A buffer dropped while its stream is being captured: its free is held (the block stays
+/// live), and `graph_capture_end` makes it, with no flush or trim.
+#[test]
+fn a_held_free_is_made_when_the_capture_ends() {
+    let sim = host(0);
+    let a = allocator(&sim);
+    let w = sim.create_stream();
+    for size in SIZES {
+        let b = a.buffer(size, w).unwrap();
+        let live = a.stats().live_bytes;
+        a.graph_capture_begin();
+        sim.begin_capture(w).unwrap();
+        drop(b);
+        assert!(a.take_deferred_error().is_none());
+        assert_eq!(a.stats().live_bytes, live, "size {size}: freed during the capture");
+        sim.end_capture(w).unwrap();
+        a.graph_capture_end().unwrap();
+        assert!(
+            a.stats().live_bytes < live,
+            "size {size}: the held free was not made when the capture ended: {:?}",
+            a.stats()
+        );
+        assert!(a.take_deferred_error().is_none());
+    }
+    sim.destroy_stream(w).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// A buffer declared used on a stream being captured (`record_stream`): its held free, made
+/// when the capture ends, is fenced after that stream's work. The block, freed on its own user
+/// stream (reused there at once), must come back, or the test checks nothing.
+#[test]
+fn a_held_free_is_fenced_after_its_declared_stream() {
+    let sim = host(0);
+    let a = allocator(&sim);
+    let (w, v) = (sim.create_stream(), sim.create_stream());
+    for size in SIZES {
+        let mut b = a.buffer(size, w).unwrap();
+        let p = b.ptr().0;
+        b.record_stream(v);
+        a.graph_capture_begin();
+        sim.begin_capture(v).unwrap();
+        drop(b);
+        sim.end_capture(v).unwrap();
+        // The declared stream's work, still running when the held free is made.
+        let gate = sim.gate(v).unwrap();
+        sim.write_tag(p, 256, 0x5a, v).unwrap();
+        a.graph_capture_end().unwrap();
+        let mut got = Vec::new();
+        while got.len() < 16 && got.last() != Some(&p) {
+            let q = a.allocate(size, w).unwrap().0;
+            // Overwrites p's first bytes under v's work if the free was not fenced after it.
+            sim.write_tag(q, 256, 0x11, w).unwrap();
+            got.push(q);
+        }
+        assert_eq!(got.last(), Some(&p), "size {size}: the block never came back: the test checks nothing");
+        gate.open();
+        sim.synchronize();
+        assert_eq!(
+            sim.tag_errors(),
+            0,
+            "size {size}: the held free's block was reused before its declared work"
+        );
+        assert!(sim.violations().is_empty(), "size {size}: {:?}", sim.violations());
+        for q in got {
+            a.deallocate(cuarena::DeviceAddr(q), size, w).unwrap();
+        }
+    }
+    sim.destroy_stream(w).unwrap();
+    sim.destroy_stream(v).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// A buffer on the legacy stream declared used on its thread's per-thread stream, dropped
+/// while a capture is announced: held. Another thread, whose own per-thread stream (a blocking
+/// stream) is being captured, ends the announcement: the retry there names the legacy stream
+/// alone (the first thread's per-thread stream is fenced through it), a plain legacy free,
+/// and must not use the legacy stream during that capture (it would break it); the free is
+/// made, its fence parked until the capture has ended.
+#[test]
+fn a_held_free_retried_on_the_legacy_stream_spares_a_blocking_capture() {
+    let sim = host(0);
+    let a = allocator(&sim);
+    for size in SIZES {
+        let live = a.stats().live_bytes;
+        let mut b = a.buffer(size, Stream::LEGACY).unwrap();
+        b.record_stream(Stream::PER_THREAD);
+        a.graph_capture_begin();
+        drop(b);
+        assert!(a.take_deferred_error().is_none());
+        assert!(a.stats().live_bytes > live, "size {size}: not held during the announcement");
+        let (a2, sim2) = (a.clone(), sim.clone());
+        std::thread::spawn(move || {
+            sim2.begin_capture(Stream::PER_THREAD).unwrap();
+            a2.graph_capture_end().unwrap(); // the retry: a plain legacy free
+            a2.flush().unwrap();
+            sim2.end_capture(Stream::PER_THREAD).expect("the retry broke a blocking stream's capture");
+            a2.flush().unwrap(); // no capture now: made
+            a2.release_thread().unwrap();
+        })
+        .join()
+        .unwrap();
+        assert!(sim.violations().is_empty(), "size {size}: {:?}", sim.violations());
+        assert!(a.take_deferred_error().is_none());
+        assert_eq!(a.stats().live_bytes, live, "size {size}: the held free was never made");
+    }
+    a.release_thread().unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
