@@ -3014,7 +3014,7 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
 /// `Slot::free` alike: an event or wait there would break such a capture.
 fn order_for_free(inner: &Inner, counters: &Counters, stream: Stream, used_on: &[Stream]) -> Result<()> {
     // The mutation `declared_free_unordered` orders nothing: the tests of declared frees
-    // (`adversarial_s31b_used_on`, `adversarial_s32_declared`, `c_abi_capture_frees`) must then
+    // (`adversarial_s31b_used_on`, `adversarial_s32_declared`, `held_frees`) must then
     // see a block reused before the declared streams' work.
     if used_on.is_empty() || cfg!(cuarena_mutant = "declared_free_unordered") {
         return Ok(());
