@@ -5,7 +5,7 @@
 # just these): GPU_BUNDLE_TESTS="gpu ffi host gpu_capture capture stats oom_hook" bash tools/gpu-bundle.sh
 # The GPU tests (required), the C ABI tests with the GPU-only ones, the pip-installed Python
 # package, PyTorch training (native vs cuarena), PyTorch threaded inference, CuPy, CuPy on a
-# non-blocking stream, out of memory under PyTorch and CuPy, and the C programs. Prints a summary; writes logs to OUTDIR (default /tmp/cuarena-demos).
+# non-blocking stream, CuPy frees during a capture, out of memory under PyTorch and CuPy, and the C programs. Prints a summary; writes logs to OUTDIR (default /tmp/cuarena-demos).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-/tmp/cuarena-demos}"
@@ -70,6 +70,10 @@ tail -2 "$out/cupy.log"
 step "CuPy on a non-blocking stream: no early reuse (cuarena must show 0 corrupted words)"
 python3 examples/cupy_stream_check.py >"$out/cupy-stream.log" 2>&1 || fail cupy-stream
 grep -E "^cupy stream check:|^note:|FAILED" "$out/cupy-stream.log" || tail -5 "$out/cupy-stream.log"
+
+step "CuPy: arrays freed during a stream capture are held by the glue and freed after it"
+python3 examples/cupy_capture_free.py >"$out/cupy-capture.log" 2>&1 || fail cupy-capture
+tail -1 "$out/cupy-capture.log"
 
 step "Out of memory under a 256 MiB cap: PyTorch and CuPy raise, no null tensor, then recover"
 python3 examples/oom_check.py >"$out/oom.log" 2>&1 || fail oom

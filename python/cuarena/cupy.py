@@ -7,7 +7,10 @@
 Each block is allocated for the stream current at allocation (cupy.cuda.get_current_stream())
 and freed on that same stream when CuPy drops it; its owner keeps the Stream object alive until
 then. So work CuPy queued on a non-blocking stream is ordered before the block's reuse (CuPy's
-own pool makes the same promise). Size 0 gives a null pointer without calling cuarena. A failure
+own pool makes the same promise). A free that cuarena refuses because a stream is being captured
+into a CUDA graph (CuPy's Stream.begin_capture) is held here, with its Stream, and made again by
+a later allocation (every 64th) or by release_held(), once the capture has ended: the C library
+cannot hold it, as it could not keep the stream alive. Size 0 gives a null pointer without calling cuarena. A failure
 raises cupy.cuda.memory.OutOfMemoryError (out of memory, with cuarena's figures in the message)
 or cuarena.CuarenaError (anything else). use() gives the library cuarena.FRAMEWORK_CONF as defaults
 under CUARENA_CONF (a key set there wins).
@@ -18,7 +21,7 @@ import threading
 
 from . import CuarenaError, _framework_defaults, _is_oom, last_error, load, stats
 
-__all__ = ["use"]
+__all__ = ["use", "release_held"]
 
 # cudaStreamPerThread and cudaStreamLegacy: CuPy's Stream.ptds (and its default stream under
 # CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) has the handle 0x2, which names the calling thread's
@@ -35,16 +38,30 @@ def _thread_token():
     return t
 
 
+def _free_on(ptr, size, device, stream, home):
+    """Frees a block on `stream` (a cupy Stream) as cuarena_free_checked does; 0x2 of another
+    thread than `home` is freed on the legacy stream. True if taken, or refused for any reason
+    but a capture; False if a capture refused it (the caller holds it)."""
+    s = stream.ptr
+    if s == _PER_THREAD and home is not _thread_token():
+        s = _LEGACY
+    if _Block._free(ptr, size, device, s) == 0:
+        return True
+    return "being captured" not in (last_error() or "")
+
+
 class _Block:
     """Owner of one CuPy block: frees it, on the stream it was allocated on, when CuPy drops
     the last reference. Holds the cupy Stream so that stream outlives the free. A block of a
     per-thread stream (0x2) remembers its thread: dropped on another thread (CuPy frees where
     the last reference goes, or where the garbage collector runs), where 0x2 names another
     stream, it is freed on the legacy stream instead, whose event follows all earlier work on
-    every per-thread stream (the C ABI's rule for record_stream of 0x2, include/cuarena.h)."""
+    every per-thread stream (the C ABI's rule for record_stream of 0x2, include/cuarena.h). A
+    free a capture refuses is held in _held, with the Stream (a finaliser runs once, so the
+    block's fields are kept, not the block)."""
 
     __slots__ = ("ptr", "size", "device", "stream", "home")
-    _free = None  # cuarena_free, set by use() (a class attribute survives module teardown)
+    _free = None  # cuarena_free_checked, set by use() (a class attribute survives module teardown)
 
     def __init__(self, ptr, size, device, stream):
         self.ptr = ptr
@@ -55,12 +72,32 @@ class _Block:
 
     def __del__(self):
         try:
-            s = self.stream.ptr
-            if s == _PER_THREAD and self.home is not _thread_token():
-                s = _LEGACY
-            _Block._free(self.ptr, self.size, self.device, s)
+            held = (self.ptr, self.size, self.device, self.stream, self.home)
+            if not _free_on(*held):
+                with _held_lock:
+                    _held.append(held)
         except Exception:  # a finaliser must not raise; a refused free is in cuarena's stats
             pass
+
+
+# Frees a capture refused: (ptr, size, device, Stream, home), each made again by release_held().
+_held = []
+_held_lock = threading.Lock()
+_RETRY_EVERY = 64
+_countdown = [_RETRY_EVERY]
+
+
+def release_held():
+    """Makes again the frees a CUDA graph capture refused (held by the glue with their
+    streams); those a capture still refuses stay held. Returns how many are still held. Called
+    by every 64th allocation through the glue; call it after a capture ends to free at once."""
+    with _held_lock:
+        todo = list(_held)
+        _held.clear()
+    still = [h for h in todo if not _free_on(*h)]
+    with _held_lock:
+        _held.extend(still)
+        return len(_held)
 
 
 def _error(cupy, size, device):
@@ -95,7 +132,7 @@ def use():
     if _malloc is None:
         _framework_defaults()
         lib = load()
-        _Block._free = lib.cuarena_free
+        _Block._free = lib.cuarena_free_checked
         malloc = lib.cuarena_malloc
         memory = cupy.cuda.memory
         Unowned, MemoryPointer = memory.UnownedMemory, memory.MemoryPointer
@@ -106,6 +143,11 @@ def use():
             get_device_id = cupy.cuda.runtime.getDevice
 
         def cuarena_cupy_malloc(size):
+            if _held:
+                _countdown[0] -= 1
+                if _countdown[0] <= 0:
+                    _countdown[0] = _RETRY_EVERY
+                    release_held()
             device = get_device_id()
             if size == 0:
                 return MemoryPointer(Unowned(0, 0, None, device), 0)

@@ -2,6 +2,9 @@
 replaced by recorders):
 - a CuPy block of a per-thread stream (0x2) dropped on another thread is freed on the legacy
   stream; on its own thread, and for any other stream, on the stream it was allocated on;
+- a CuPy block whose free a graph capture refuses is held with its stream and freed by
+  release_held() once the capture has ended (on the legacy stream for another thread's 0x2);
+  a free refused for any other reason is not held;
 - the OOM callback calls the hook set last, lets a replaced hook go, never raises (even with
   warnings turned into errors), and returns 0 once nothing is set.
 """
@@ -24,10 +27,25 @@ class CupyBlocks(unittest.TestCase):
     def setUp(self):
         self.freed = []
         self.saved = glue._Block._free
-        glue._Block._free = lambda ptr, size, dev, stream: self.freed.append((ptr, stream))
+        self.capturing = False
+        self.saved_error = glue.last_error
+        self.error = None
+        glue.last_error = lambda: self.error
+
+        def free(ptr, size, dev, stream):
+            # cuarena_free_checked: -1 while "capturing", with the library's capture message.
+            if self.capturing:
+                self.error = f"stream {stream:#x} is being captured into a CUDA graph: ..."
+                return -1
+            self.freed.append((ptr, stream))
+            return 0
+
+        glue._Block._free = free
 
     def tearDown(self):
         glue._Block._free = self.saved
+        glue.last_error = self.saved_error
+        glue._held.clear()
 
     def make_and_drop_elsewhere(self, ptr, stream):
         """A block made on this thread, whose only reference goes on another thread."""
@@ -49,6 +67,37 @@ class CupyBlocks(unittest.TestCase):
             self.make_and_drop_elsewhere(0x3000 + s, s)
         gc.collect()
         self.assertEqual(self.freed, [(0x2000, 2), (0x3000, 0), (0x3001, 1), (0x3000 + 0xABC000, 0xABC000)])
+
+
+    def test_a_free_refused_by_a_capture_is_held_and_made_after_it(self):
+        self.capturing = True
+        glue._Block(0x4000, 256, 0, _Stream(0xABC000))
+        gc.collect()
+        self.assertEqual(self.freed, [])
+        self.assertEqual(len(glue._held), 1)
+        self.assertEqual(glue.release_held(), 1)  # still capturing: held again
+        self.capturing = False
+        self.assertEqual(glue.release_held(), 0)
+        self.assertEqual(self.freed, [(0x4000, 0xABC000)])
+        self.assertEqual(glue.release_held(), 0)
+        self.assertEqual(self.freed, [(0x4000, 0xABC000)], "a held free was made twice")
+
+    def test_a_held_per_thread_stream_free_made_on_another_thread_uses_the_legacy_stream(self):
+        self.capturing = True
+        glue._Block(0x5000, 256, 0, _Stream(2))
+        gc.collect()
+        self.capturing = False
+        t = threading.Thread(target=glue.release_held)
+        t.start()
+        t.join()
+        self.assertEqual(self.freed, [(0x5000, 1)])
+
+    def test_a_free_refused_for_another_reason_is_not_held(self):
+        glue._Block._free = lambda ptr, size, dev, stream: -1
+        self.error = "invalid free of 0x6000 (256 bytes): double free"
+        glue._Block(0x6000, 256, 0, _Stream(0xABC000))
+        gc.collect()
+        self.assertEqual(glue._held, [])
 
 
 class OomCallback(unittest.TestCase):
