@@ -1540,7 +1540,7 @@ impl Slot {
             let ptds = Self::ptds_key(&mut self.ptds, &env)?;
             inner.pool.begin_free(ptr, size)?;
             let fr = Freed { ptr, size };
-            if let Err(e) = order_for_free(inner, &self.counters, stream, used_on).and_then(|()| {
+            if let Err(e) = order_for_free(inner, &self.counters, stream, used_on).and_then(|_| {
                 Self::push_batchable(&mut self.outbox, inner, &env, ptds, std::ptr::null(), fr, stream)
             }) {
                 inner.pool.cancel_free(ptr); // not taken: nothing changed
@@ -1551,8 +1551,11 @@ impl Slot {
         }
         // Validate before recording the fence: a bad free costs no event.
         inner.pool.check_free(ptr, size)?;
-        order_for_free(inner, &self.counters, stream, used_on)?;
-        let key = Self::key_of(&mut self.ptds, &env, stream)?;
+        // The identity the ordering asked (and the capture check it made) is not asked again.
+        let key = match order_for_free(inner, &self.counters, stream, used_on)? {
+            Some(k) => k,
+            None => Self::key_of(&mut self.ptds, &env, stream)?,
+        };
         let fence = env.fence(stream, key)?;
         inner.pool.free(ptr, size, fence, Origin::Caller)?;
         self.counted_free(bytes);
@@ -1602,8 +1605,9 @@ impl Slot {
                     a.with(|a| {
                         // A free with declared streams is validated, then ordered, then taken.
                         let ordered = || {
-                            Arena::check_live(sb, ptr, size, bytes)
-                                .and_then(|()| order_for_free(inner, &self.counters, stream, used_on))
+                            Arena::check_live(sb, ptr, size, bytes).and_then(|()| {
+                                order_for_free(inner, &self.counters, stream, used_on).map(|_| ())
+                            })
                         };
                         if !a.owns(sb) {
                             Local::NotOurs
@@ -1644,10 +1648,13 @@ impl Slot {
         if !sb.claim_free(g) {
             return Err(invalid(InvalidFree::DoubleFree));
         }
-        if let Err(e) = order_for_free(inner, &self.counters, stream, used_on) {
-            sb.unfree(g); // not taken: nothing changed
-            return Err(e);
-        }
+        let ordered = match order_for_free(inner, &self.counters, stream, used_on) {
+            Ok(k) => k,
+            Err(e) => {
+                sb.unfree(g); // not taken: nothing changed
+                return Err(e);
+            }
+        };
         let fr = Freed { ptr, size };
         if Outbox::batchable(stream) {
             let ptds = match Self::ptds_key(&mut self.ptds, &env) {
@@ -1664,15 +1671,17 @@ impl Slot {
         } else {
             // A user stream: the free waits in that stream's batch (`outbox.rs`, "Frees on
             // user streams"). Its identity is asked now, inside this call on it, and a stream
-            // being captured is refused before the free is taken.
-            let key =
-                match env.dev.stream_key(stream).and_then(|k| env.dev.refuse_capturing(stream).map(|()| k)) {
-                    Ok(k) => k,
-                    Err(e) => {
-                        sb.unfree(g); // nothing changed
-                        return Err(e);
-                    }
-                };
+            // being captured is refused before the free is taken (by the declared streams'
+            // ordering, if it ran: not asked twice).
+            let asked =
+                || env.dev.stream_key(stream).and_then(|k| env.dev.refuse_capturing(stream).map(|()| k));
+            let key = match ordered.map_or_else(asked, Ok) {
+                Ok(k) => k,
+                Err(e) => {
+                    sb.unfree(g); // nothing changed
+                    return Err(e);
+                }
+            };
             let (cfg, outbox) = (&inner.cfg, &mut self.outbox);
             let sent = outbox.push_user(&env, key, owner, fr, stream, cfg.batch_blocks, cfg.batch_bytes);
             inner.settle(&env, sent);
@@ -3005,6 +3014,8 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
 /// refuses it if any of the streams is being captured (no event on a stream being captured),
 /// then orders the declared streams' work before later work on `stream` ([`order_declared`]),
 /// its calls counted on `counters`. Nothing to do for an empty `used_on` (a plain free).
+/// `stream`'s identity if it was asked (with `stream` checked not to be being captured), for
+/// the free not to ask again.
 ///
 /// The calls are not taken as the caller's own use of `stream` (`Counted::on_stream`): the
 /// free's stream may be one cuarena chose, the legacy stream for another thread's per-thread
@@ -3012,19 +3023,26 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
 /// wait on the legacy stream is refused (`Error::StreamCapturing`) while a capture is announced
 /// or a blocking stream is being captured, as a declared legacy stream is, in every branch of
 /// `Slot::free` alike: an event or wait there would break such a capture.
-fn order_for_free(inner: &Inner, counters: &Counters, stream: Stream, used_on: &[Stream]) -> Result<()> {
+fn order_for_free(
+    inner: &Inner,
+    counters: &Counters,
+    stream: Stream,
+    used_on: &[Stream],
+) -> Result<Option<StreamKey>> {
     // The mutation `declared_free_unordered` orders nothing: the tests of declared frees
     // (`adversarial_s31b_used_on`, `adversarial_s32_declared`, `held_frees`) must then
     // see a block reused before the declared streams' work.
     if used_on.is_empty() || cfg!(cuarena_mutant = "declared_free_unordered") {
-        return Ok(());
+        return Ok(None);
     }
     let env = &inner.env(counters);
     env.dev.refuse_capturing(stream)?;
     for &s in used_on {
         env.dev.refuse_capturing(s)?;
     }
-    order_declared(env, stream, env.dev.stream_key(stream)?, used_on)
+    let key = env.dev.stream_key(stream)?;
+    order_declared(env, stream, key, used_on)?;
+    Ok(Some(key))
 }
 
 /// Orders the work on each of `used_on` (streams a block was declared used on) before later work
