@@ -12,7 +12,14 @@ allocating meanwhile do not invalidate a global-mode capture. Checks:
       or it fails with a clear error (cuarena's "captured into a CUDA graph", or PyTorch's own
       refusal for plug-in allocators); either way the process goes on with correct results and
       no sticky CUDA error;
-  (c) cuarena.stats() after all that: no invalid free.
+  (c) cuarena.stats() after all that: no invalid free;
+  (d) tensors allocated before a capture on the stream then captured (small, arena-large and
+      pool blocks) and one on the legacy stream (a pool block, whose free needs the legacy
+      stream, refused while a capture is announced), dropped during the capture: cuarena
+      refuses those frees during the capture and holds them (cuarena_free_or_hold), and makes
+      them when the capture ends (PyTorch's endAllocateToPool): their bytes are no longer live
+      after the capture, with no empty_cache. Before the thirty-third session they stayed live
+      for the process's life.
 Prints one line per check and "torch_graph: OK"; exits non-zero on any failure.
 
 Run: CUARENA_LIB=target/release/libcuarena.so python3 examples/torch_graph.py
@@ -105,10 +112,42 @@ def part_b():
     check(float(w.sum()) == 3.0 * (1 << 20), "(b) the process goes on: no sticky CUDA error")
 
 
+def part_d():
+    cap = torch.cuda.Stream()
+    sizes = [4 << 10, 300 << 10, 4 << 20, 96 << 20]
+    with torch.cuda.stream(cap):
+        dropped = [torch.empty((n,), dtype=torch.uint8, device="cuda") for n in sizes]
+        for t in dropped:
+            t.fill_(7)
+    legacy = torch.empty((80 << 20,), dtype=torch.uint8, device="cuda")
+    legacy.fill_(9)
+    x = torch.ones(1 << 16, device="cuda")
+    y = torch.empty_like(x)
+    torch.cuda.synchronize()
+    before = cuarena.stats()["live_bytes"]
+    freed = sum(sizes) + (80 << 20)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=cap):
+        torch.mul(x, 3, out=y)
+        del dropped, legacy, t  # their frees: on the capturing stream, or needing the legacy one
+    after = cuarena.stats()["live_bytes"]
+    g.replay()
+    torch.cuda.synchronize()
+    check(bool((y == 3).all()), "(d) the graph replays with the right values")
+    check(after <= before - freed,
+          f"(d) frees refused during the capture were made when it ended: live {before} -> {after} "
+          f"(dropped {freed} B)")
+    for n in (4 << 10, 300 << 10, 4 << 20, 96 << 20):  # the memory is usable again
+        z = torch.full((n,), 5, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        check(int(z[-1]) == 5, f"(d) a {n} B tensor after the capture")
+
+
 def main():
     cuarena.torch.use()
     part_a()
     part_b()
+    part_d()
     s = cuarena.stats()
     check(s["invalid_frees"] == 0, f"(c) invalid_frees={s['invalid_frees']}")
     print(f"  stats: live={s['live_bytes']} reserved={s['reserved_bytes']} driver_calls={s['driver_calls']}")

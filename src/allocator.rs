@@ -179,11 +179,18 @@ pub(crate) struct Inner {
     /// capture), waiting for a device synchronise (see [`Zombies`]).
     zombies: Mutex<Zombies>,
     deferred: Mutex<Option<Error>>,
-    /// Frees of dropped buffers refused because a stream was being captured into a CUDA graph
-    /// (see [`Allocator::free_or_hold`]): made again by the next `graph_capture_end`, `flush`,
-    /// `trim` or `release_thread`, until no capture refuses them. Their blocks count as live
-    /// meanwhile. At most one entry a block.
+    /// Frees refused because a stream was being captured into a CUDA graph and held (see
+    /// [`Allocator::deallocate_or_hold`]: dropped buffers', the C ABI's `cuarena_free_or_hold`):
+    /// made again by the next `graph_capture_end`, `flush`, `trim` or `release_thread`, until
+    /// no capture refuses them. Their blocks count as live meanwhile.
+    /// Invariants: at most one entry a block; an entry stays in the list while it is retried
+    /// (marked with the retrying thread), so a free of a held block by anyone else is refused
+    /// as a double free at every moment until the held free is taken; `held_count` is the
+    /// list's length, written under its lock.
     held: Mutex<Vec<HeldFree>>,
+    /// `held.len()`, read without the lock: 0 lets every free skip the held-list check (the
+    /// fast path reads it with one `Relaxed` load).
+    held_count: AtomicUsize,
     arenas: AtomicUsize,
     /// Pass-through mode (passthrough.rs): when set, every request goes straight to it.
     passthrough: Option<crate::passthrough::Passthrough>,
@@ -203,6 +210,9 @@ struct HeldFree {
     size: usize,
     stream: StreamUse,
     used_on: Vec<StreamUse>,
+    /// The thread retrying it now (`sync::thread_id`), whose own free of the block the
+    /// held-list check lets through; 0 if none.
+    retrying: u64,
 }
 
 /// Arena shells: every one ever made (kept so `owner` pointers never dangle) and the idle ones.
@@ -2006,6 +2016,7 @@ impl Allocator {
                 zombies: Mutex::new(Zombies::default()),
                 deferred: Mutex::new(None),
                 held: Mutex::new(Vec::new()),
+                held_count: AtomicUsize::new(0),
                 arenas: AtomicUsize::new(0),
                 oom_hook: Mutex::new(None),
                 trace: crate::trace::Shared::new(crate::trace::BUFFER_RECORDS),
@@ -2215,7 +2226,8 @@ impl Allocator {
     ///
     /// **Contract:** every earlier use of the block is ordered before later work on `stream`
     /// (like `cudaFreeAsync`). An invalid free (unknown pointer, double free, wrong size) is
-    /// refused with [`Error::InvalidFree`] and changes nothing. A free of a block owned by
+    /// refused with [`Error::InvalidFree`] and changes nothing; a free of a block whose free is
+    /// held ([`Allocator::deallocate_or_hold`]) is a double free. A free of a block owned by
     /// another thread is checked by that thread later; if found invalid it is counted in
     /// [`Stats::invalid_frees`] and reported by [`Allocator::take_deferred_error`].
     #[inline(always)]
@@ -2229,7 +2241,9 @@ impl Allocator {
         self.deallocate_slow(ptr, size, stream, refused)
     }
 
-    /// [`free_fast`] when no trace runs and not in pass-through mode: true if it took the free.
+    /// [`free_fast`] when no trace runs, not in pass-through mode and no free is held (the slow
+    /// path checks a free against the held ones: [`Allocator::deallocate_or_hold`]): true if it
+    /// took the free.
     #[inline]
     fn deallocate_fast(
         &self,
@@ -2239,7 +2253,10 @@ impl Allocator {
         refused: &mut Option<Error>,
     ) -> bool {
         let inner = &self.inner;
-        !inner.trace.on() && inner.passthrough.is_none() && free_fast(inner, stream, ptr.0, size, refused)
+        !inner.trace.on()
+            && inner.passthrough.is_none()
+            && inner.held_count.load(Ordering::Relaxed) == 0
+            && free_fast(inner, stream, ptr.0, size, refused)
     }
 
     /// Every free [`Allocator::deallocate_fast`] did not take: a graph pool's block, a trace
@@ -2254,6 +2271,7 @@ impl Allocator {
         refused: Option<Error>,
     ) -> Result<()> {
         self.usable()?;
+        self.refuse_held(ptr, size)?;
         // A CUDA graph pool's block; not traced, as its allocation was not.
         if refused.is_none()
             && self.inner.graphs.may_hold(ptr.0)
@@ -2352,6 +2370,7 @@ impl Allocator {
         used_on: &[Stream],
     ) -> Result<()> {
         self.usable()?;
+        self.refuse_held(ptr, size)?;
         // A graph pool's block: kept by its pool's rules (graph_pool.rs), which order or hold
         // the declared streams.
         if self.inner.graphs.may_hold(ptr.0)
@@ -2654,50 +2673,147 @@ impl Allocator {
         *lock(&self.inner.deferred) = Some(e);
     }
 
-    /// The free of an owning buffer's drop ([`crate::DeviceBuffer`], `CudaBuffer`), which
-    /// cannot be made again by its caller: refused because a stream is being captured into a
-    /// CUDA graph, it is held and made again by the next [`Allocator::graph_capture_end`],
-    /// [`Allocator::flush`], [`Allocator::trim`] or [`Allocator::release_thread`], on whatever
-    /// thread makes that call (its streams kept as [`StreamUse`]s), until no capture refuses
-    /// it. A free of a block already held is a double free, refused (and counted) at once:
-    /// holding must not let two frees of one block be made later. Any other refusal is
-    /// deferred ([`Allocator::take_deferred_error`]).
-    pub(crate) fn free_or_hold(&self, ptr: DeviceAddr, size: usize, stream: Stream, used_on: &[Stream]) {
+    /// [`Allocator::deallocate_used_on`] for a caller that cannot make a refused free again:
+    /// a free refused because a stream is being captured into a CUDA graph is held, and made
+    /// again by the next [`Allocator::graph_capture_end`], [`Allocator::flush`],
+    /// [`Allocator::trim`] or [`Allocator::release_thread`], on whatever thread makes that call
+    /// (its streams kept as [`StreamUse`]s: another thread's per-thread stream is fenced
+    /// through the legacy stream), until no capture refuses it. True if the free was taken
+    /// now, false if held; any other refusal is returned, and the block stays live. A held
+    /// free's later refusal (other than for a capture, which holds it again) is deferred
+    /// ([`Allocator::take_deferred_error`]) and the block stays live.
+    ///
+    /// **The streams must outlive the held free**: it is made on the same handles (the free's
+    /// and `used_on`), so a stream destroyed before then, whose handle CUDA may give to a new
+    /// stream, would order the block's reuse after the wrong work. Callers whose streams are
+    /// never destroyed (the per-thread and legacy streams, PyTorch's pooled streams) or that
+    /// keep them alive (an owning buffer) may use it; others free with
+    /// [`Allocator::deallocate_used_on`] and retry themselves.
+    ///
+    /// A free of a held block, by anyone but the held free's retry, is refused as a double
+    /// free ([`InvalidFree::DoubleFree`], counted in `invalid_frees`): holding must not let two
+    /// frees of one block be made.
+    pub fn deallocate_or_hold(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+    ) -> Result<bool> {
         match self.deallocate_used_on(ptr, size, stream, used_on) {
-            Ok(()) => {}
+            Ok(()) => Ok(true),
             Err(Error::StreamCapturing { .. }) => {
                 let mut held = lock(&self.inner.held);
+                // Another free of this block refused and held meanwhile (two frees racing).
                 if held.iter().any(|h| h.ptr == ptr) {
                     drop(held);
-                    self.count(|c| &c.invalid_frees);
-                    self.defer_error(Error::InvalidFree {
-                        ptr: ptr.0,
-                        size,
-                        reason: InvalidFree::DoubleFree,
-                    });
-                    return;
+                    return Err(self.double_free(ptr, size));
                 }
                 held.push(HeldFree {
                     ptr,
                     size,
                     stream: StreamUse::here(stream),
                     used_on: used_on.iter().map(|&s| StreamUse::here(s)).collect(),
+                    retrying: 0,
                 });
+                self.inner.held_count.store(held.len(), Ordering::Relaxed);
+                Ok(false)
             }
-            Err(e) => self.defer_error(e),
+            Err(e) => Err(e),
         }
     }
 
-    /// Makes the held frees again (see [`Allocator::free_or_hold`]). A retry that became a
-    /// plain free on the legacy stream (another thread's per-thread stream is fenced through
-    /// it, `StreamUse::fence_stream`) goes the way of any legacy free towards another thread's
+    /// [`Allocator::deallocate_or_hold`] for an owning buffer's drop ([`crate::DeviceBuffer`],
+    /// `CudaBuffer`), which keeps its stream alive until then, and whose refusal is deferred
+    /// ([`Allocator::take_deferred_error`]).
+    pub(crate) fn free_or_hold(&self, ptr: DeviceAddr, size: usize, stream: Stream, used_on: &[Stream]) {
+        if let Err(e) = self.deallocate_or_hold(ptr, size, stream, used_on) {
+            self.defer_error(e);
+        }
+    }
+
+    /// A double free of `ptr`, counted.
+    #[cold]
+    fn double_free(&self, ptr: DeviceAddr, size: usize) -> Error {
+        self.count(|c| &c.invalid_frees);
+        Error::InvalidFree { ptr: ptr.0, size, reason: InvalidFree::DoubleFree }
+    }
+
+    /// The held-list check of every free: a free of a held block is a double free, unless the
+    /// calling thread is retrying that held free now. One `Relaxed` load while nothing is held.
+    /// The mutation `held_check_off` skips it: `c_abi_capture_frees` must then fail.
+    #[inline]
+    fn refuse_held(&self, ptr: DeviceAddr, size: usize) -> Result<()> {
+        if cfg!(cuarena_mutant = "held_check_off") || self.inner.held_count.load(Ordering::Relaxed) == 0 {
+            return Ok(());
+        }
+        self.refuse_held_slow(ptr, size)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn refuse_held_slow(&self, ptr: DeviceAddr, size: usize) -> Result<()> {
+        let me = crate::sync::thread_id();
+        let held = lock(&self.inner.held);
+        if held.iter().any(|h| h.ptr == ptr && h.retrying != me) {
+            drop(held);
+            return Err(self.double_free(ptr, size));
+        }
+        Ok(())
+    }
+
+    /// Makes the held frees again (see [`Allocator::deallocate_or_hold`]). Each entry stays in
+    /// the list, marked as this thread's, while its free is made without the lock; then it goes
+    /// (taken, or refused otherwise: deferred) or is unmarked (refused again by a capture).
+    /// Entries another thread is retrying are left to it. A retry that became a plain free on
+    /// the legacy stream (another thread's per-thread stream is fenced through it,
+    /// `StreamUse::fence_stream`) goes the way of any legacy free towards another thread's
     /// arena or the pool: into the outbox, whose legacy event is parked while a capture forbids
     /// one (`tests/held_frees.rs`).
     fn retry_held(&self) {
-        let held = std::mem::take(&mut *lock(&self.inner.held));
-        for h in held {
-            let stream = h.stream.fence_stream();
-            self.free_or_hold(h.ptr, h.size, stream, &StreamUse::fence_streams(&h.used_on, stream));
+        if self.inner.held_count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let me = crate::sync::thread_id();
+        // The mutation `retry_unlists_held` takes the entries out while they are retried (and
+        // holds a refused one again): `c_abi_capture_frees` must then fail, as a second free
+        // slips in between.
+        if cfg!(cuarena_mutant = "retry_unlists_held") {
+            let held = std::mem::take(&mut *lock(&self.inner.held));
+            self.inner.held_count.store(0, Ordering::Relaxed);
+            for h in held {
+                let stream = h.stream.fence_stream();
+                self.free_or_hold(h.ptr, h.size, stream, &StreamUse::fence_streams(&h.used_on, stream));
+            }
+            return;
+        }
+        let mine: Vec<(DeviceAddr, usize, Stream, Vec<Stream>)> = {
+            let mut held = lock(&self.inner.held);
+            held.iter_mut()
+                .filter(|h| h.retrying == 0)
+                .map(|h| {
+                    h.retrying = me;
+                    let stream = h.stream.fence_stream();
+                    (h.ptr, h.size, stream, StreamUse::fence_streams(&h.used_on, stream))
+                })
+                .collect()
+        };
+        for (ptr, size, stream, used_on) in mine {
+            let r = self.deallocate_used_on(ptr, size, stream, &used_on);
+            let mut held = lock(&self.inner.held);
+            // Only the thread that marked an entry removes it, so it is still listed.
+            let Some(i) = held.iter().position(|h| h.ptr == ptr && h.retrying == me) else { continue };
+            match r {
+                Err(Error::StreamCapturing { .. }) => held[i].retrying = 0,
+                r => {
+                    held.swap_remove(i);
+                    self.inner.held_count.store(held.len(), Ordering::Relaxed);
+                    drop(held);
+                    if let Err(e) = r {
+                        self.defer_error(e);
+                    }
+                }
+            }
         }
     }
 }
@@ -2918,12 +3034,12 @@ impl Allocator {
     }
 
     /// Ends a capture begun with [`Allocator::graph_capture_begin`], and makes again the frees
-    /// of dropped buffers held for a capture. [`Error::Unsupported`], changing nothing, if none
-    /// is underway.
+    /// held for a capture ([`Allocator::deallocate_or_hold`]). [`Error::Unsupported`], changing
+    /// nothing, if none is underway.
     pub fn graph_capture_end(&self) -> Result<()> {
         self.usable()?;
         if self.inner.graphs.capture_end() {
-            // Frees held for a capture (`free_or_hold`) are made again: PyTorch ends the
+            // Frees held for a capture (`deallocate_or_hold`) are made again: PyTorch ends the
             // stream's capture before this call; one refused again is held again. The mutation
             // `capture_end_keeps_held` skips this: `held_frees` must then fail.
             if !cfg!(cuarena_mutant = "capture_end_keeps_held") {
@@ -3019,7 +3135,7 @@ fn graph_free_as(env: &Env<'_>, stream: Stream, used_on: &[Stream]) -> Result<Fr
 ///
 /// The calls are not taken as the caller's own use of `stream` (`Counted::on_stream`): the
 /// free's stream may be one cuarena chose, the legacy stream for another thread's per-thread
-/// stream (`StreamUse`), a held free retried by another call (`Allocator::free_or_hold`). So a
+/// stream (`StreamUse`), a held free retried by another call (`Allocator::deallocate_or_hold`). So a
 /// wait on the legacy stream is refused (`Error::StreamCapturing`) while a capture is announced
 /// or a blocking stream is being captured, as a declared legacy stream is, in every branch of
 /// `Slot::free` alike: an event or wait there would break such a capture.

@@ -126,6 +126,36 @@ pub extern "C" fn cuarena_free_checked(
     free(ptr, size, device, stream_)
 }
 
+/// [`cuarena_free`] for a caller whose streams outlive the free and which cannot free again,
+/// as PyTorch's deleter (the shim's `cuarena_torch_free`): a free refused because its stream,
+/// or a stream declared with [`cuarena_record_stream`], is being captured into a CUDA graph is
+/// held and made again at the next `cuarena_graph_capture_end` (PyTorch's
+/// `endAllocateToPool`) or `cuarena_empty_cache`, on the same stream handles
+/// (`Allocator::deallocate_or_hold`), until no capture refuses it. 0 if the free was taken (or was a no-op), 1 if it was
+/// held (the block stays live until then), -1 if it was refused otherwise (the reason is in
+/// [`cuarena_last_error`]; nothing changed). A second free of a held block is refused (-1) as a
+/// double free.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuarena_free_or_hold(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream_: *mut c_void,
+) -> c_int {
+    if ptr.is_null() && size == 0 {
+        return 0;
+    }
+    guard(-1, || {
+        if process_exiting() {
+            return Ok(0);
+        }
+        let a = global(device).map_err(|e| e.to_string())?;
+        free_or_hold_with(a, &RECORDED, ptr as u64, size, stream(stream_))
+            .map(|taken| if taken { 0 } else { 1 })
+            .map_err(|e| e.to_string())
+    })
+}
+
 fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) -> c_int {
     if ptr.is_null() && size == 0 {
         return 0;
@@ -158,6 +188,25 @@ pub(crate) fn free_with(
         recorded.freed(p);
     }
     Ok(())
+}
+
+/// The free of [`cuarena_free_or_hold`] on allocator `a`, as [`free_with`]: true if taken now,
+/// false if held. A held free carries the declared streams it read; the declarations stay in
+/// `recorded` (read by nobody: a second free of the block is refused while it is held) until a
+/// block is next handed out at that address, as a refused free's do.
+pub(crate) fn free_or_hold_with(
+    a: &Allocator,
+    recorded: &Recorded,
+    p: u64,
+    size: usize,
+    s: Stream,
+) -> cuarena::Result<bool> {
+    let used = if p == 0 { Vec::new() } else { recorded.uses(p) };
+    let taken = a.deallocate_or_hold(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s))?;
+    if taken && !used.is_empty() {
+        recorded.freed(p);
+    }
+    Ok(taken)
 }
 
 /// Declares that work on `stream` uses the block at `ptr`: its free is fenced after that work.

@@ -39,7 +39,7 @@
 
 extern "C" {
 void *cuarena_malloc(size_t size, int device, void *stream);
-void cuarena_free(void *ptr, size_t size, int device, void *stream);
+int cuarena_free_or_hold(void *ptr, size_t size, int device, void *stream);
 int cuarena_record_stream_checked(void *ptr, void *stream);
 const char *cuarena_last_error(void);
 }
@@ -71,8 +71,14 @@ extern "C" void *cuarena_torch_malloc(size_t size, int device, void *stream) {
     return p;
 }
 
+// PyTorch's deleter cannot free again, and its streams are pooled (never destroyed): a free that
+// a CUDA graph capture refuses (its stream, or a record_stream stream, being captured; or the
+// legacy stream it needs while a capture is announced) is held by cuarena and made again when
+// the capture ends (endAllocateToPool: cuarena_graph_capture_end) or at the next empty_cache,
+// as PyTorch's own allocator frees such a block rather than lose it. Any other refusal is
+// cuarena's to count and report (cuarena_last_error); the block stays live.
 extern "C" void cuarena_torch_free(void *ptr, size_t size, int device, void *stream) {
-    cuarena_free(ptr, size, device, stream);
+    (void)cuarena_free_or_hold(ptr, size, device, stream);
 }
 
 // PyTorch's record_stream hook. A pointer outside cuarena's memory is skipped, as PyTorch's own
