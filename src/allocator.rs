@@ -191,6 +191,11 @@ pub(crate) struct Inner {
     /// `held.len()`, read without the lock: 0 lets every free skip the held-list check (the
     /// fast path reads it with one `Relaxed` load).
     held_count: AtomicUsize,
+    /// Announced captures ended (`graph_capture_end`), counted before each end's retry of the
+    /// held frees. A free refused by a capture and held after such an end's retry had marked
+    /// the list sees the count changed since its refusal, and retries itself (see
+    /// [`Allocator::deallocate_or_hold`]).
+    capture_ends: AtomicUsize,
     arenas: AtomicUsize,
     /// Pass-through mode (passthrough.rs): when set, every request goes straight to it.
     passthrough: Option<crate::passthrough::Passthrough>,
@@ -2017,6 +2022,7 @@ impl Allocator {
                 deferred: Mutex::new(None),
                 held: Mutex::new(Vec::new()),
                 held_count: AtomicUsize::new(0),
+                capture_ends: AtomicUsize::new(0),
                 arenas: AtomicUsize::new(0),
                 oom_hook: Mutex::new(None),
                 trace: crate::trace::Shared::new(crate::trace::BUFFER_RECORDS),
@@ -2700,6 +2706,7 @@ impl Allocator {
         stream: Stream,
         used_on: &[Stream],
     ) -> Result<bool> {
+        let ends = self.inner.capture_ends.load(Ordering::Acquire);
         match self.deallocate_used_on(ptr, size, stream, used_on) {
             Ok(()) => Ok(true),
             Err(Error::StreamCapturing { .. }) => {
@@ -2717,6 +2724,17 @@ impl Allocator {
                     retrying: 0,
                 });
                 self.inner.held_count.store(held.len(), Ordering::Relaxed);
+                drop(held);
+                // A capture's end between the refusal and the hold may have retried the list
+                // before this entry was in it: retry now rather than wait for the next call that
+                // retries. (An end after the push finds the entry itself: the lock orders the
+                // push before its marking, or its count before this load.) The mutation
+                // `hold_ignores_capture_end` skips this: `held_frees` must then fail.
+                if !cfg!(cuarena_mutant = "hold_ignores_capture_end")
+                    && self.inner.capture_ends.load(Ordering::Acquire) != ends
+                {
+                    self.retry_held();
+                }
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -3042,6 +3060,7 @@ impl Allocator {
             // Frees held for a capture (`deallocate_or_hold`) are made again: PyTorch ends the
             // stream's capture before this call; one refused again is held again. The mutation
             // `capture_end_keeps_held` skips this: `held_frees` must then fail.
+            self.inner.capture_ends.fetch_add(1, Ordering::AcqRel);
             if !cfg!(cuarena_mutant = "capture_end_keeps_held") {
                 self.retry_held();
             }

@@ -1,12 +1,14 @@
 //! Frees of dropped buffers held for a CUDA graph capture (`Allocator::free_or_hold`), thirty-
-//! second session: made again when the capture's announcement ends (`graph_capture_end`, as
+//! second and thirty-third sessions: made again when the capture's announcement ends (`graph_capture_end`, as
 //! PyTorch's route to a pool closes after the stream's capture), fenced after the streams the
 //! buffer was declared used on, and, retried on the legacy stream, without breaking a blocking
 //! stream's capture (helper-53's review asked whether a retry turned into a plain legacy free
 //! could: its outbox parks the legacy event while the capture runs, so it does not).
 
-use cuarena::{Allocator, Stream};
-use cuarena_testkit::{HostDevice, assert_all_returned, host_allocator};
+use std::sync::{Arc, Mutex};
+
+use cuarena::{Allocator, Device, Error, Result, Stream, StreamKey};
+use cuarena_testkit::{HostDevice, Interpose, Interposed, assert_all_returned, host_allocator};
 
 mod common;
 use common::{host, parse};
@@ -126,5 +128,86 @@ fn a_held_free_retried_on_the_legacy_stream_spares_a_blocking_capture() {
         assert_eq!(a.stats().live_bytes, live, "size {size}: the held free was never made");
     }
     a.release_thread().unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+type Hook = Box<dyn FnOnce() + Send>;
+
+/// A simulated device that runs a hook inside the next query of one stream that answers
+/// "capturing" (a capture query, or an identity lookup refused for a capture), after the
+/// answer is taken and before it is returned.
+struct EndsInsideQuery {
+    sim: HostDevice,
+    on: Stream,
+    hook: Mutex<Option<Hook>>,
+}
+
+impl EndsInsideQuery {
+    fn after<T>(&self, stream: Stream, r: Result<T>, capturing: impl Fn(&Result<T>) -> bool) -> Result<T> {
+        if stream == self.on && capturing(&r) {
+            let hook = self.hook.lock().unwrap().take();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
+        r
+    }
+}
+
+impl Interpose for EndsInsideQuery {
+    fn base(&self) -> &dyn Device {
+        &self.sim
+    }
+    fn stream_capturing(&self, stream: Stream) -> Result<bool> {
+        self.after(stream, self.sim.stream_capturing(stream), |r| matches!(r, Ok(true)))
+    }
+    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
+        self.after(stream, self.sim.stream_key(stream), |r| matches!(r, Err(Error::StreamCapturing { .. })))
+    }
+}
+
+/// A buffer dropped while its stream is captured: its free is refused, and before it is held
+/// another thread ends the capture and the announcement (`graph_capture_end`, whose retry finds
+/// the list empty). The free, held after that end, is made at once (it sees a capture's end
+/// since its refusal) rather than waiting for the next call that retries (helper-53's case,
+/// left in the thirty-second session). The mutation `hold_ignores_capture_end` must fail this.
+#[test]
+fn a_free_held_just_after_the_capture_ended_is_made_at_once() {
+    let sim = host(0);
+    let w = sim.create_stream();
+    let dev = Arc::new(Interposed(EndsInsideQuery { sim: sim.clone(), on: w, hook: Mutex::new(None) }));
+    let a = Allocator::new(
+        dev.clone(),
+        parse("superblock=256KiB,small_max=64KiB,chunk=1MiB,large_max=1MiB,batch=1"),
+    )
+    .unwrap();
+    for size in SIZES {
+        let b = a.buffer(size, w).unwrap();
+        let live = a.stats().live_bytes;
+        a.graph_capture_begin();
+        sim.begin_capture(w).unwrap();
+        let (a2, sim2) = (a.clone(), sim.clone());
+        *dev.hook.lock().unwrap() = Some(Box::new(move || {
+            std::thread::spawn(move || {
+                sim2.end_capture(w).unwrap();
+                a2.graph_capture_end().unwrap();
+                a2.release_thread().unwrap();
+            })
+            .join()
+            .unwrap();
+        }));
+        drop(b);
+        assert!(
+            dev.hook.lock().unwrap().is_none(),
+            "size {size}: the free asked no capture query of its stream"
+        );
+        assert!(a.take_deferred_error().is_none());
+        assert!(
+            a.stats().live_bytes < live,
+            "size {size}: the free held after the capture's end waits for a later call: {:?}",
+            a.stats()
+        );
+    }
+    sim.destroy_stream(w).unwrap();
     assert_all_returned(&a, Some(&sim), 0);
 }
