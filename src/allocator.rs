@@ -1578,6 +1578,35 @@ impl Slot {
         Ok(())
     }
 
+    /// Whether a free of `ptr` with `size`, refused for a capture, may be held: the checks a
+    /// plain free makes before it asks the stream anything (`free`), without taking the free.
+    /// The owner's blocks are checked exactly (`Arena::check_live`); another thread's by their
+    /// freed flag (a free already taken is refused; a wrong size is its owner's to find, as
+    /// for any free made from another thread); pool blocks by the pool. Nothing changes.
+    fn check_hold(&mut self, inner: &Inner, ptr: u64, size: usize) -> Result<()> {
+        let invalid = |reason| Error::InvalidFree { ptr, size, reason };
+        let bytes = block_bytes(size, inner.cfg.small_max).ok_or(invalid(InvalidFree::UnknownPointer))?;
+        if size <= inner.cfg.large_max
+            && let Some(sb) = inner.pool.registry.lookup(ptr)
+        {
+            let owner = sb.owner.load(Ordering::Acquire);
+            if !owner.is_null() {
+                if let Some(w) = self.arenas.find(owner)
+                    && let Some(r) = self
+                        .arenas
+                        .get_mut(w)
+                        .and_then(|a| a.with(|a| a.owns(sb).then(|| Arena::check_live(sb, ptr, size, bytes))))
+                        .flatten()
+                {
+                    return r;
+                }
+                let g = sb.granule_of(ptr).ok_or(invalid(InvalidFree::UnknownPointer))?;
+                return if sb.is_freed(g) { Err(invalid(InvalidFree::DoubleFree)) } else { Ok(()) };
+            }
+        }
+        inner.pool.check_free(ptr, size)
+    }
+
     /// Frees a block of an arena's superblock (`owner` is that arena's shell): by the owner's
     /// local free if this thread owns it and frees on its stream (what [`free_fast`] did not
     /// take: an invalid free, to be reported, or one whose arena a reclaimer held a moment
@@ -2447,7 +2476,7 @@ impl Allocator {
     /// Never blocks.
     pub fn flush(&self) -> Result<()> {
         self.usable()?;
-        self.retry_held();
+        self.retry_held(false);
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
             Slot::flush_outbox(&mut slot.outbox, &mut slot.ptds, inner, &env, Park::WithinBound)?;
@@ -2468,7 +2497,7 @@ impl Allocator {
     /// gets a new arena.
     pub fn release_thread(&self) -> Result<()> {
         self.usable()?;
-        self.retry_held();
+        self.retry_held(false);
         let id = self.inner.id;
         let slot = SLOTS.try_with(|cell| {
             // Held by another allocator's call further up this thread's stack (its device calls
@@ -2503,7 +2532,7 @@ impl Allocator {
     /// for reuse that no fence holds now. Returns the bytes released to the device.
     pub fn trim(&self, blocking: bool) -> Result<usize> {
         self.usable()?;
-        self.retry_held();
+        self.retry_held(false);
         with_slot(&self.inner, |slot, inner| {
             let env = inner.env(&slot.counters);
             // Pass-through mode has no arenas: its pool holds graph pools' segments only.
@@ -2669,6 +2698,12 @@ impl Allocator {
     pub fn pool_in_use(&self) -> usize {
         self.inner.pool.in_use()
     }
+
+    /// Frees held for a capture now ([`Allocator::deallocate_or_hold`]). For tests.
+    #[doc(hidden)]
+    pub fn held_frees(&self) -> usize {
+        lock(&self.inner.held).len()
+    }
 }
 
 impl Allocator {
@@ -2710,6 +2745,14 @@ impl Allocator {
         match self.deallocate_used_on(ptr, size, stream, used_on) {
             Ok(()) => Ok(true),
             Err(Error::StreamCapturing { .. }) => {
+                // Some paths ask the stream before they validate the free (the fast path's
+                // capture query, a user arena's identity): only a free that is otherwise valid
+                // is held. A bad one held would be made later, by then perhaps of the block's
+                // next owner (helper-54). The mutation `hold_unchecked` skips this:
+                // `adversarial_s33_held` must then fail.
+                if !cfg!(cuarena_mutant = "hold_unchecked") {
+                    self.check_hold(ptr, size)?;
+                }
                 let mut held = lock(&self.inner.held);
                 // Another free of this block refused and held meanwhile (two frees racing).
                 if held.iter().any(|h| h.ptr == ptr) {
@@ -2733,7 +2776,7 @@ impl Allocator {
                 if !cfg!(cuarena_mutant = "hold_ignores_capture_end")
                     && self.inner.capture_ends.load(Ordering::Acquire) != ends
                 {
-                    self.retry_held();
+                    self.retry_held(false);
                 }
                 Ok(false)
             }
@@ -2748,6 +2791,19 @@ impl Allocator {
         if let Err(e) = self.deallocate_or_hold(ptr, size, stream, used_on) {
             self.defer_error(e);
         }
+    }
+
+    /// [`Slot::check_hold`] on the calling thread's slot (pass-through mode: its own check);
+    /// a refusal is counted in `invalid_frees`.
+    fn check_hold(&self, ptr: DeviceAddr, size: usize) -> Result<()> {
+        let r = match &self.inner.passthrough {
+            Some(p) => p.check_hold(ptr, size),
+            None => with_slot(&self.inner, |slot, inner| slot.check_hold(inner, ptr.0, size)),
+        };
+        if let Err(Error::InvalidFree { .. }) = r {
+            self.count(|c| &c.invalid_frees);
+        }
+        r
     }
 
     /// A double free of `ptr`, counted.
@@ -2788,8 +2844,14 @@ impl Allocator {
     /// `StreamUse::fence_stream`) goes the way of any legacy free towards another thread's
     /// arena or the pool: into the outbox, whose legacy event is parked while a capture forbids
     /// one (`tests/held_frees.rs`).
-    fn retry_held(&self) {
-        if self.inner.held_count.load(Ordering::Relaxed) == 0 {
+    ///
+    /// `graph_capture_end` passes `look = true`: it reads the list under its lock even when
+    /// `held_count` reads 0. Its protocol with a hold (count the end, then take the lock; push
+    /// under the lock, then read the count of ends) needs the lock's ordering: a `Relaxed` 0
+    /// read after the count of ends was raised may be stale, and the hold, seeing no end, would
+    /// then wait for a later call (`loom-tests/tests/held.rs` found that interleaving).
+    fn retry_held(&self, look: bool) {
+        if !look && self.inner.held_count.load(Ordering::Relaxed) == 0 {
             return;
         }
         let me = crate::sync::thread_id();
@@ -3061,8 +3123,10 @@ impl Allocator {
             // stream's capture before this call; one refused again is held again. The mutation
             // `capture_end_keeps_held` skips this: `held_frees` must then fail.
             self.inner.capture_ends.fetch_add(1, Ordering::AcqRel);
+            // The mutation `capture_end_skips_on_count` lets it skip on a `Relaxed` 0:
+            // `loom-tests/tests/held.rs` must then fail.
             if !cfg!(cuarena_mutant = "capture_end_keeps_held") {
-                self.retry_held();
+                self.retry_held(!cfg!(cuarena_mutant = "capture_end_skips_on_count"));
             }
             Ok(())
         } else {

@@ -215,6 +215,16 @@ impl Passthrough {
         self.check_free(&lock(&self.state), ptr.0, size).is_ok()
     }
 
+    /// [`Passthrough::is_valid_free`] with the reason: whether a free refused for a capture may
+    /// be held (`Allocator::deallocate_or_hold`).
+    pub(crate) fn check_hold(&self, ptr: DeviceAddr, size: usize) -> Result<()> {
+        self.check_free(&lock(&self.state), ptr.0, size).map(|_| ()).map_err(|reason| Error::InvalidFree {
+            ptr: ptr.0,
+            size,
+            reason,
+        })
+    }
+
     /// True if a live block starts at `ptr`.
     pub(crate) fn is_live(&self, ptr: u64) -> bool {
         lock(&self.state).live.contains_key(&ptr)

@@ -63,5 +63,8 @@ legacy_read_after_call   legacy_roles an_action_queued_before_a_use_never_covers
 waiters_load_parked_first replay_waiters a_wait_racing_the_store_sees_the_value
 synchronise_after_unlock captures   a_synchronise_never_runs_inside_an_announced_capture
 legacy_check_unlocked    captures   a_legacy_record_never_runs_inside_an_announced_capture
+hold_ignores_capture_end held       a_free_held_around_a_captures_end_is_made_by_one_of_them
+capture_end_skips_on_count held     a_free_held_around_a_captures_end_is_made_by_one_of_them
+retry_unlists_held       held       a_second_free_racing_the_retry_of_a_held_free_is_refused
 LIST
 exit $missed

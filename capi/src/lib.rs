@@ -191,9 +191,10 @@ pub(crate) fn free_with(
 }
 
 /// The free of [`cuarena_free_or_hold`] on allocator `a`, as [`free_with`]: true if taken now,
-/// false if held. A held free carries the declared streams it read; the declarations stay in
-/// `recorded` (read by nobody: a second free of the block is refused while it is held) until a
-/// block is next handed out at that address, as a refused free's do.
+/// false if held. A held free carries the declared streams it read, and its entry is marked
+/// freed at once, as a taken free's is (`Recorded::freed`: it no longer counts against the
+/// table's cap, and goes at eviction or `purge`; helper-54 found held entries kept live for
+/// good, since the retry, made inside the library, never reaches this table).
 pub(crate) fn free_or_hold_with(
     a: &Allocator,
     recorded: &Recorded,
@@ -203,7 +204,7 @@ pub(crate) fn free_or_hold_with(
 ) -> cuarena::Result<bool> {
     let used = if p == 0 { Vec::new() } else { recorded.uses(p) };
     let taken = a.deallocate_or_hold(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s))?;
-    if taken && !used.is_empty() {
+    if !used.is_empty() {
         recorded.freed(p);
     }
     Ok(taken)

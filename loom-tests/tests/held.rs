@@ -1,0 +1,94 @@
+//! Model of the held frees (`Allocator::deallocate_or_hold`, `src/allocator.rs`): a free refused
+//! because a capture forbids what it needs is held, and made again by the next call that
+//! retries the list, `graph_capture_end` first. Two atomics beside the list's mutex:
+//! `held_count` (the list's length, read without the lock so that a free skips the held-list
+//! check while nothing is held) and `capture_ends` (counted by each `graph_capture_end` before
+//! its retry; a hold that sees it changed since its refusal retries itself). A retried entry
+//! stays listed, marked with its retrying thread, so a second free of the block is refused
+//! throughout.
+//!
+//! The refused free here is declared used on the legacy stream (`record_stream`), which an
+//! announced capture forbids (`order_for_free`): the model device's capture is announced and
+//! reads the legacy stream as capturing.
+#![cfg(loom)]
+
+use std::sync::Arc;
+
+use cuarena::{DeviceAddr, Error, InvalidFree, Stream};
+use loom::sync::atomic::{AtomicBool, Ordering};
+use loom::thread;
+use loom_tests::common::{SB, assert_all_returned, model, setup_one_superblock, wait_for};
+
+/// A declared free refused during an announced capture races the capture's end on another
+/// thread: it is taken at once (the end came first), or held and made by the end's retry, or
+/// held after the end's retry and made by its own retry (it saw `capture_ends` change). In
+/// every order nothing is held when both calls return, with no flush, trim or release; then,
+/// once the ending thread has sent its remote frees, every byte is back. The mutation
+/// `hold_ignores_capture_end` (no retry by the hold) must fail this.
+#[test]
+fn a_free_held_around_a_captures_end_is_made_by_one_of_them() {
+    model(|| {
+        let (dev, a) = setup_one_superblock();
+        let p = a.allocate(SB / 4, Stream::PER_THREAD).unwrap();
+        a.graph_capture_begin();
+        dev.begin_capture();
+        let (a2, dev2) = (a.clone(), dev.clone());
+        let (ended, go) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (ended2, go2) = (ended.clone(), go.clone());
+        let end = thread::spawn(move || {
+            dev2.end_capture();
+            a2.graph_capture_end().unwrap();
+            ended2.store(true, Ordering::Release);
+            // The held list is read before this thread sends its remote frees (its release).
+            wait_for(|| go2.load(Ordering::Acquire).then_some(()));
+            a2.release_thread().unwrap();
+        });
+        let taken = a.deallocate_or_hold(p, SB / 4, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap();
+        wait_for(|| ended.load(Ordering::Acquire).then_some(()));
+        assert_eq!(a.held_frees(), 0, "the free is still held (taken now: {taken})");
+        go.store(true, Ordering::Release);
+        end.join().unwrap();
+        assert!(a.take_deferred_error().is_none());
+        assert_all_returned(&a);
+    });
+}
+
+/// A held free retried by one thread (`flush`) while its block's owner frees it again: the
+/// second free is refused as a double free in every order (the entry stays listed while it is
+/// retried), and the held free is made exactly once. The mutation `retry_unlists_held` (the
+/// entry taken out of the list while retried) must fail this.
+#[test]
+fn a_second_free_racing_the_retry_of_a_held_free_is_refused() {
+    model(|| {
+        let (dev, a) = setup_one_superblock();
+        let p = a.allocate(SB / 4, Stream::PER_THREAD).unwrap();
+        a.graph_capture_begin();
+        dev.begin_capture();
+        assert!(!a.deallocate_or_hold(p, SB / 4, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap());
+        dev.end_capture();
+        a.graph_capture_end().unwrap(); // made here, unless a retry below comes first
+        // Held again by a second announcement, so that the racing retry has it to make.
+        let q = a.allocate(SB / 4, Stream::PER_THREAD).unwrap();
+        a.graph_capture_begin();
+        dev.begin_capture();
+        assert!(!a.deallocate_or_hold(q, SB / 4, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap());
+        dev.end_capture();
+        let a2 = a.clone();
+        let retry = thread::spawn(move || {
+            a2.graph_capture_end().unwrap();
+            a2.release_thread().unwrap();
+        });
+        let second = a.deallocate(DeviceAddr(q.0), SB / 4, Stream::PER_THREAD);
+        retry.join().unwrap();
+        assert!(
+            matches!(second, Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })),
+            "a second free of a held block: {second:?}"
+        );
+        assert_eq!(a.stats().invalid_frees, 1);
+        assert_eq!(a.stats().live_bytes, 0, "the held free was not made once");
+        assert!(matches!(a.take_deferred_error(), None | Some(Error::InvalidFree { .. })));
+        a.reset_counters();
+        let _ = a.take_deferred_error();
+        assert_all_returned(&a);
+    });
+}
