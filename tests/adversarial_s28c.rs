@@ -630,8 +630,11 @@ fn an_allocator_dropped_on_another_thread_while_others_hold_its_slots_blocks_and
                     }
                 }
             }
-            made_tx.send((a.clone(), given)).unwrap();
-            drop(a);
+            // Moved, not cloned and then dropped: a clone C dropped after the send could be
+            // the last, and run A's drop after the checks below (on two busy cores, about 1
+            // run in 70 did; the thirty-third session found it with a print in the pool's
+            // drop, which came after the failed check).
+            made_tx.send((a, given)).unwrap();
             assert!(matches!(c_rx.recv().unwrap(), Cmd::Go));
             // Exits with A's dead slot (its arenas hold memory and live blocks).
         });
