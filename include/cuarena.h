@@ -136,16 +136,18 @@ void cuarena_free(void *ptr, size_t size, int device, cudaStream_t stream);
  * another thread's block that its owner later finds invalid still returns 0 (invalid_frees). */
 int cuarena_free_checked(void *ptr, size_t size, int device, cudaStream_t stream);
 /* cuarena_free for a caller that cannot free again and whose streams outlive the free (PyTorch's
- * deleter, through the shim: its streams are pooled, never destroyed). A free refused because its
+ * deleter, through the shim: its streams are pooled, never destroyed; a torch.cuda.ExternalStream
+ * must outlive every capture running when its tensor is freed). A free refused because its
  * stream, or a stream declared with cuarena_record_stream, is being captured into a CUDA graph
  * (or a capture announced with cuarena_graph_capture_begin forbids the legacy stream it needs) is
  * held and made again, on the same stream handles, by the next cuarena_graph_capture_end or
  * cuarena_empty_cache, until no capture refuses it; the block stays live until then. A stream
  * destroyed before that could have its handle given to a new stream, whose work the retry would
  * order the block's reuse after: callers that destroy streams use cuarena_free_checked and free
- * again themselves. 0 if the free was taken (or was a no-op), 1 if it was held, -1 if it was
- * refused otherwise (see cuarena_last_error; nothing changed). A free of a held block is refused
- * (-1) as a double free. */
+ * again themselves. 0 if the free was taken (or was a no-op), 1 if it was held (a capture that
+ * ended meanwhile may have had it made already), -1 if it was refused otherwise (see
+ * cuarena_last_error; nothing changed: a bad free is refused, not held). While a free is held,
+ * another free of that block is refused (-1) as a double free. */
 int cuarena_free_or_hold(void *ptr, size_t size, int device, cudaStream_t stream);
 /* PyTorch set_record_stream_fn. A refusal sets cuarena_last_error and nothing else. */
 void cuarena_record_stream(void *ptr, cudaStream_t stream);

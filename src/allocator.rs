@@ -94,7 +94,7 @@ use crate::stream::{Stream, StreamKey, StreamUse};
 use crate::superblock::Superblock;
 use std::sync::{Arc, Weak};
 
-use crate::sync::{AtomicUsize, Mutex, Ordering, lock, next_id, thread_local};
+use crate::sync::{AtomicUsize, Condvar, Mutex, Ordering, lock, next_id, thread_local};
 
 // Re-exported for the C ABI's `crate::allocator::DeviceAddr`; the type lives in `ptr.rs`.
 pub use crate::ptr::DeviceAddr;
@@ -184,10 +184,13 @@ pub(crate) struct Inner {
     /// made again by the next `graph_capture_end`, `flush`, `trim` or `release_thread`, until
     /// no capture refuses them. Their blocks count as live meanwhile.
     /// Invariants: at most one entry a block; an entry stays in the list while it is retried
-    /// (marked with the retrying thread), so a free of a held block by anyone else is refused
-    /// as a double free at every moment until the held free is taken; `held_count` is the
-    /// list's length, written under its lock.
+    /// (marked with the retry's token), and a free of that block by anyone else meanwhile
+    /// waits (`held_settled`) until the retry has taken it (the entry goes: the free is then of
+    /// the block's next life, or a plain double free) or not (it is refused as a double free);
+    /// `held_count` is the list's length, written under its lock.
     held: Mutex<Vec<HeldFree>>,
+    /// Signalled under `held`'s lock whenever a retried entry is settled (gone or unmarked).
+    held_settled: Condvar,
     /// `held.len()`, read without the lock: 0 lets every free skip the held-list check (the
     /// fast path reads it with one `Relaxed` load).
     held_count: AtomicUsize,
@@ -215,7 +218,7 @@ struct HeldFree {
     size: usize,
     stream: StreamUse,
     used_on: Vec<StreamUse>,
-    /// The thread retrying it now (`sync::thread_id`), whose own free of the block the
+    /// The token (`next_id`) of the retry making it now, whose own free of the block the
     /// held-list check lets through; 0 if none.
     retrying: u64,
 }
@@ -2051,6 +2054,7 @@ impl Allocator {
                 deferred: Mutex::new(None),
                 held: Mutex::new(Vec::new()),
                 held_count: AtomicUsize::new(0),
+                held_settled: Condvar::new(),
                 capture_ends: AtomicUsize::new(0),
                 arenas: AtomicUsize::new(0),
                 oom_hook: Mutex::new(None),
@@ -2273,7 +2277,7 @@ impl Allocator {
         if self.deallocate_fast(ptr, size, stream, &mut refused) {
             return Ok(());
         }
-        self.deallocate_slow(ptr, size, stream, refused)
+        self.deallocate_slow(ptr, size, stream, refused, 0)
     }
 
     /// [`free_fast`] when no trace runs, not in pass-through mode and no free is held (the slow
@@ -2295,7 +2299,8 @@ impl Allocator {
     }
 
     /// Every free [`Allocator::deallocate_fast`] did not take: a graph pool's block, a trace
-    /// running, then as [`Allocator::deallocate_rest`].
+    /// running, then as [`Allocator::deallocate_rest`]. `retrier`: the token of the retry of a
+    /// held free making this free, or 0 (see [`Allocator::refuse_held`]).
     #[cold]
     #[inline(never)]
     fn deallocate_slow(
@@ -2304,9 +2309,10 @@ impl Allocator {
         size: usize,
         stream: Stream,
         refused: Option<Error>,
+        retrier: u64,
     ) -> Result<()> {
         self.usable()?;
-        self.refuse_held(ptr, size)?;
+        self.refuse_held(ptr, size, retrier)?;
         // A CUDA graph pool's block; not traced, as its allocation was not.
         if refused.is_none()
             && self.inner.graphs.may_hold(ptr.0)
@@ -2404,8 +2410,21 @@ impl Allocator {
         stream: Stream,
         used_on: &[Stream],
     ) -> Result<()> {
+        self.free_declared(ptr, size, stream, used_on, 0)
+    }
+
+    /// [`Allocator::deallocate_used_on`], made by the retry of a held free with token `retrier`
+    /// (0: by a caller; see [`Allocator::refuse_held`]).
+    fn free_declared(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        used_on: &[Stream],
+        retrier: u64,
+    ) -> Result<()> {
         self.usable()?;
-        self.refuse_held(ptr, size)?;
+        self.refuse_held(ptr, size, retrier)?;
         // A graph pool's block: kept by its pool's rules (graph_pool.rs), which order or hold
         // the declared streams.
         if self.inner.graphs.may_hold(ptr.0)
@@ -2414,7 +2433,11 @@ impl Allocator {
             return r;
         }
         if used_on.is_empty() {
-            return self.deallocate(ptr, size, stream);
+            let mut refused = None;
+            if self.deallocate_fast(ptr, size, stream, &mut refused) {
+                return Ok(());
+            }
+            return self.deallocate_slow(ptr, size, stream, refused, retrier);
         }
         let Some(p) = &self.inner.passthrough else {
             // The normal mode validates the free first, with the owner's knowledge of the
@@ -2431,7 +2454,11 @@ impl Allocator {
         if p.is_valid_free(ptr, size) {
             with_slot(&self.inner, |slot, inner| order_for_free(inner, &slot.counters, stream, used_on))?;
         }
-        self.deallocate(ptr, size, stream)
+        let mut refused = None;
+        if self.deallocate_fast(ptr, size, stream, &mut refused) {
+            return Ok(());
+        }
+        self.deallocate_slow(ptr, size, stream, refused, retrier)
     }
 
     /// Caps reserved memory at `bytes`. Memory already reserved above it is kept until freed
@@ -2720,9 +2747,14 @@ impl Allocator {
     /// [`Allocator::trim`] or [`Allocator::release_thread`], on whatever thread makes that call
     /// (its streams kept as [`StreamUse`]s: another thread's per-thread stream is fenced
     /// through the legacy stream), until no capture refuses it. True if the free was taken
-    /// now, false if held; any other refusal is returned, and the block stays live. A held
-    /// free's later refusal (other than for a capture, which holds it again) is deferred
+    /// now, false if held (a capture that ended meanwhile may have had it made before this
+    /// returns); any other refusal is returned, and the block stays live. A held free's later
+    /// refusal (other than for a capture, which holds it again) is deferred
     /// ([`Allocator::take_deferred_error`]) and the block stays live.
+    ///
+    /// Holds are per allocator: a free held by one allocator because a capture announced to
+    /// another allocator of the device forbade what it needed is made by this allocator's next
+    /// `graph_capture_end`, `flush`, `trim` or `release_thread`, not by the other's end.
     ///
     /// **The streams must outlive the held free**: it is made on the same handles (the free's
     /// and `used_on`), so a stream destroyed before then, whose handle CUDA may give to a new
@@ -2813,48 +2845,76 @@ impl Allocator {
         Error::InvalidFree { ptr: ptr.0, size, reason: InvalidFree::DoubleFree }
     }
 
-    /// The held-list check of every free: a free of a held block is a double free, unless the
-    /// calling thread is retrying that held free now. One `Relaxed` load while nothing is held.
-    /// The mutation `held_check_off` skips it: `c_abi_capture_frees` must then fail.
+    /// The held-list check of every free: a free of a held block is a double free, unless it
+    /// is that held free's own retry (`retrier`, its token; 0 for a caller's free). A free of a
+    /// block whose held free another retry is making now waits until that retry has settled:
+    /// taken, the entry goes and this free goes on (of the block's next life, if it was handed
+    /// out again meanwhile; helper-55 found such a free refused while the retry relocked); not
+    /// taken, this free is a double free. One `Relaxed` load while nothing is held. The
+    /// mutation `held_check_off` skips it: `c_abi_capture_frees` must then fail.
+    ///
+    /// The wait cannot close a cycle: the caller holds no cuarena lock and no slot here (the
+    /// top of the slow free paths), and a retry's free never waits for another free.
     #[inline]
-    fn refuse_held(&self, ptr: DeviceAddr, size: usize) -> Result<()> {
+    fn refuse_held(&self, ptr: DeviceAddr, size: usize, retrier: u64) -> Result<()> {
         if cfg!(cuarena_mutant = "held_check_off") || self.inner.held_count.load(Ordering::Relaxed) == 0 {
             return Ok(());
         }
-        self.refuse_held_slow(ptr, size)
+        self.refuse_held_slow(ptr, size, retrier)
     }
 
     #[cold]
     #[inline(never)]
-    fn refuse_held_slow(&self, ptr: DeviceAddr, size: usize) -> Result<()> {
-        let me = crate::sync::thread_id();
-        let held = lock(&self.inner.held);
-        if held.iter().any(|h| h.ptr == ptr && h.retrying != me) {
-            drop(held);
-            return Err(self.double_free(ptr, size));
+    fn refuse_held_slow(&self, ptr: DeviceAddr, size: usize, retrier: u64) -> Result<()> {
+        let mut held = lock(&self.inner.held);
+        loop {
+            match held.iter().find(|h| h.ptr == ptr).map(|h| h.retrying) {
+                None => return Ok(()),
+                Some(t) if t != 0 && t == retrier => return Ok(()),
+                Some(0) => {
+                    drop(held);
+                    return Err(self.double_free(ptr, size));
+                }
+                // The mutation `held_free_no_wait` refuses at once: the tests
+                // `held_frees::the_next_owners_free_during_a_retry_is_taken` and
+                // `adversarial_s33_held::retries_on_several_threads_race_new_holds_of_other_blocks`
+                // must then fail.
+                Some(_) if cfg!(cuarena_mutant = "held_free_no_wait") => {
+                    drop(held);
+                    return Err(self.double_free(ptr, size));
+                }
+                Some(_) => {
+                    held = self.inner.held_settled.wait(held).unwrap_or_else(|p| p.into_inner());
+                }
+            }
         }
-        Ok(())
     }
 
     /// Makes the held frees again (see [`Allocator::deallocate_or_hold`]). Each entry stays in
-    /// the list, marked as this thread's, while its free is made without the lock; then it goes
-    /// (taken, or refused otherwise: deferred) or is unmarked (refused again by a capture).
-    /// Entries another thread is retrying are left to it. A retry that became a plain free on
-    /// the legacy stream (another thread's per-thread stream is fenced through it,
-    /// `StreamUse::fence_stream`) goes the way of any legacy free towards another thread's
-    /// arena or the pool: into the outbox, whose legacy event is parked while a capture forbids
-    /// one (`tests/held_frees.rs`).
+    /// the list, marked with this retry's token, while its free is made without the lock; then
+    /// it goes (taken, or refused otherwise: deferred) or is unmarked (refused again by a
+    /// capture), and waiting frees of it are woken. Entries another retry is making are left to
+    /// it. A retry that became a plain free on the legacy stream (another thread's per-thread
+    /// stream is fenced through it, `StreamUse::fence_stream`) goes the way of any legacy free
+    /// towards another thread's arena or the pool: into the outbox, whose legacy event is
+    /// parked while a capture forbids one (`tests/held_frees.rs`).
     ///
     /// `graph_capture_end` passes `look = true`: it reads the list under its lock even when
     /// `held_count` reads 0. Its protocol with a hold (count the end, then take the lock; push
     /// under the lock, then read the count of ends) needs the lock's ordering: a `Relaxed` 0
     /// read after the count of ends was raised may be stale, and the hold, seeing no end, would
-    /// then wait for a later call (`loom-tests/tests/held.rs` found that interleaving).
+    /// then wait for a later call (`loom-tests/tests/held.rs`, the mutation
+    /// `capture_end_skips_on_count`).
+    ///
+    /// A capture's end skips entries another retry has marked; if that retry's free is then
+    /// refused by the capture that has just ended, the entry would stay held with no end left
+    /// to make it (helper-55). So a retry reads the count of ends before it marks, and, having
+    /// unmarked an entry refused by a capture, goes round again if an end came meanwhile (the
+    /// lock orders the end's marking before the unmarking, or the unmarking before it).
     fn retry_held(&self, look: bool) {
         if !look && self.inner.held_count.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let me = crate::sync::thread_id();
         // The mutation `retry_unlists_held` takes the entries out while they are retried (and
         // holds a refused one again): `c_abi_capture_frees` must then fail, as a second free
         // slips in between.
@@ -2867,33 +2927,77 @@ impl Allocator {
             }
             return;
         }
-        let mine: Vec<(DeviceAddr, usize, Stream, Vec<Stream>)> = {
-            let mut held = lock(&self.inner.held);
-            held.iter_mut()
-                .filter(|h| h.retrying == 0)
-                .map(|h| {
-                    h.retrying = me;
-                    let stream = h.stream.fence_stream();
-                    (h.ptr, h.size, stream, StreamUse::fence_streams(&h.used_on, stream))
-                })
-                .collect()
-        };
-        for (ptr, size, stream, used_on) in mine {
-            let r = self.deallocate_used_on(ptr, size, stream, &used_on);
-            let mut held = lock(&self.inner.held);
-            // Only the thread that marked an entry removes it, so it is still listed.
-            let Some(i) = held.iter().position(|h| h.ptr == ptr && h.retrying == me) else { continue };
-            match r {
-                Err(Error::StreamCapturing { .. }) => held[i].retrying = 0,
-                r => {
-                    held.swap_remove(i);
-                    self.inner.held_count.store(held.len(), Ordering::Relaxed);
-                    drop(held);
-                    if let Err(e) = r {
-                        self.defer_error(e);
+        let token = next_id();
+        // Unmarks this retry's entries if a free below unwinds (a panic the C ABI catches), so
+        // they are not left marked for good; a no-op otherwise.
+        let _unmark = Unmark { alloc: self, token };
+        loop {
+            let ends = self.inner.capture_ends.load(Ordering::Acquire);
+            let mine: Vec<(DeviceAddr, usize, Stream, Vec<Stream>)> = {
+                let mut held = lock(&self.inner.held);
+                held.iter_mut()
+                    .filter(|h| h.retrying == 0)
+                    .map(|h| {
+                        h.retrying = token;
+                        let stream = h.stream.fence_stream();
+                        (h.ptr, h.size, stream, StreamUse::fence_streams(&h.used_on, stream))
+                    })
+                    .collect()
+            };
+            let mut refused_again = false;
+            for (ptr, size, stream, used_on) in mine {
+                let r = self.free_declared(ptr, size, stream, &used_on, token);
+                let mut held = lock(&self.inner.held);
+                // Only the retry that marked an entry settles it, so it is still listed.
+                let Some(i) = held.iter().position(|h| h.ptr == ptr && h.retrying == token) else { continue };
+                let failed = match r {
+                    Err(Error::StreamCapturing { .. }) => {
+                        held[i].retrying = 0;
+                        refused_again = true;
+                        None
                     }
+                    r => {
+                        held.swap_remove(i);
+                        self.inner.held_count.store(held.len(), Ordering::Relaxed);
+                        r.err()
+                    }
+                };
+                drop(held);
+                self.inner.held_settled.notify_all();
+                if let Some(e) = failed {
+                    self.defer_error(e);
                 }
             }
+            // The mutation `retry_ignores_capture_end` never goes round again: the test
+            // `held_frees::a_capture_end_during_another_retry_leaves_nothing_held` must then fail.
+            if !refused_again
+                || cfg!(cuarena_mutant = "retry_ignores_capture_end")
+                || self.inner.capture_ends.load(Ordering::Acquire) == ends
+            {
+                return;
+            }
+        }
+    }
+}
+
+/// Unmarks, at its drop, the held frees a retry (`token`) left marked: none, unless a free of
+/// the retry unwound. Waiting frees are woken.
+struct Unmark<'a> {
+    alloc: &'a Allocator,
+    token: u64,
+}
+
+impl Drop for Unmark<'_> {
+    fn drop(&mut self) {
+        let mut held = lock(&self.alloc.inner.held);
+        let mut any = false;
+        for h in held.iter_mut().filter(|h| h.retrying == self.token) {
+            h.retrying = 0;
+            any = true;
+        }
+        drop(held);
+        if any {
+            self.alloc.inner.held_settled.notify_all();
         }
     }
 }

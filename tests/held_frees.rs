@@ -211,3 +211,128 @@ fn a_free_held_just_after_the_capture_ended_is_made_at_once() {
     sim.destroy_stream(w).unwrap();
     assert_all_returned(&a, Some(&sim), 0);
 }
+
+/// A retry by `flush`, refused by the capture, races the capture's end: the end, run inside the
+/// flush's capture query, skips the entry the flush has marked, and the flush then unmarks it.
+/// The flush must go round again (an end came since it read the count of ends), so nothing is
+/// left held with no capture running (helper-55). The mutation `retry_ignores_capture_end`
+/// must fail this.
+#[test]
+fn a_capture_end_during_another_retry_leaves_nothing_held() {
+    let sim = host(0);
+    let w = sim.create_stream();
+    let dev = Arc::new(Interposed(EndsInsideQuery { sim: sim.clone(), on: w, hook: Mutex::new(None) }));
+    let a = Allocator::new(
+        dev.clone(),
+        parse("superblock=256KiB,small_max=64KiB,chunk=1MiB,large_max=1MiB,batch=1"),
+    )
+    .unwrap();
+    for size in SIZES {
+        let p = a.allocate(size, w).unwrap();
+        a.graph_capture_begin();
+        sim.begin_capture(w).unwrap();
+        assert!(!a.deallocate_or_hold(p, size, w, &[]).unwrap(), "size {size}: not held");
+        let (a2, sim2) = (a.clone(), sim.clone());
+        *dev.hook.lock().unwrap() = Some(Box::new(move || {
+            std::thread::spawn(move || {
+                sim2.end_capture(w).unwrap();
+                a2.graph_capture_end().unwrap();
+                a2.release_thread().unwrap();
+            })
+            .join()
+            .unwrap();
+        }));
+        a.flush().unwrap();
+        assert!(dev.hook.lock().unwrap().is_none(), "size {size}: the retry asked no capture query");
+        assert_eq!(a.held_frees(), 0, "size {size}: held with no capture running");
+        assert!(a.take_deferred_error().is_none());
+    }
+    sim.destroy_stream(w).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}
+
+/// A simulated device that, armed, runs a hook in the `n`th identity lookup of one stream
+/// (counting from the arming).
+struct HookAtKey {
+    sim: HostDevice,
+    on: Stream,
+    n: usize,
+    seen: std::sync::atomic::AtomicUsize,
+    hook: Mutex<Option<Hook>>,
+}
+
+impl Interpose for HookAtKey {
+    fn base(&self) -> &dyn Device {
+        &self.sim
+    }
+    fn stream_key(&self, stream: Stream) -> Result<StreamKey> {
+        let r = self.sim.stream_key(stream);
+        if stream == self.on
+            && r.is_ok()
+            && self.hook.lock().unwrap().is_some()
+            && self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == self.n
+        {
+            let hook = self.hook.lock().unwrap().take();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
+        r
+    }
+}
+
+/// With a trace running, the retry of a held pool-block free asks the stream's identity
+/// (for the trace) after the free was taken and before the entry is unlisted. In that window
+/// another thread is handed the same block and frees it: a valid free of the block's next life.
+/// It must be taken once the retry has settled, not refused as a double free of the held one
+/// (helper-55; before, it was refused and the block stayed live). The hook lets the other
+/// thread try for 50 ms before the retry goes on: the mutation `held_free_no_wait` (a free
+/// refused while another thread's retry of its block is in flight) must fail this.
+#[test]
+fn the_next_owners_free_during_a_retry_is_taken() {
+    let sim = host(0);
+    let w = sim.create_stream();
+    let dev = Arc::new(Interposed(HookAtKey {
+        sim: sim.clone(),
+        on: w,
+        n: 2,
+        seen: std::sync::atomic::AtomicUsize::new(0),
+        hook: Mutex::new(None),
+    }));
+    let a = Allocator::new(dev.clone(), parse("superblock=256KiB,small_max=64KiB,chunk=1MiB,large_max=1MiB"))
+        .unwrap();
+    let path = std::env::temp_dir().join(format!("cuarena-held-next-owner-{}.trace", std::process::id()));
+    a.start_trace(&path).unwrap();
+    let size = 3 << 20;
+    let p = a.allocate(size, w).unwrap();
+    a.graph_capture_begin();
+    sim.begin_capture(w).unwrap();
+    assert!(!a.deallocate_or_hold(p, size, w, &[]).unwrap());
+    sim.end_capture(w).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (got_tx, got_rx) = std::sync::mpsc::channel();
+    let a2 = a.clone();
+    let next_owner = std::thread::spawn(move || {
+        rx.recv().unwrap();
+        let q = a2.allocate(size, w).unwrap();
+        got_tx.send(q).unwrap();
+        let r = a2.deallocate(q, size, w);
+        a2.release_thread().unwrap();
+        (q, r)
+    });
+    *dev.hook.lock().unwrap() = Some(Box::new(move || {
+        tx.send(()).unwrap();
+        got_rx.recv().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }));
+    a.graph_capture_end().unwrap();
+    let (q, r) = next_owner.join().unwrap();
+    assert!(dev.hook.lock().unwrap().is_none(), "the hook never ran: the test checks nothing");
+    assert_eq!(q, p, "the next owner was not handed the block: the test checks nothing");
+    assert!(r.is_ok(), "the next owner's valid free was refused: {r:?}");
+    assert_eq!(a.held_frees(), 0);
+    a.stop_trace().unwrap();
+    let _ = std::fs::remove_file(&path);
+    sim.destroy_stream(w).unwrap();
+    assert_all_returned(&a, Some(&sim), 0);
+}

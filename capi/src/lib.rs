@@ -131,10 +131,11 @@ pub extern "C" fn cuarena_free_checked(
 /// or a stream declared with [`cuarena_record_stream`], is being captured into a CUDA graph is
 /// held and made again at the next `cuarena_graph_capture_end` (PyTorch's
 /// `endAllocateToPool`) or `cuarena_empty_cache`, on the same stream handles
-/// (`Allocator::deallocate_or_hold`), until no capture refuses it. 0 if the free was taken (or was a no-op), 1 if it was
-/// held (the block stays live until then), -1 if it was refused otherwise (the reason is in
-/// [`cuarena_last_error`]; nothing changed). A second free of a held block is refused (-1) as a
-/// double free.
+/// (`Allocator::deallocate_or_hold`), until no capture refuses it. 0 if the free was taken (or
+/// was a no-op), 1 if it was held (the block stays live until then; a capture that ended
+/// meanwhile may have had it made already), -1 if it was refused otherwise (the reason is in
+/// [`cuarena_last_error`]; nothing changed: a bad free is refused, not held). While it is held,
+/// another free of the block is refused (-1) as a double free.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_free_or_hold(
     ptr: *mut c_void,

@@ -71,7 +71,8 @@ extern "C" void *cuarena_torch_malloc(size_t size, int device, void *stream) {
     return p;
 }
 
-// PyTorch's deleter cannot free again, and its streams are pooled (never destroyed): a free that
+// PyTorch's deleter cannot free again, and its streams are pooled (never destroyed; a
+// torch.cuda.ExternalStream is the program's, and must outlive the captures): a free that
 // a CUDA graph capture refuses (its stream, or a record_stream stream, being captured; or the
 // legacy stream it needs while a capture is announced) is held by cuarena and made again when
 // the capture ends (endAllocateToPool: cuarena_graph_capture_end) or at the next empty_cache,
