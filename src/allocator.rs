@@ -2945,8 +2945,30 @@ impl Allocator {
                     .collect()
             };
             let mut refused_again = false;
+            let device = self.inner.device.device_id();
             for (ptr, size, stream, used_on) in mine {
-                let r = self.free_declared(ptr, size, stream, &used_on, token);
+                // A held free is made on its streams at a later call, perhaps on another thread
+                // than the stream's user, who may begin a capture of it meanwhile: the free's
+                // capture checks and its events would race that capture (helper-54's test on the
+                // GPU machine's 16 cores saw an event recorded into one). So a retry runs as a
+                // reader of the announced captures, and while any capture is announced on the
+                // device it is refused and stays held: an announced capture (PyTorch's, through
+                // its routes to pools) cannot begin during it. A capture that is not announced
+                // must not be begun on a held free's stream before the free is made (README).
+                // The mutation `retry_ignores_announcements` skips this: the test
+                // `adversarial_s33_held::retries_on_several_threads_race_new_holds_of_other_blocks`
+                // must then fail on a machine with enough cores (it did on 16).
+                let r = if cfg!(cuarena_mutant = "retry_ignores_announcements") {
+                    self.free_declared(ptr, size, stream, &used_on, token)
+                } else {
+                    crate::sync::holding_off_announcements(device, || {
+                        if crate::sync::captures_announced(device) {
+                            Err(Error::StreamCapturing { stream: stream.as_raw() })
+                        } else {
+                            self.free_declared(ptr, size, stream, &used_on, token)
+                        }
+                    })
+                };
                 let mut held = lock(&self.inner.held);
                 // Only the retry that marked an entry settles it, so it is still listed.
                 let Some(i) = held.iter().position(|h| h.ptr == ptr && h.retrying == token) else { continue };

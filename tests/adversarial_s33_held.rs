@@ -286,9 +286,11 @@ fn retries_on_several_threads_race_new_holds_of_other_blocks() {
                         sim.write_tag(p.0, 256, (k * 1000 + round) as u32, s).unwrap();
                         mine.push((p, size));
                     }
-                    if k == 0 {
-                        a.graph_capture_begin();
-                    }
+                    // Announced, as PyTorch's captures are: a held free is retried by other
+                    // threads' calls, and only an announced capture holds those retries off
+                    // (an unannounced one raced them on the GPU machine's 16 cores: an event
+                    // recorded into the capture).
+                    a.graph_capture_begin();
                     sim.begin_capture(s).unwrap();
                     for &(p, size) in &mine {
                         // Held, not refused: a block handed out while a free of it was still
@@ -299,9 +301,7 @@ fn retries_on_several_threads_race_new_holds_of_other_blocks() {
                         seconds.fetch_add(1, Ordering::Relaxed);
                     }
                     sim.end_capture(s).unwrap();
-                    if k == 0 {
-                        a.graph_capture_end().unwrap();
-                    }
+                    a.graph_capture_end().unwrap();
                     match round % 3 {
                         0 => a.flush().unwrap(),
                         1 => {

@@ -66,5 +66,6 @@ legacy_check_unlocked    captures   a_legacy_record_never_runs_inside_an_announc
 hold_ignores_capture_end held       a_free_held_around_a_captures_end_is_made_by_one_of_them
 capture_end_skips_on_count held     a_free_held_around_a_captures_end_is_made_by_one_of_them
 retry_unlists_held       held       a_second_free_racing_the_retry_of_a_held_free_is_refused
+retry_ignores_capture_end held      a_retry_racing_the_captures_end_leaves_nothing_held
 LIST
 exit $missed

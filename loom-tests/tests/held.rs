@@ -92,3 +92,36 @@ fn a_second_free_racing_the_retry_of_a_held_free_is_refused() {
         assert_all_returned(&a);
     });
 }
+
+/// A retry (the holding thread's `flush`) races the capture's end on another thread while a
+/// free is held: the retry may mark the entry, be refused (the capture is still announced), and
+/// unmark it after the end's own retry skipped it as another retry's. In every order nothing is
+/// held when both calls return: the retry that saw an end come while it ran goes round again
+/// (helper-55). The mutation `retry_ignores_capture_end` must fail this.
+#[test]
+fn a_retry_racing_the_captures_end_leaves_nothing_held() {
+    model(|| {
+        let (dev, a) = setup_one_superblock();
+        let p = a.allocate(SB / 4, Stream::PER_THREAD).unwrap();
+        a.graph_capture_begin();
+        dev.begin_capture();
+        assert!(!a.deallocate_or_hold(p, SB / 4, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap());
+        let (ended, go) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (a2, dev2, ended2, go2) = (a.clone(), dev.clone(), ended.clone(), go.clone());
+        let end = thread::spawn(move || {
+            dev2.end_capture();
+            a2.graph_capture_end().unwrap();
+            ended2.store(true, Ordering::Release);
+            // The held list is read before this thread sends its remote frees (its release).
+            wait_for(|| go2.load(Ordering::Acquire).then_some(()));
+            a2.release_thread().unwrap();
+        });
+        a.flush().unwrap();
+        wait_for(|| ended.load(Ordering::Acquire).then_some(()));
+        assert_eq!(a.held_frees(), 0, "a free is still held with no capture running");
+        go.store(true, Ordering::Release);
+        end.join().unwrap();
+        assert!(a.take_deferred_error().is_none());
+        assert_all_returned(&a);
+    });
+}
