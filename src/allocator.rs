@@ -2766,9 +2766,9 @@ impl Allocator {
     /// A free of a held block, by anyone but the held free's retry, is refused as a double
     /// free ([`InvalidFree::DoubleFree`], counted in `invalid_frees`): holding must not let two
     /// frees of one block be made. While that retry runs, such a free waits for it and is then
-    /// judged afresh. A retry runs on another thread's call, so a
-    /// capture of the held free's streams must be announced ([`Allocator::graph_capture_begin`]),
-    /// which holds retries off, or wait until the free is made.
+    /// judged afresh. A retry runs on another thread's call, so a capture of the held free's
+    /// streams must be announced ([`Allocator::graph_capture_begin`]), which holds retries
+    /// off, or wait until the free is made.
     pub fn deallocate_or_hold(
         &self,
         ptr: DeviceAddr,
