@@ -110,7 +110,7 @@ pub(crate) fn malloc_with(
 /// no-op on any device, even with no driver.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) {
-    free(ptr, size, device, stream_);
+    free(ptr, size, device, stream_, false);
 }
 
 /// [`cuarena_free`] that says whether the free was accepted: 0 if it was (or was a no-op), -1
@@ -123,7 +123,7 @@ pub extern "C" fn cuarena_free_checked(
     device: c_int,
     stream_: *mut c_void,
 ) -> c_int {
-    free(ptr, size, device, stream_)
+    free(ptr, size, device, stream_, false)
 }
 
 /// [`cuarena_free`] for a caller whose streams outlive the free and which cannot free again,
@@ -143,6 +143,11 @@ pub extern "C" fn cuarena_free_or_hold(
     device: c_int,
     stream_: *mut c_void,
 ) -> c_int {
+    free(ptr, size, device, stream_, true)
+}
+
+/// The three frees' entry: 0 taken (or a no-op), 1 held (`hold` only), -1 refused.
+fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void, hold: bool) -> c_int {
     if ptr.is_null() && size == 0 {
         return 0;
     }
@@ -151,27 +156,16 @@ pub extern "C" fn cuarena_free_or_hold(
             return Ok(0);
         }
         let a = global(device).map_err(|e| e.to_string())?;
-        free_or_hold_with(a, &RECORDED, ptr as u64, size, stream(stream_))
+        free_by(a, &RECORDED, ptr as u64, size, stream(stream_), hold)
             .map(|taken| if taken { 0 } else { 1 })
             .map_err(|e| e.to_string())
     })
 }
 
-fn free(ptr: *mut c_void, size: usize, device: c_int, stream_: *mut c_void) -> c_int {
-    if ptr.is_null() && size == 0 {
-        return 0;
-    }
-    guard(-1, || {
-        if process_exiting() {
-            return Ok(0);
-        }
-        let a = global(device).map_err(|e| e.to_string())?;
-        free_with(a, &RECORDED, ptr as u64, size, stream(stream_)).map(|()| 0).map_err(|e| e.to_string())
-    })
-}
-
 /// The free of `cuarena_free` on allocator `a`, with the `record_stream` declarations of
-/// `recorded` (the process-wide table; a test's own otherwise).
+/// `recorded` (the process-wide table; a test's own otherwise). Called by the tests that
+/// compile this file in (`#[path]`); the entry points call [`free_by`].
+#[allow(dead_code)]
 pub(crate) fn free_with(
     a: &Allocator,
     recorded: &Recorded,
@@ -179,23 +173,12 @@ pub(crate) fn free_with(
     size: usize,
     s: Stream,
 ) -> cuarena::Result<()> {
-    // Read, not taken: a refused free, or one accepted and later found invalid by the block's
-    // owner, leaves them for the corrected free, and a free racing this one sees them too
-    // (`recorded.rs`).
-    let used = if p == 0 { Vec::new() } else { recorded.uses(p) };
-    // Another thread's per-thread stream is fenced through the legacy stream (`StreamUse`).
-    a.deallocate_used_on(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s))?;
-    if !used.is_empty() {
-        recorded.freed(p);
-    }
-    Ok(())
+    free_by(a, recorded, p, size, s, false).map(|_| ())
 }
 
 /// The free of [`cuarena_free_or_hold`] on allocator `a`, as [`free_with`]: true if taken now,
-/// false if held. A held free carries the declared streams it read, and its entry is marked
-/// freed at once, as a taken free's is (`Recorded::freed`: it no longer counts against the
-/// table's cap, and goes at eviction or `purge`; helper-54 found held entries kept live for
-/// good, since the retry, made inside the library, never reaches this table).
+/// false if held. For the tests, as [`free_with`].
+#[allow(dead_code)]
 pub(crate) fn free_or_hold_with(
     a: &Allocator,
     recorded: &Recorded,
@@ -203,8 +186,33 @@ pub(crate) fn free_or_hold_with(
     size: usize,
     s: Stream,
 ) -> cuarena::Result<bool> {
+    free_by(a, recorded, p, size, s, true)
+}
+
+/// A free with the block's declared streams, held if `hold` and a capture refuses it
+/// (`Allocator::deallocate_or_hold`): true if taken now, false if held.
+///
+/// The declarations are read, not taken: a refused free, or one accepted and later found
+/// invalid by the block's owner, leaves them for the corrected free, and a free racing this one
+/// sees them too (`recorded.rs`). An accepted free, taken or held, marks the entry freed: a
+/// held free carries the streams it read, and its retry, made inside the library, never
+/// reaches this table (helper-54 found held entries kept live, against the cap, for good).
+fn free_by(
+    a: &Allocator,
+    recorded: &Recorded,
+    p: u64,
+    size: usize,
+    s: Stream,
+    hold: bool,
+) -> cuarena::Result<bool> {
     let used = if p == 0 { Vec::new() } else { recorded.uses(p) };
-    let taken = a.deallocate_or_hold(DeviceAddr(p), size, s, &StreamUse::fence_streams(&used, s))?;
+    // Another thread's per-thread stream is fenced through the legacy stream (`StreamUse`).
+    let fence = StreamUse::fence_streams(&used, s);
+    let taken = if hold {
+        a.deallocate_or_hold(DeviceAddr(p), size, s, &fence)?
+    } else {
+        a.deallocate_used_on(DeviceAddr(p), size, s, &fence).map(|()| true)?
+    };
     if !used.is_empty() {
         recorded.freed(p);
     }
