@@ -2423,6 +2423,14 @@ impl Allocator {
         used_on: &[Stream],
         retrier: u64,
     ) -> Result<()> {
+        if used_on.is_empty() {
+            // A plain free: `deallocate`'s paths (its slow path makes the checks below).
+            let mut refused = None;
+            if self.deallocate_fast(ptr, size, stream, &mut refused) {
+                return Ok(());
+            }
+            return self.deallocate_slow(ptr, size, stream, refused, retrier);
+        }
         self.usable()?;
         self.refuse_held(ptr, size, retrier)?;
         // A graph pool's block: kept by its pool's rules (graph_pool.rs), which order or hold
@@ -2431,13 +2439,6 @@ impl Allocator {
             && let Some(r) = self.free_graph(ptr, size, stream, used_on)
         {
             return r;
-        }
-        if used_on.is_empty() {
-            let mut refused = None;
-            if self.deallocate_fast(ptr, size, stream, &mut refused) {
-                return Ok(());
-            }
-            return self.deallocate_slow(ptr, size, stream, refused, retrier);
         }
         let Some(p) = &self.inner.passthrough else {
             // The normal mode validates the free first, with the owner's knowledge of the
@@ -2454,11 +2455,8 @@ impl Allocator {
         if p.is_valid_free(ptr, size) {
             with_slot(&self.inner, |slot, inner| order_for_free(inner, &slot.counters, stream, used_on))?;
         }
-        let mut refused = None;
-        if self.deallocate_fast(ptr, size, stream, &mut refused) {
-            return Ok(());
-        }
-        self.deallocate_slow(ptr, size, stream, refused, retrier)
+        // Pass-through mode has no fast path; the slow path traces the free.
+        self.deallocate_slow(ptr, size, stream, None, retrier)
     }
 
     /// Caps reserved memory at `bytes`. Memory already reserved above it is kept until freed
