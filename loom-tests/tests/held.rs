@@ -14,10 +14,25 @@
 
 use std::sync::Arc;
 
-use cuarena::{DeviceAddr, Error, InvalidFree, Stream};
+use cuarena::{Allocator, DeviceAddr, Error, InvalidFree, Stream};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::thread;
 use loom_tests::common::{SB, assert_all_returned, model, setup_one_superblock, wait_for};
+use loom_tests::model::ModelDevice;
+
+/// The size of the blocks held here.
+const SIZE: usize = SB / 4;
+
+/// A block of the calling thread's, whose free (declared used on the legacy stream) is held:
+/// a capture is announced and a blocking stream's capture begun on the model device. Both stay
+/// open for the caller to end.
+fn hold_a_free(dev: &ModelDevice, a: &Allocator) -> DeviceAddr {
+    let p = a.allocate(SIZE, Stream::PER_THREAD).unwrap();
+    a.graph_capture_begin();
+    dev.begin_capture();
+    assert!(!a.deallocate_or_hold(p, SIZE, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap(), "not held");
+    p
+}
 
 /// A declared free refused during an announced capture races the capture's end on another
 /// thread: it is taken at once (the end came first), or held and made by the end's retry, or
@@ -29,7 +44,7 @@ use loom_tests::common::{SB, assert_all_returned, model, setup_one_superblock, w
 fn a_free_held_around_a_captures_end_is_made_by_one_of_them() {
     model(|| {
         let (dev, a) = setup_one_superblock();
-        let p = a.allocate(SB / 4, Stream::PER_THREAD).unwrap();
+        let p = a.allocate(SIZE, Stream::PER_THREAD).unwrap();
         a.graph_capture_begin();
         dev.begin_capture();
         let (a2, dev2) = (a.clone(), dev.clone());
@@ -43,7 +58,7 @@ fn a_free_held_around_a_captures_end_is_made_by_one_of_them() {
             wait_for(|| go2.load(Ordering::Acquire).then_some(()));
             a2.release_thread().unwrap();
         });
-        let taken = a.deallocate_or_hold(p, SB / 4, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap();
+        let taken = a.deallocate_or_hold(p, SIZE, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap();
         wait_for(|| ended.load(Ordering::Acquire).then_some(()));
         assert_eq!(a.held_frees(), 0, "the free is still held (taken now: {taken})");
         go.store(true, Ordering::Release);
@@ -61,24 +76,18 @@ fn a_free_held_around_a_captures_end_is_made_by_one_of_them() {
 fn a_second_free_racing_the_retry_of_a_held_free_is_refused() {
     model(|| {
         let (dev, a) = setup_one_superblock();
-        let p = a.allocate(SB / 4, Stream::PER_THREAD).unwrap();
-        a.graph_capture_begin();
-        dev.begin_capture();
-        assert!(!a.deallocate_or_hold(p, SB / 4, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap());
+        hold_a_free(&dev, &a);
         dev.end_capture();
-        a.graph_capture_end().unwrap(); // made here, unless a retry below comes first
+        a.graph_capture_end().unwrap(); // made here
         // Held again by a second announcement, so that the racing retry has it to make.
-        let q = a.allocate(SB / 4, Stream::PER_THREAD).unwrap();
-        a.graph_capture_begin();
-        dev.begin_capture();
-        assert!(!a.deallocate_or_hold(q, SB / 4, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap());
+        let q = hold_a_free(&dev, &a);
         dev.end_capture();
         let a2 = a.clone();
         let retry = thread::spawn(move || {
             a2.graph_capture_end().unwrap();
             a2.release_thread().unwrap();
         });
-        let second = a.deallocate(DeviceAddr(q.0), SB / 4, Stream::PER_THREAD);
+        let second = a.deallocate(DeviceAddr(q.0), SIZE, Stream::PER_THREAD);
         retry.join().unwrap();
         assert!(
             matches!(second, Err(Error::InvalidFree { reason: InvalidFree::DoubleFree, .. })),
@@ -102,10 +111,7 @@ fn a_second_free_racing_the_retry_of_a_held_free_is_refused() {
 fn a_retry_racing_the_captures_end_leaves_nothing_held() {
     model(|| {
         let (dev, a) = setup_one_superblock();
-        let p = a.allocate(SB / 4, Stream::PER_THREAD).unwrap();
-        a.graph_capture_begin();
-        dev.begin_capture();
-        assert!(!a.deallocate_or_hold(p, SB / 4, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap());
+        hold_a_free(&dev, &a);
         let (ended, go) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
         let (a2, dev2, ended2, go2) = (a.clone(), dev.clone(), ended.clone(), go.clone());
         let end = thread::spawn(move || {
