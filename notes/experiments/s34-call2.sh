@@ -2,7 +2,7 @@
 # Session 34, call 2: why PyTorch's eager step is 1.06-1.10x native under cuarena. cuarena's
 # counters per steady step (torch_train_calls.py); the driver API calls of 100 steps under
 # nsys, native against cuarena (if nsys is installed); 5 more interleaved runs of
-# torch_train.py; then 15 host-test binaries on 16 cores, 2 runs each with 4 test threads, while the call has time.
+# torch_train.py; then 10 host-test binaries on 16 cores, 2 runs each with 4 test threads, while the call has time.
 source "$(dirname "$0")/gpu-checks.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader >> $O/summary.txt
 echo "tools: $(which nsys ncu perf py-spy 2>/dev/null | tr '\n' ' ')" >> $O/summary.txt
