@@ -146,8 +146,11 @@ int cuarena_free_checked(void *ptr, size_t size, int device, cudaStream_t stream
  * order the block's reuse after: callers that destroy streams use cuarena_free_checked and free
  * again themselves. 0 if the free was taken (or was a no-op), 1 if it was held (a capture that
  * ended meanwhile may have had it made already), -1 if it was refused otherwise (see
- * cuarena_last_error; nothing changed: a bad free is refused, not held). While a free is held,
- * another free of that block is refused (-1) as a double free. */
+ * cuarena_last_error; nothing changed: a bad free is refused, not held, except a wrong size of
+ * another thread's block, which that thread finds when the retry reaches it, as with
+ * cuarena_free_checked). While a free is held, another free of that block is refused (-1) as a
+ * double free; one made while the held free is being retried waits for it, then is judged
+ * afresh. A free racing the hold itself may be accepted too, as two racing frees may be. */
 int cuarena_free_or_hold(void *ptr, size_t size, int device, cudaStream_t stream);
 /* PyTorch set_record_stream_fn. A refusal sets cuarena_last_error and nothing else. */
 void cuarena_record_stream(void *ptr, cudaStream_t stream);
@@ -169,9 +172,11 @@ void cuarena_empty_cache(void);
 /* PyTorch set_memory_fraction_fn: caps the device's reserved memory at fraction [0, 1] of its total
    (0: nothing more is reserved); another fraction is refused (cuarena_last_error) and changes nothing. */
 void cuarena_set_memory_fraction(double fraction, int device);
-/* CuPy: python/cuarena's install_cupy() uses cuarena_malloc / cuarena_free on the stream that
- * is current at allocation (CuPy's CFunctionAllocator passes no stream, so the former
- * cuarena_cupy_malloc / cuarena_cupy_free pair, which assumed the legacy stream, is removed). */
+/* CuPy: python/cuarena's install_cupy() uses cuarena_malloc / cuarena_free_checked on the stream
+ * that is current at allocation (CuPy's CFunctionAllocator passes no stream, so the former
+ * cuarena_cupy_malloc / cuarena_cupy_free pair, which assumed the legacy stream, is removed); a
+ * free a capture refuses is held by the glue itself and made again after the capture
+ * (python/cuarena/cupy.py, release_held). */
 /* Fills *out. Set out->size = sizeof(cuarena_stats) first. Returns 0 on success (out->size is
  * then the bytes filled: the smaller of the caller's size and the library's struct, in whole
  * fields), CUARENA_ERR_STATS_SIZE if out->size is below CUARENA_STATS_SIZE_V1, -1 on any other

@@ -185,11 +185,15 @@ pub(crate) struct Inner {
     /// no capture refuses them. Their blocks count as live meanwhile.
     /// Invariants: at most one entry a block; an entry stays in the list while it is retried
     /// (marked with the retry's token), and a free of that block by anyone else meanwhile
-    /// waits (`held_settled`) until the retry has taken it (the entry goes: the free is then of
-    /// the block's next life, or a plain double free) or not (it is refused as a double free);
-    /// `held_count` is the list's length, written under its lock.
+    /// waits (`held_settled`) until the retry settles it: taken (the entry goes: the free is
+    /// then of the block's next life, or a plain double free), refused for another reason (the
+    /// entry goes, the error is deferred, and the waiting free goes on), or refused again by a
+    /// capture (unmarked: the free is refused as a double free); `held_count` is the list's
+    /// length, written under its lock. A free that races the hold itself (neither ordered
+    /// before the other) may be taken too, as two racing frees may (README).
     held: Mutex<Vec<HeldFree>>,
-    /// Signalled under `held`'s lock whenever a retried entry is settled (gone or unmarked).
+    /// Signalled, once `held`'s lock is released, whenever a retried entry is settled (gone or
+    /// unmarked).
     held_settled: Condvar,
     /// `held.len()`, read without the lock: 0 lets every free skip the held-list check (the
     /// fast path reads it with one `Relaxed` load).
@@ -2298,9 +2302,11 @@ impl Allocator {
             && free_fast(inner, stream, ptr.0, size, refused)
     }
 
-    /// Every free [`Allocator::deallocate_fast`] did not take: a graph pool's block, a trace
+    /// Every free [`Allocator::deallocate_fast`] did not take (entered directly too by
+    /// [`Allocator::free_declared`]'s plain frees and pass-through mode's declared ones): the
+    /// usable and held-list checks ([`Allocator::refuse_held`]), a graph pool's block, a trace
     /// running, then as [`Allocator::deallocate_rest`]. `retrier`: the token of the retry of a
-    /// held free making this free, or 0 (see [`Allocator::refuse_held`]).
+    /// held free making this free, or 0.
     #[cold]
     #[inline(never)]
     fn deallocate_slow(
@@ -2348,7 +2354,7 @@ impl Allocator {
 
     /// A free the fast path did not take, without the trace: its refusal (`refused`: the
     /// stream is being captured, or its handle is refused), pass-through mode (never with
-    /// `used_on`: [`Allocator::deallocate_used_on`] orders those itself), the free of null,
+    /// `used_on`: [`Allocator::free_declared`] orders those itself), the free of null,
     /// and the slow path.
     #[inline(always)]
     fn deallocate_rest(
@@ -2455,7 +2461,8 @@ impl Allocator {
         if p.is_valid_free(ptr, size) {
             with_slot(&self.inner, |slot, inner| order_for_free(inner, &slot.counters, stream, used_on))?;
         }
-        // Pass-through mode has no fast path; the slow path traces the free.
+        // Pass-through mode has no fast path; the slow path traces the free (and makes the
+        // usable, held-list and graph checks above again: harmless).
         self.deallocate_slow(ptr, size, stream, None, retrier)
     }
 
@@ -2764,7 +2771,9 @@ impl Allocator {
     /// A free of a held block, by anyone but the held free's retry, is refused as a double
     /// free ([`InvalidFree::DoubleFree`], counted in `invalid_frees`): holding must not let two
     /// frees of one block be made. While that retry runs, such a free waits for it and is then
-    /// judged afresh. A retry runs on another thread's call, so a capture of the held free's
+    /// judged afresh. A free that races the hold itself (neither ordered before the other) may
+    /// be taken as well, as two racing frees of one block may (README); the held one is then
+    /// made at the retry, when the block may have a new owner. A retry runs on another thread's call, so a capture of the held free's
     /// streams must be announced ([`Allocator::graph_capture_begin`]), which holds retries
     /// off, or wait until the free is made.
     pub fn deallocate_or_hold(
@@ -2849,9 +2858,10 @@ impl Allocator {
     /// The held-list check of every free: a free of a held block is a double free, unless it
     /// is that held free's own retry (`retrier`, its token; 0 for a caller's free). A free of a
     /// block whose held free another retry is making now waits until that retry has settled:
-    /// taken, the entry goes and this free goes on (of the block's next life, if it was handed
-    /// out again meanwhile; helper-55 found such a free refused while the retry relocked); not
-    /// taken, this free is a double free. One `Relaxed` load while nothing is held. The
+    /// the entry gone (its free taken, or refused otherwise and deferred), this free goes on (of
+    /// the block's next life, if it was handed out again meanwhile; helper-55 found such a free
+    /// refused while the retry relocked); the entry unmarked (refused again by a capture), this
+    /// free is a double free. One `Relaxed` load while nothing is held. The
     /// mutation `held_check_off` skips it: `c_abi_capture_frees` must then fail.
     ///
     /// The wait cannot close a cycle: the caller holds no cuarena lock and no slot here (the
@@ -2957,8 +2967,9 @@ impl Allocator {
                 // its routes to pools) cannot begin during it. A capture that is not announced
                 // must not be begun on a held free's stream before the free is made (README).
                 // The mutation `retry_ignores_announcements` skips this: the test
-                // `adversarial_s33_held::retries_on_several_threads_race_new_holds_of_other_blocks`
-                // must then fail on a machine with enough cores (it did on 16).
+                // `held_frees::a_retry_holds_off_a_capture_announced_meanwhile` must then fail
+                // (and `adversarial_s33_held::retries_on_several_threads_race_new_holds_of_other_blocks`
+                // did, on 16 cores).
                 let r = if cfg!(cuarena_mutant = "retry_ignores_announcements") {
                     self.free_declared(ptr, size, stream, &used_on, token)
                 } else {
@@ -2991,8 +3002,8 @@ impl Allocator {
                     self.defer_error(e);
                 }
             }
-            // The mutation `retry_ignores_capture_end` never goes round again: the test
-            // `held_frees::a_capture_end_during_another_retry_leaves_nothing_held` must then fail.
+            // The mutation `retry_ignores_capture_end` never goes round again: the loom test
+            // `held::a_retry_racing_the_captures_end_leaves_nothing_held` must then fail.
             if !refused_again
                 || cfg!(cuarena_mutant = "retry_ignores_capture_end")
                 || self.inner.capture_ends.load(Ordering::Acquire) == ends
@@ -3247,8 +3258,9 @@ impl Allocator {
         self.usable()?;
         if self.inner.graphs.capture_end() {
             // Frees held for a capture (`deallocate_or_hold`) are made again: PyTorch ends the
-            // stream's capture before this call; one refused again is held again. The mutation
-            // `capture_end_keeps_held` skips this: `held_frees` must then fail.
+            // stream's capture before this call; one refused again is held again. The end is
+            // counted first (see `retry_held`). The mutation `capture_end_keeps_held` skips the
+            // retry (the end is still counted): `held_frees` must then fail.
             self.inner.capture_ends.fetch_add(1, Ordering::AcqRel);
             // The mutation `capture_end_skips_on_count` lets it skip on a `Relaxed` 0:
             // `loom-tests/tests/held.rs` must then fail.

@@ -695,7 +695,8 @@ fn legacy_holds_during_a_blocking_capture_do_not_break_it() {
 /// `cuarena_record_stream` must, once it is made, leave the declaration table as an accepted
 /// free does: no *live* entry (`recorded_blocks`), which the table's cap counts.
 ///
-/// WAS A DEFECT (fixed: `free_or_hold_with` marks the entry freed when it holds the free too):
+/// WAS A DEFECT (fixed: the C ABI marks the entry freed when it holds the free too; that is now
+/// in `free_by`, the body the three C frees share):
 /// `free_or_hold_with` called `recorded.freed(p)` only when the free was taken at once;
 /// a held free's later retry (`Allocator::retry_held`, inside the library) cannot reach the C
 /// ABI's table, so the entry stays *live* for good: only a block handed out again at that

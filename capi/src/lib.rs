@@ -134,8 +134,11 @@ pub extern "C" fn cuarena_free_checked(
 /// (`Allocator::deallocate_or_hold`), until no capture refuses it. 0 if the free was taken (or
 /// was a no-op), 1 if it was held (the block stays live until then; a capture that ended
 /// meanwhile may have had it made already), -1 if it was refused otherwise (the reason is in
-/// [`cuarena_last_error`]; nothing changed: a bad free is refused, not held). While it is held,
-/// another free of the block is refused (-1) as a double free.
+/// [`cuarena_last_error`]; nothing changed: a bad free is refused, not held, except a wrong size
+/// of another thread's block, which that thread finds when the retry reaches it). While it is
+/// held, another free of the block is refused (-1) as a double free; one made while the held
+/// free is being retried waits for it, then is judged afresh. A free racing the hold itself
+/// may be accepted too, as two racing frees may be.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuarena_free_or_hold(
     ptr: *mut c_void,

@@ -4,8 +4,8 @@
 //! `held_count` (the list's length, read without the lock so that a free skips the held-list
 //! check while nothing is held) and `capture_ends` (counted by each `graph_capture_end` before
 //! its retry; a hold that sees it changed since its refusal retries itself). A retried entry
-//! stays listed, marked with its retrying thread, so a second free of the block is refused
-//! throughout.
+//! stays listed, marked with the retry's token (`next_id`), so a second free of the block
+//! waits for the retry and then meets the block freed: refused as a double free throughout.
 //!
 //! The refused free here is declared used on the legacy stream (`record_stream`), which an
 //! announced capture forbids (`order_for_free`): the model device's capture is announced and
@@ -38,8 +38,9 @@ fn hold_a_free(dev: &ModelDevice, a: &Allocator) -> DeviceAddr {
 /// thread: it is taken at once (the end came first), or held and made by the end's retry, or
 /// held after the end's retry and made by its own retry (it saw `capture_ends` change). In
 /// every order nothing is held when both calls return, with no flush, trim or release; then,
-/// once the ending thread has sent its remote frees, every byte is back. The mutation
-/// `hold_ignores_capture_end` (no retry by the hold) must fail this.
+/// once the ending thread has sent its remote frees, every byte is back. The mutations
+/// `hold_ignores_capture_end` (no retry by the hold) and `capture_end_skips_on_count` (the
+/// end's retry skips the list on a `Relaxed` 0 of `held_count`) must fail this.
 #[test]
 fn a_free_held_around_a_captures_end_is_made_by_one_of_them() {
     model(|| {
@@ -68,9 +69,10 @@ fn a_free_held_around_a_captures_end_is_made_by_one_of_them() {
     });
 }
 
-/// A held free retried by one thread (`flush`) while its block's owner frees it again: the
-/// second free is refused as a double free in every order (the entry stays listed while it is
-/// retried), and the held free is made exactly once. The mutation `retry_unlists_held` (the
+/// A held free retried by another thread's `graph_capture_end` while its block's owner frees
+/// it again: the second free is refused as a double free in every order (it finds the entry
+/// listed, or being retried, and waits for the retry, then meets the block already freed),
+/// and the held free is made exactly once. The mutation `retry_unlists_held` (the
 /// entry taken out of the list while retried) must fail this.
 #[test]
 fn a_second_free_racing_the_retry_of_a_held_free_is_refused() {
