@@ -34,6 +34,42 @@ fn hold_a_free(dev: &ModelDevice, a: &Allocator) -> DeviceAddr {
     p
 }
 
+/// A thread that ends the capture (the model device's, then the allocator's announcement) and
+/// says so, then waits for the word to send its remote frees (its release): the caller checks
+/// the held list between the two.
+struct Ending {
+    ended: Arc<AtomicBool>,
+    go: Arc<AtomicBool>,
+    thread: thread::JoinHandle<()>,
+}
+
+impl Ending {
+    fn start(dev: &Arc<ModelDevice>, a: &Allocator) -> Ending {
+        let (ended, go) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (a2, dev2, ended2, go2) = (a.clone(), dev.clone(), ended.clone(), go.clone());
+        let thread = thread::spawn(move || {
+            dev2.end_capture();
+            a2.graph_capture_end().unwrap();
+            ended2.store(true, Ordering::Release);
+            // The held list is read before this thread sends its remote frees (its release).
+            wait_for(|| go2.load(Ordering::Acquire).then_some(()));
+            a2.release_thread().unwrap();
+        });
+        Ending { ended, go, thread }
+    }
+
+    /// Waits until the capture's end (and its retry) has returned.
+    fn wait_ended(&self) {
+        wait_for(|| self.ended.load(Ordering::Acquire).then_some(()));
+    }
+
+    /// Lets the thread send its remote frees, and joins it.
+    fn finish(self) {
+        self.go.store(true, Ordering::Release);
+        self.thread.join().unwrap();
+    }
+}
+
 /// A declared free refused during an announced capture races the capture's end on another
 /// thread: it is taken at once (the end came first), or held and made by the end's retry, or
 /// held after the end's retry and made by its own retry (it saw `capture_ends` change). In
@@ -48,22 +84,11 @@ fn a_free_held_around_a_captures_end_is_made_by_one_of_them() {
         let p = a.allocate(SIZE, Stream::PER_THREAD).unwrap();
         a.graph_capture_begin();
         dev.begin_capture();
-        let (a2, dev2) = (a.clone(), dev.clone());
-        let (ended, go) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-        let (ended2, go2) = (ended.clone(), go.clone());
-        let end = thread::spawn(move || {
-            dev2.end_capture();
-            a2.graph_capture_end().unwrap();
-            ended2.store(true, Ordering::Release);
-            // The held list is read before this thread sends its remote frees (its release).
-            wait_for(|| go2.load(Ordering::Acquire).then_some(()));
-            a2.release_thread().unwrap();
-        });
+        let end = Ending::start(&dev, &a);
         let taken = a.deallocate_or_hold(p, SIZE, Stream::PER_THREAD, &[Stream::LEGACY]).unwrap();
-        wait_for(|| ended.load(Ordering::Acquire).then_some(()));
+        end.wait_ended();
         assert_eq!(a.held_frees(), 0, "the free is still held (taken now: {taken})");
-        go.store(true, Ordering::Release);
-        end.join().unwrap();
+        end.finish();
         assert!(a.take_deferred_error().is_none());
         assert_all_returned(&a);
     });
@@ -114,21 +139,11 @@ fn a_retry_racing_the_captures_end_leaves_nothing_held() {
     model(|| {
         let (dev, a) = setup_one_superblock();
         hold_a_free(&dev, &a);
-        let (ended, go) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-        let (a2, dev2, ended2, go2) = (a.clone(), dev.clone(), ended.clone(), go.clone());
-        let end = thread::spawn(move || {
-            dev2.end_capture();
-            a2.graph_capture_end().unwrap();
-            ended2.store(true, Ordering::Release);
-            // The held list is read before this thread sends its remote frees (its release).
-            wait_for(|| go2.load(Ordering::Acquire).then_some(()));
-            a2.release_thread().unwrap();
-        });
+        let end = Ending::start(&dev, &a);
         a.flush().unwrap();
-        wait_for(|| ended.load(Ordering::Acquire).then_some(()));
+        end.wait_ended();
         assert_eq!(a.held_frees(), 0, "a free is still held with no capture running");
-        go.store(true, Ordering::Release);
-        end.join().unwrap();
+        end.finish();
         assert!(a.take_deferred_error().is_none());
         assert_all_returned(&a);
     });
