@@ -11,14 +11,21 @@ p = argparse.ArgumentParser()
 p.add_argument("--allocator", choices=["native", "cuarena"], required=True)
 p.add_argument("--steps", type=int, default=300)
 p.add_argument("--compile", choices=["none", "reduce-overhead"], default="none")
+p.add_argument("--counters", action="store_true",
+               help="with --allocator cuarena: also print every cuarena counter that changed "
+                    "after step 10, per step (per_step_after_10)")
 args = p.parse_args()
+if args.counters and args.steps <= 10:
+    p.error("--counters needs more than 10 steps")
 compiled = args.compile != "none"
 
 import torch
 
 if args.allocator == "cuarena":
+    import cuarena
     import cuarena.torch
     cuarena.torch.use()
+counting = args.counters and args.allocator == "cuarena"
 
 torch.manual_seed(0)
 torch.backends.cudnn.deterministic = True
@@ -49,11 +56,16 @@ for step in range(args.steps):
     opt.step()
     losses.append(loss.item())
     times.append(time.perf_counter() - t0)
+    if counting and step == 9:
+        counters_at_10 = cuarena.stats()
 if args.allocator == "cuarena":
-    import cuarena
     s = cuarena.stats()
     peak, reserved = s["peak_live_bytes"], s["peak_reserved_bytes"]
     paths = {k: s[k] for k in ("allocations", "arena_allocations", "pool_allocations", "driver_calls")}
+    if counting:  # where the driver calls go, per steady step (BENCHMARKS.md, 28th measurement)
+        n = args.steps - 10
+        paths["per_step_after_10"] = {k: round((s[k] - counters_at_10[k]) / n, 2)
+                                      for k in s if s[k] != counters_at_10[k]}
 else:
     peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     paths = {}

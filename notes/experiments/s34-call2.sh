@@ -6,7 +6,9 @@
 source "$(dirname "$0")/gpu-checks.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader >> $O/summary.txt
 echo "tools: $(which nsys ncu perf py-spy 2>/dev/null | tr '\n' ' ')" >> $O/summary.txt
-PYTHONPATH=$PWD/python python3 notes/experiments/torch_train_calls.py > $O/calls.json 2> $O/calls.err
+# (call 2 ran notes/experiments/torch_train_calls.py, in git at 9b05e30; the same counters now come from
+#  examples/torch_train.py --counters, whose JSON line carries them as per_step_after_10)
+python3 examples/torch_train.py --allocator cuarena --counters > $O/calls.json 2> $O/calls.err
 echo "calls rc=$?" >> $O/summary.txt
 if command -v nsys >/dev/null; then
   for a in native cuarena; do
