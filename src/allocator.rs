@@ -2303,10 +2303,9 @@ impl Allocator {
     }
 
     /// Every free [`Allocator::deallocate_fast`] did not take (entered directly too by
-    /// [`Allocator::free_declared`]'s plain frees and pass-through mode's declared ones): the
-    /// usable and held-list checks ([`Allocator::refuse_held`]), a graph pool's block, a trace
-    /// running, then as [`Allocator::deallocate_rest`]. `retrier`: the token of the retry of a
-    /// held free making this free, or 0.
+    /// [`Allocator::free_declared`]'s plain frees): the usable and held-list checks
+    /// ([`Allocator::refuse_held`]), a graph pool's block, then [`Allocator::deallocate_checked`].
+    /// `retrier`: the token of the retry of a held free making this free, or 0.
     #[cold]
     #[inline(never)]
     fn deallocate_slow(
@@ -2326,6 +2325,20 @@ impl Allocator {
         {
             return r;
         }
+        self.deallocate_checked(ptr, size, stream, refused)
+    }
+
+    /// [`Allocator::deallocate_slow`] after its checks and a graph pool's block: traced if a
+    /// trace runs (and the fast path did not refuse the free), then as
+    /// [`Allocator::deallocate_rest`].
+    #[inline]
+    fn deallocate_checked(
+        &self,
+        ptr: DeviceAddr,
+        size: usize,
+        stream: Stream,
+        refused: Option<Error>,
+    ) -> Result<()> {
         if refused.is_none() && self.inner.trace.on() {
             return self.deallocate_traced(ptr, size, stream, &[]); // a trace records (trace.rs)
         }
@@ -2461,9 +2474,8 @@ impl Allocator {
         if p.is_valid_free(ptr, size) {
             with_slot(&self.inner, |slot, inner| order_for_free(inner, &slot.counters, stream, used_on))?;
         }
-        // Pass-through mode has no fast path; the slow path traces the free (and makes the
-        // usable, held-list and graph checks above again: harmless).
-        self.deallocate_slow(ptr, size, stream, None, retrier)
+        // Pass-through mode has no fast path, and the checks of the slow path were made above.
+        self.deallocate_checked(ptr, size, stream, None)
     }
 
     /// Caps reserved memory at `bytes`. Memory already reserved above it is kept until freed
@@ -2773,9 +2785,11 @@ impl Allocator {
     /// frees of one block be made. While that retry runs, such a free waits for it and is then
     /// judged afresh. A free that races the hold itself (neither ordered before the other) may
     /// be taken as well, as two racing frees of one block may (README); the held one is then
-    /// made at the retry, when the block may have a new owner. A retry runs on another thread's call, so a capture of the held free's
-    /// streams must be announced ([`Allocator::graph_capture_begin`]), which holds retries
-    /// off, or wait until the free is made.
+    /// made at the retry, when the block may have a new owner.
+    ///
+    /// A retry runs on another thread's call, so a capture of the held free's streams must be
+    /// announced ([`Allocator::graph_capture_begin`]), which holds retries off, or wait until
+    /// the free is made.
     pub fn deallocate_or_hold(
         &self,
         ptr: DeviceAddr,
